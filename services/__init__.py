@@ -1,0 +1,1 @@
+"""SpecPilot services; each talks to the others only over NATS."""

@@ -1,0 +1,3 @@
+from services.forcer.main import main
+
+main()

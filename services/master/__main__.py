@@ -1,0 +1,3 @@
+from services.master.main import main
+
+main()

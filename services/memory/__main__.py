@@ -1,0 +1,3 @@
+from services.memory.main import main
+
+main()

@@ -1,0 +1,3 @@
+from services.subagent.main import main
+
+main()

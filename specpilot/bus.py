@@ -1,0 +1,343 @@
+"""The event bus over NATS JetStream. The only module that imports ``nats``.
+
+Contract:
+- ``connect`` retries a dead server with backoff, then raises ``BusError`` with what to do.
+- ``Bus.publish`` sends an event on ``sp.ev.<own service>.<tag>`` with ``Nats-Msg-Id = event_id``
+  and retries (same id, so the server drops duplicates) until JetStream acknowledges it or the
+  deadline passes. A returned publish is durable (the server fsyncs before acking).
+- ``provision`` (admin only) creates the stream and the durable pull consumers; services only bind.
+- ``Bus.fetch`` returns ``Delivery`` objects; the caller acks after its work is durable.
+- ``Bus.consume`` yields decoded events whose type the subject's source may publish. A message that
+  cannot be decoded is redelivered with a delay up to ``DECODE_ATTEMPTS`` times and then terminated
+  on that consumer; the memory service keeps it as a dead letter (the stream keeps it too).
+  Neither stalls the other messages.
+- ``serve`` registers a NATS micro service (discovery, ping, stats) with request/reply endpoints;
+  ``discover`` lists the services that answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import api
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from specpilot import schema, subjects
+from specpilot.errors import UserError
+from specpilot.natsd import Credentials
+
+log = logging.getLogger("specpilot.bus")
+
+DECODE_ATTEMPTS = 3  # deliveries of an undecodable message before it is dead-lettered
+DECODE_RETRY_DELAY_S = 0.2
+ACK_WAIT_S = 60.0
+DUPLICATE_WINDOW_S = 600.0
+
+
+class BusError(UserError):
+    pass
+
+
+@dataclass
+class Delivery:
+    """One message fetched from a durable consumer."""
+
+    subject: str
+    data: bytes
+    seq: int
+    num_delivered: int
+    _msg: object
+
+    async def ack(self) -> None:
+        await self._msg.ack()  # type: ignore[attr-defined]
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._msg.nak(delay=delay)  # type: ignore[attr-defined]
+
+    async def term(self) -> None:
+        await self._msg.term()  # type: ignore[attr-defined]
+
+    async def in_progress(self) -> None:
+        await self._msg.in_progress()  # type: ignore[attr-defined]
+
+
+def authorised(subject: str, event: schema.Event) -> str | None:
+    """Why ``event`` on ``subject`` is not authorised, or None when it is."""
+    source = subjects.source_of(subject)
+    if source is None:
+        return f"subject {subject!r} is not an event subject"
+    if event.source and event.source != source:
+        return f"envelope source {event.source!r} differs from subject source {source!r}"
+    if source not in type(event).sources:
+        return f"{source} may not publish {event.tag}"
+    return None
+
+
+class Bus:
+    def __init__(self, nc: Client, user: str, errors: list[str] | None = None):
+        self.nc = nc
+        self.user = user
+        self.js = nc.jetstream()
+        self.errors = errors if errors is not None else []  # asynchronous server errors (e.g. permissions)
+        self._subs: dict[str, object] = {}
+
+    # --- publishing ------------------------------------------------------------------------------
+
+    def stamp(self, event: schema.Event, cause: schema.Event | None = None) -> schema.Event:
+        """Set the envelope's source (this user) and, given a cause, its causation and correlation."""
+        extra: dict[str, str] = {"source": self.user}
+        if cause is not None:
+            extra["causation_id"] = cause.event_id
+            if not event.correlation_id:
+                extra["correlation_id"] = cause.correlation_id or cause.event_id
+            for name in ("round_id", "deployment"):
+                if not getattr(event, name):
+                    extra[name] = getattr(cause, name)
+        return schema.stamp(event, **extra)
+
+    async def publish(self, event: schema.Event, cause: schema.Event | None = None,
+                      deadline_s: float = 60.0) -> tuple[schema.Event, int]:
+        """Publish durably; returns the stamped event and its stream sequence."""
+        event = self.stamp(event, cause)
+        subject = subjects.event_subject(self.user, event.tag)
+        seq = await self.publish_raw(subject, schema.encode(event), event.event_id, deadline_s)
+        return event, seq
+
+    async def publish_raw(self, subject: str, data: bytes, msg_id: str, deadline_s: float = 60.0) -> int:
+        """Publish bytes with a message id, retrying across broker restarts until acknowledged."""
+        deadline = time.monotonic() + deadline_s
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=2.0, headers={"Nats-Msg-Id": msg_id})
+                return ack.seq
+            except nats.js.errors.APIError as exc:
+                # A permissions or stream error will not heal by retrying.
+                raise BusError(f"publish to {subject} refused: {exc}") from exc
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+                    nats.errors.OutboundBufferLimitError) as exc:
+                if time.monotonic() > deadline:
+                    raise BusError(f"publish to {subject} not acknowledged within {deadline_s:.0f} s: {exc!r}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # --- consuming -------------------------------------------------------------------------------
+
+    async def _sub(self, service: str):
+        if service not in self._subs:
+            self._subs[service] = await self.js.pull_subscribe_bind(
+                durable=subjects.consumer_name(service), stream=subjects.STREAM,
+                inbox_prefix=(subjects.inbox_prefix(self.user) + ".").encode())
+        return self._subs[service]
+
+    async def fetch(self, batch: int = 1000, timeout: float = 1.0, service: str | None = None) -> list[Delivery]:
+        """Up to ``batch`` messages from a durable consumer (default: this user's); [] on timeout."""
+        sub = await self._sub(service or self.user)
+        try:
+            msgs = await sub.fetch(batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+        out = []
+        for m in msgs:
+            md = m.metadata
+            out.append(Delivery(subject=m.subject, data=m.data, seq=md.sequence.stream,
+                                num_delivered=md.num_delivered, _msg=m))
+        return out
+
+    async def consume(self, stop: asyncio.Event | None = None, batch: int = 16,
+                      ) -> AsyncIterator[tuple[schema.Event, Delivery]]:
+        """Decoded, authorised events from this service's consumer. The caller acks each one."""
+        while stop is None or not stop.is_set():
+            try:
+                deliveries = await self.fetch(batch=batch, timeout=1.0)
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.5)
+                continue
+            for d in deliveries:
+                try:
+                    event = schema.decode(d.data)
+                except schema.DecodeError as exc:
+                    await self.reject_undecodable(d, exc)
+                    continue
+                if why := authorised(d.subject, event):
+                    log.warning("ignoring seq %d: %s", d.seq, why)
+                    await d.term()
+                    continue
+                yield event, d
+
+    async def reject_undecodable(self, d: Delivery, exc: Exception) -> bool:
+        """Retry a bad message a bounded number of times; True once it is given up (terminated)."""
+        if d.num_delivered < DECODE_ATTEMPTS:
+            await d.nak(delay=DECODE_RETRY_DELAY_S)
+            return False
+        log.error("giving up on seq %d on %s after %d deliveries: %s", d.seq, d.subject, d.num_delivered, exc)
+        await d.term()
+        return True
+
+    # --- request / reply and micro services -----------------------------------------------------
+
+    async def request(self, subject: str, payload: dict, timeout: float = 30.0) -> dict:
+        try:
+            msg = await self.nc.request(subject, json.dumps(payload).encode(), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise BusError(f"no service answers on {subject}: is it running? (`specpilot status`)") from None
+        except nats.errors.TimeoutError:
+            raise BusError(f"{subject} did not answer within {timeout:.0f} s") from None
+        reply = json.loads(msg.data or b"{}")
+        if msg.headers and msg.headers.get("Nats-Service-Error"):
+            raise BusError(msg.headers["Nats-Service-Error"])
+        return reply
+
+    async def serve(self, name: str, version: str, description: str,
+                    endpoints: dict[str, Callable[[dict], Awaitable[dict]]]) -> object:
+        """Register a micro service; each endpoint takes and returns JSON objects."""
+        svc = await add_service(self.nc, ServiceConfig(name=name, version=version, description=description))
+        for subject, handler in endpoints.items():
+            await svc.add_endpoint(EndpointConfig(name=subject.rsplit(".", 1)[-1], subject=subject,
+                                                  handler=_json_handler(handler)))
+        return svc
+
+    async def discover(self, timeout: float = 0.75) -> list[dict]:
+        """Every micro service that answers ``$SRV.INFO`` within ``timeout``."""
+        inbox = self.nc.new_inbox()
+        found: list[dict] = []
+        sub = await self.nc.subscribe(inbox)
+        await self.nc.publish(subjects.MICRO_DISCOVERY, b"", reply=inbox)
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            with contextlib.suppress(ValueError):
+                found.append(json.loads(msg.data))
+        await sub.unsubscribe()
+        return sorted(found, key=lambda s: (s.get("name", ""), s.get("id", "")))
+
+    async def try_request(self, subject: str, data: bytes = b"", timeout: float = 1.0) -> bytes | None:
+        """A raw request; None when nothing answers in time (e.g. the server refused it)."""
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return None
+        return msg.data
+
+    async def try_subscribe(self, subject: str, wait: float = 0.5) -> bool:
+        """Subscribe and report whether the server accepted it (no permissions error within ``wait``)."""
+        before = len(self.errors)
+        sub = await self.nc.subscribe(subject)
+        await self.nc.flush()
+        await asyncio.sleep(wait)
+        await sub.unsubscribe()
+        return not any("permissions violation" in e.lower() for e in self.errors[before:])
+
+    async def close(self) -> None:
+        # Every publish has been acknowledged before it returned, so flushing acks and closing is
+        # enough; drain() would wait out its 30 s timeout on an idle pull subscription.
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=2)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+
+def _json_handler(handler: Callable[[dict], Awaitable[dict]]):
+    async def run(req) -> None:
+        try:
+            payload = json.loads(req.data or b"{}")
+            if not isinstance(payload, dict):
+                raise ValueError("request body must be a JSON object")
+            reply = await handler(payload)
+        except Exception as exc:  # every failure goes back to the caller as a service error
+            await req.respond_error("400", str(exc) or type(exc).__name__)
+            return
+        await req.respond(json.dumps(reply, default=str).encode())
+
+    return run
+
+
+async def connect(url: str, creds: Credentials | Path | str, name: str = "",
+                  connect_timeout_s: float = 20.0) -> Bus:
+    """Connect as the user in ``creds``; retries with backoff, then says what to do."""
+    if not isinstance(creds, Credentials):
+        creds = Credentials.load(creds)
+    deadline = time.monotonic() + connect_timeout_s
+    delay = 0.1
+    last: Exception | None = None
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+        del errors[:-100]
+        log.debug("nats: %r", exc)
+
+    while time.monotonic() < deadline:
+        try:
+            nc = await nats.connect(
+                url, user=creds.user, password=creds.password, name=name or creds.user,
+                inbox_prefix=subjects.inbox_prefix(creds.user), connect_timeout=2,
+                max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
+                error_cb=on_error,
+            )
+            return Bus(nc, creds.user, errors)
+        except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
+            last = exc
+        except nats.errors.Error as exc:
+            if "authorization" in str(exc).lower():
+                raise BusError(f"NATS at {url} refused user {creds.user!r}: wrong credentials file?") from exc
+            last = exc
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    raise BusError(f"no NATS server answers at {url} ({last!r}); start one with `specpilot up`, "
+                   "or pass --nats URL --creds FILE for a running server")
+
+
+async def provision(admin: Bus) -> None:
+    """Create the event stream and every service's durable pull consumer (idempotent, admin only)."""
+    stream = api.StreamConfig(
+        name=subjects.STREAM, subjects=[subjects.EVENTS_ALL], storage=api.StorageType.FILE,
+        retention=api.RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_S,
+    )
+    try:
+        await admin.js.stream_info(subjects.STREAM)
+    except nats.js.errors.NotFoundError:
+        await admin.js.add_stream(stream)
+    for service, filters in subjects.CONSUMER_FILTERS.items():
+        cfg = api.ConsumerConfig(
+            durable_name=subjects.consumer_name(service), ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL, ack_wait=ACK_WAIT_S, max_ack_pending=20_000,
+            filter_subjects=filters if len(filters) > 1 else None,
+            filter_subject=filters[0] if len(filters) == 1 else None,
+        )
+        try:
+            await admin.js.consumer_info(subjects.STREAM, cfg.durable_name)
+        except nats.js.errors.NotFoundError:
+            await admin.js.add_consumer(subjects.STREAM, cfg)
+
+
+async def stream_state(admin: Bus) -> dict:
+    info = await admin.js.stream_info(subjects.STREAM)
+    return {"messages": info.state.messages, "last_seq": info.state.last_seq, "bytes": info.state.bytes}
+
+
+async def raw_stream_messages(admin: Bus, start_seq: int = 1) -> AsyncIterator[tuple[int, str, bytes]]:
+    """Every message in the stream from ``start_seq`` (admin only; used to rebuild a ledger)."""
+    info = await admin.js.stream_info(subjects.STREAM)
+    for seq in range(max(start_seq, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            msg = await admin.js.get_msg(subjects.STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        yield seq, msg.subject, msg.data or b""

@@ -1,0 +1,368 @@
+"""Every SpecPilot event, in one place.
+
+Contract:
+- An event is a frozen, keyword-only msgspec ``Struct`` with a stable, explicit tag (never reused)
+  and the common envelope (``Event``). Names are past tense.
+- ``ALL_EVENTS`` is the one tagged union; ``encode``/``decode`` are the one encoder and decoder.
+  ``encode`` is canonical: the same event always gives the same bytes (fields in declaration
+  order), so the ledger's hash chain can be recomputed from the stored payloads.
+- Each type names the services that may publish it (``sources``); the recorder refuses an event
+  whose subject's source is not among them (``SecurityViolation``).
+- Fields are only ever added with defaults, so old events keep decoding: ``tests/golden`` holds
+  encoded events of every type that must keep decoding.
+
+What this module does not do: I/O, subjects (see ``subjects``), validation beyond types.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, ClassVar
+
+import msgspec
+
+Scalar = str | int | float | bool
+Options = dict[str, Scalar]
+
+MASTER, SUBAGENT, CONTROLLER, FORCER, MEMORY = "master", "subagent", "controller", "forcer", "memory"
+SERVICES: tuple[str, ...] = (MASTER, SUBAGENT, CONTROLLER, FORCER, MEMORY)
+
+
+def new_event_id(now_ns: int | None = None) -> str:
+    """A UUIDv7 string: 48-bit Unix milliseconds, then random bits, so ids sort by time."""
+    ms = (now_ns if now_ns is not None else time.time_ns()) // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62
+    value |= rand & ((1 << 62) - 1)
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """The envelope every event carries."""
+
+    sources: ClassVar[frozenset[str]] = frozenset()
+
+    event_id: str = msgspec.field(default_factory=new_event_id)
+    ts_ns: int = msgspec.field(default_factory=time.time_ns)
+    round_id: str = ""
+    deployment: str = ""
+    source: str = ""
+    causation_id: str = ""  # the event this one reacts to
+    correlation_id: str = ""  # the chain of work it belongs to (e.g. a direction or patch)
+
+    @property
+    def tag(self) -> str:
+        return type(self).__struct_config__.tag  # type: ignore[return-value]
+
+
+def _only(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+# --- set-up and analysis -------------------------------------------------------------------------
+
+
+class DeploymentRegistered(Event, frozen=True, kw_only=True, tag="deployment.registered"):
+    """A deployment spec and the commit of its stock system in the controller's repository."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER, MASTER)
+    spec: dict[str, Any] = {}
+    stock_commit: str = ""
+
+
+class RoundStarted(Event, frozen=True, kw_only=True, tag="round.started"):
+    """A round began on a deployment with the given providers."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    rounds: int = 1
+    planner: str = ""
+    coder: str = ""
+    devices: list[str] = []
+
+
+class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"):
+    """Peak bandwidth and FLOP/s measured on the device (the cost model's denominators)."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER, CONTROLLER)
+    device: str
+    bandwidth_bytes_s: float
+    flops_s: float
+    method: str = ""
+
+
+class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
+    """The time of one step split by kernel class, in seconds."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER, CONTROLLER)
+    device: str
+    system_commit: str = ""
+    step_s: float
+    classes_s: dict[str, float] = {}
+    tau: float = 0.0
+    block_size: int = 0
+
+
+class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
+    """The cost-model ceiling and its three factors (tau, kernel, overhead)."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    ceiling_speedup: float
+    factors: dict[str, float] = {}
+    floors_s: dict[str, float] = {}
+    replay_tau: dict[str, float] = {}  # node budget -> tau of the best tree in exact replay
+
+
+class DirectionPlanned(Event, frozen=True, kw_only=True, tag="direction.planned"):
+    """One direction for one subagent on one device."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    direction_id: str
+    title: str
+    rationale: str = ""
+    factor: str = ""
+    provider: str = ""
+    device: str = ""
+    memory_entry_id: str = ""
+    hints: dict[str, Any] = {}
+
+
+# --- patches and verdicts ------------------------------------------------------------------------
+
+
+class PatchProposed(Event, frozen=True, kw_only=True, tag="patch.proposed"):
+    """A subagent's patch: a diff against the current best, plus the options that enable it."""
+
+    sources: ClassVar[frozenset[str]] = _only(SUBAGENT, MASTER)
+    direction_id: str
+    patch_id: str
+    diff: str
+    options: Options = {}
+    base_commit: str = ""
+    provider: str = ""
+    notes: str = ""
+
+
+class PatchRefused(Event, frozen=True, kw_only=True, tag="patch.refused"):
+    """The controller's policy refused a patch before running it."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    patch_id: str
+    rule: str
+    reason: str
+
+
+class PatchTested(Event, frozen=True, kw_only=True, tag="patch.tested"):
+    """The candidate's tests and default check ran in the sandbox."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    patch_id: str
+    passed: bool
+    default_outputs_identical: bool = False
+    detail: str = ""
+    sandbox: dict[str, Any] = {}
+
+
+class TimingMeasured(Event, frozen=True, kw_only=True, tag="timing.measured"):
+    """Raw paired timing samples; ``kind`` is ``candidate`` or ``noise`` (stock vs stock)."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    patch_id: str = ""
+    kind: str = "candidate"
+    device: str = ""
+    incumbent_commit: str = ""
+    candidate_commit: str = ""
+    incumbent_s: list[float] = []
+    candidate_s: list[float] = []
+    order: list[str] = []
+    load: list[float] = []
+    noise: float = 0.0
+
+
+class VerdictIssued(Event, frozen=True, kw_only=True, tag="verdict.issued"):
+    """Promote or reject, with every statistic behind the decision."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    patch_id: str
+    decision: str  # "promote" | "reject"
+    reason: str = ""
+    gain: float = 0.0
+    lower_bound: float = 0.0
+    upper_bound: float = 0.0
+    bar: float = 0.0
+    noise: float = 0.0
+    n_trials: int = 0
+    outputs_identical: bool = True
+    forcing_passed: bool | None = None
+    ceiling: float = 0.0
+    timing_event_id: str = ""
+    signature: str = ""
+
+
+class ForcingRequested(Event, frozen=True, kw_only=True, tag="forcing.requested"):
+    """Ask the forcer to prove a system's outputs are the stock target's own choices."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    request_id: str
+    patch_id: str = ""
+    system_commit: str = ""
+    outputs: list[dict[str, Any]] = []  # [{"prompt_ids": [...], "tokens": [...]}]
+
+
+class ForcingReported(Event, frozen=True, kw_only=True, tag="forcing.reported"):
+    """Token-forcing result: counts, rates, intervals, p-values, audited events."""
+
+    sources: ClassVar[frozenset[str]] = _only(FORCER)
+    request_id: str
+    patch_id: str = ""
+    passed: bool
+    reason: str = ""
+    stats: dict[str, Any] = {}
+    audited: list[dict[str, Any]] = []
+
+
+class IntegrationProposed(Event, frozen=True, kw_only=True, tag="integration.proposed"):
+    """The master asks the controller to time promoted patches together before advancing."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    integration_id: str
+    patch_ids: list[str] = []
+
+
+class BestAdvanced(Event, frozen=True, kw_only=True, tag="best.advanced"):
+    """The current best system moved to a new commit."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    commit: str
+    previous_commit: str = ""
+    patch_id: str = ""
+    options: Options = {}
+    gain: float = 0.0
+
+
+class SealedFinalReported(Event, frozen=True, kw_only=True, tag="sealed.final.reported"):
+    """Phase 4: final, stock and AR on the sealed split."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER)
+    final_commit: str = ""
+    results: dict[str, Any] = {}
+    lossless: bool = False
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.proposed"):
+    """A validated mechanism offered to structured memory."""
+
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER, MASTER)
+    entry_id: str
+    title: str = ""
+    delta: str = ""  # unified diff against stock
+    options: Options = {}
+    requirements: dict[str, Any] = {}  # predicates on the deployment
+    contract: str = ""  # the correctness contract it was checked under
+    evidence: list[str] = []  # event ids
+    source_commit: str = ""
+
+
+class MemoryEntryAccepted(Event, frozen=True, kw_only=True, tag="memory.entry.accepted"):
+    sources: ClassVar[frozenset[str]] = _only(MEMORY)
+    entry_id: str
+
+
+class MemoryEntryRejected(Event, frozen=True, kw_only=True, tag="memory.entry.rejected"):
+    sources: ClassVar[frozenset[str]] = _only(MEMORY)
+    entry_id: str
+    reason: str = ""
+
+
+class SecurityViolation(Event, frozen=True, kw_only=True, tag="security.violation"):
+    """A message whose type its publisher may not emit; recorded instead of that message."""
+
+    sources: ClassVar[frozenset[str]] = _only(MEMORY)
+    subject: str
+    claimed_type: str = ""
+    claimed_source: str = ""
+    reason: str = ""
+    seq: int = 0
+    payload_sha256: str = ""
+
+
+class RoundFinished(Event, frozen=True, kw_only=True, tag="round.finished"):
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    summary: dict[str, Any] = {}
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    DeploymentRegistered,
+    RoundStarted,
+    HardwareMeasured,
+    ProfileMeasured,
+    CeilingComputed,
+    DirectionPlanned,
+    PatchProposed,
+    PatchRefused,
+    PatchTested,
+    TimingMeasured,
+    VerdictIssued,
+    ForcingRequested,
+    ForcingReported,
+    IntegrationProposed,
+    BestAdvanced,
+    SealedFinalReported,
+    MemoryEntryProposed,
+    MemoryEntryAccepted,
+    MemoryEntryRejected,
+    SecurityViolation,
+    RoundFinished,
+)
+AnyEvent = (
+    DeploymentRegistered
+    | RoundStarted
+    | HardwareMeasured
+    | ProfileMeasured
+    | CeilingComputed
+    | DirectionPlanned
+    | PatchProposed
+    | PatchRefused
+    | PatchTested
+    | TimingMeasured
+    | VerdictIssued
+    | ForcingRequested
+    | ForcingReported
+    | IntegrationProposed
+    | BestAdvanced
+    | SealedFinalReported
+    | MemoryEntryProposed
+    | MemoryEntryAccepted
+    | MemoryEntryRejected
+    | SecurityViolation
+    | RoundFinished
+)
+BY_TAG: dict[str, type[Event]] = {t.__struct_config__.tag: t for t in ALL_EVENTS}  # type: ignore[misc]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+class DecodeError(ValueError):
+    """Raised for bytes that are not a valid SpecPilot event."""
+
+
+def encode(event: Event) -> bytes:
+    """Canonical JSON bytes of an event."""
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> Event:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"not a SpecPilot event: {exc}") from exc
+
+
+def stamp(event: Event, **envelope: Any) -> Event:
+    """A copy of ``event`` with envelope fields set (e.g. ``source``, ``causation_id``)."""
+    return msgspec.structs.replace(event, **envelope)

@@ -1,0 +1,100 @@
+"""What every service process shares: its command line, its connection, its micro registration,
+and a clean stop on SIGTERM/SIGINT.
+
+A service runs as ``python -m services.<name> [--data DIR | --nats URL --creds FILE]``. With only
+``--data`` it finds the local server and its own credentials in that data directory (what
+``specpilot up`` does); with ``--nats``/``--creds`` it joins a server on another host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpilot import __version__, bus, natsd, paths
+from specpilot.errors import UserError
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    name: str
+    nats: str
+    creds: Path
+    data: Path
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=None,
+                        help="data directory (default: $SPECPILOT_DATA or ~/.local/share/specpilot)")
+    parser.add_argument("--nats", default=None, help="NATS URL of a running server (default: the local one)")
+    parser.add_argument("--creds", type=Path, default=None, help="credentials file for --nats")
+
+
+def resolve(name: str, args: argparse.Namespace) -> ServiceConfig:
+    data = Path(args.data or paths.default_data_dir())
+    creds = args.creds or natsd.creds_path(data, name)
+    url = args.nats
+    if url is None:
+        server = natsd.running(data)
+        if server is None:
+            raise SystemExit(f"no local NATS server for {data}: run `specpilot up --data {data}` or pass "
+                             "--nats URL --creds FILE")
+        url = server.url
+    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data)
+
+
+Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
+
+
+async def run(cfg: ServiceConfig, description: str, body: Body | None = None,
+              endpoints: dict[str, Callable[[dict], Awaitable[dict]]] | None = None) -> None:
+    """Connect, register as a micro service, run ``body`` until a stop signal, then drain."""
+    b = await bus.connect(cfg.nats, cfg.creds, name=cfg.name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    svc = await b.serve(cfg.name, __version__, description, endpoints or {})
+    logging.getLogger(cfg.name).info("%s up on %s", cfg.name, cfg.nats)
+    try:
+        if body is None:
+            await stop.wait()
+        else:
+            task = asyncio.create_task(body(b, stop))
+            waiter = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()  # surface a crash
+            else:
+                await asyncio.wait_for(task, timeout=30)
+    finally:
+        await svc.stop()  # type: ignore[attr-defined]
+        await b.close()
+
+
+Factory = Callable[[ServiceConfig], tuple[Body | None, dict[str, Callable[[dict], Awaitable[dict]]]]]
+
+
+def main(name: str, description: str, make: Factory | None = None, argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m services.<name>``; ``make`` builds the body and endpoints."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
+    add_connection_flags(parser)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    cfg = resolve(name, args)
+    try:
+        body, endpoints = make(cfg) if make else (None, {})
+        asyncio.run(run(cfg, description, body, endpoints))
+    except UserError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, default=str)

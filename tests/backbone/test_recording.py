@@ -1,0 +1,187 @@
+"""The memory service over a real nats-server: recording, forgery, poison messages, SQL, tampering."""
+
+import asyncio
+
+import pytest
+
+from specpilot import bus, ledger, schema, subjects
+from specpilot.cli import main as cli
+from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
+from tests.conftest import connect_as, spawn_service, wait_for_services
+
+
+@pytest.fixture
+def memory(server):
+    proc = spawn_service(server, "memory")
+    wait_for_services(server, {"memory"})
+    yield proc
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_records_every_event_once_with_chain(server, memory):
+    async def go():
+        master = await connect_as(server, "master")
+        ids = await publish_all(master, directions(300))
+        await master.close()
+        assert await wait_for_rows(server, "SELECT count(*) FROM events", 300) == 300
+        rows = await sql(server, "SELECT event_id, seq, pos FROM events ORDER BY pos")
+        assert sorted(r[0] for r in rows) == sorted(ids)
+        assert [r[2] for r in rows] == list(range(300))
+        res = await (await connect_as(server, "admin")).request(subjects.RPC_REPLAY, {})
+        assert res["ok"] and res["projections_match"] and res["rows"] == 300
+
+    asyncio.run(go())
+
+
+def test_republished_ids_are_absorbed(server, memory):
+    async def go():
+        master = await connect_as(server, "master")
+        events = [master.stamp(e) for e in directions(50)]
+        for _ in range(2):
+            for e in events:
+                await master.publish_raw(subjects.event_subject("master", e.tag), schema.encode(e), e.event_id)
+        # a different message id with the same event id gets past the server's dedupe: the ledger absorbs it
+        await master.publish_raw(subjects.event_subject("master", events[0].tag), schema.encode(events[0]), "other-id")
+        await master.close()
+        await wait_for_rows(server, "SELECT count(*) FROM events", 50)
+        await asyncio.sleep(1.0)
+        assert (await sql(server, "SELECT count(*), count(DISTINCT event_id) FROM events"))[0] == [50, 50]
+
+    asyncio.run(go())
+
+
+def test_forged_verdict_becomes_security_violation(server, memory):
+    async def go():
+        sub = await connect_as(server, "subagent")
+        forged = schema.VerdictIssued(patch_id="p-evil", decision="promote", gain=9.9)
+        await sub.publish(forged)  # on its own prefix: the server lets it through, the recorder must not
+        # an envelope claiming another source is a violation too
+        lying = schema.PatchProposed(direction_id="d", patch_id="p-lie", diff="", source="controller")
+        await sub.publish_raw(subjects.event_subject("subagent", lying.tag), schema.encode(lying), lying.event_id)
+        good = schema.PatchProposed(direction_id="d", patch_id="p-ok", diff="")
+        await sub.publish(good)
+        await sub.close()
+        await wait_for_rows(server, "SELECT count(*) FROM events", 3)
+        types = await sql(server, "SELECT type, source FROM events ORDER BY pos")
+        assert types == [["security.violation", "memory"], ["security.violation", "memory"], ["patch.proposed", "subagent"]]
+        assert (await sql(server, "SELECT count(*) FROM events WHERE type = 'verdict.issued'"))[0][0] == 0
+        detail = await sql(server, "SELECT json_extract_string(payload, '$.claimed_type') FROM events "
+                                   "WHERE type = 'security.violation' ORDER BY pos")
+        assert detail == [["verdict.issued"], ["patch.proposed"]]
+
+    asyncio.run(go())
+
+
+def test_poison_message_is_dead_lettered_and_does_not_stall(server, memory):
+    async def go():
+        master = await connect_as(server, "master")
+        events = directions(40)
+        ids = await publish_all(master, events[:20])
+        await master.publish_raw("sp.ev.master.direction.planned", b"{this is not json", "poison-1")
+        ids += await publish_all(master, events[20:])
+        await master.close()
+        assert await wait_for_rows(server, "SELECT count(*) FROM events", 40) == 40
+        assert await wait_for_rows(server, "SELECT count(*) FROM dead_letters", 1) == 1
+        dl = await sql(server, "SELECT subject, deliveries, error FROM dead_letters")
+        assert dl[0][0] == "sp.ev.master.direction.planned" and dl[0][1] == bus.DECODE_ATTEMPTS
+        assert "not a SpecPilot event" in dl[0][2]
+        assert sorted(r[0] for r in await sql(server, "SELECT event_id FROM events")) == sorted(ids)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("query", [
+    "INSERT INTO events SELECT * FROM events", "UPDATE events SET type = 'x'", "DELETE FROM events",
+    "CREATE TABLE t (x INT)", "DROP TABLE events", "ATTACH '/tmp/x.db' AS x", "COPY events TO '/tmp/e.csv'",
+    "PRAGMA enable_checkpoint_on_shutdown", "SET threads = 1", "SELECT 1; DELETE FROM events",
+    "SELECT * FROM read_csv('/etc/passwd')", "CHECKPOINT", "ALTER TABLE events ADD COLUMN x INT",
+])
+def test_sql_endpoint_refuses_writes(server, memory, query):
+    async def go():
+        admin = await connect_as(server, subjects.ADMIN)
+        with pytest.raises(bus.BusError) as info:
+            await admin.request(subjects.RPC_SQL, {"query": query}, timeout=10)
+        assert "refused" in str(info.value) or "not allowed" in str(info.value) or "disabled" in str(info.value)
+        assert (await admin.request(subjects.RPC_SQL, {"query": "SELECT count(*) FROM events"}))["rows"] == [[0]]
+        await admin.close()
+
+    asyncio.run(go())
+
+
+def test_sql_reads_work(server, memory):
+    async def go():
+        master = await connect_as(server, "master")
+        await publish_all(master, directions(5))
+        await wait_for_rows(server, "SELECT count(*) FROM events", 5)
+        rows = await sql(server, "WITH t AS (SELECT type, count(*) AS n FROM events GROUP BY type) SELECT * FROM t")
+        assert rows == [["direction.planned", 5]]
+
+    asyncio.run(go())
+
+
+def _record_then_stop(server, n=20) -> list[list]:
+    proc = spawn_service(server, "memory")
+
+    async def go():
+        master = await connect_as(server, "master")
+        await publish_all(master, directions(n))
+        await master.close()
+        await wait_for_rows(server, "SELECT count(*) FROM events", n)
+
+    asyncio.run(go())
+    proc.terminate()
+    proc.wait(timeout=20)
+    led = ledger.Ledger(server.data)
+    rows = led.con.execute("SELECT pos, seq FROM events ORDER BY pos").fetchall()
+    led.close()
+    return rows
+
+
+def _tamper(server, *statements) -> None:
+    led = ledger.Ledger(server.data)
+    for s in statements:
+        led.con.execute(s)
+    led.close()
+
+
+def test_replay_names_first_bad_sequence(server, capsys):
+    rows = _record_then_stop(server)
+    seq_at = dict(rows)
+    data = ["--data", str(server.data), "--nats", "nats://127.0.0.1:1"]  # no memory service: read the file
+    assert cli(["replay", *data[:2]]) == 0
+
+    # flip one byte of a stored payload
+    _tamper(server, "UPDATE events SET payload = replace(payload, 'direction 5', 'direction 6') WHERE pos = 5")
+    assert cli(["replay", *data[:2]]) == 1
+    assert f"first bad sequence {seq_at[5]} " in capsys.readouterr().err.replace("\n", " ")
+    _tamper(server, "UPDATE events SET payload = replace(payload, 'direction 6', 'direction 5') WHERE pos = 5")
+    assert cli(["replay", *data[:2]]) == 0
+
+    # swap two rows
+    _tamper(server, "UPDATE events SET pos = -1 WHERE pos = 3", "UPDATE events SET pos = 3 WHERE pos = 7",
+            "UPDATE events SET pos = 7 WHERE pos = -1")
+    led = ledger.Ledger(server.data, read_only=True)
+    res = ledger.verify(led)
+    led.close()
+    assert not res.ok and res.first_bad_pos == 3 and res.first_bad_seq == seq_at[7]
+    _tamper(server, "UPDATE events SET pos = -1 WHERE pos = 3", "UPDATE events SET pos = 3 WHERE pos = 7",
+            "UPDATE events SET pos = 7 WHERE pos = -1")
+
+    # delete a row
+    _tamper(server, "DELETE FROM events WHERE pos = 11")
+    capsys.readouterr()
+    assert cli(["replay", *data[:2]]) == 1
+    assert f"first bad sequence {seq_at[12]} " in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_projections_rebuilt_equal_live_and_detect_edits(server):
+    _record_then_stop(server)
+    led = ledger.Ledger(server.data)
+    assert ledger.verify(led).projections_match
+    live = led.live_projections()
+    assert '"direction.planned":20' in live["counts"]
+    led.con.execute("UPDATE projections SET body = replace(body, ':20', ':21') WHERE name = 'counts'")
+    res = ledger.verify(led)
+    led.close()
+    assert res.ok and not res.projections_match and res.projection_diff == "counts"

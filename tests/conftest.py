@@ -1,0 +1,69 @@
+"""Shared fixtures: a real nats-server on a free port with its own data directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specpilot import bus, natsd, subjects
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def server(data_dir: Path):
+    """A provisioned local NATS server (stream + durable consumers) for one test."""
+    srv = natsd.start(data_dir)
+    asyncio.run(_provision(srv))
+    yield srv
+    srv.stop()
+
+
+async def _provision(srv: natsd.LocalServer) -> None:
+    b = await connect_as(srv, subjects.ADMIN)
+    await bus.provision(b)
+    await b.close()
+
+
+async def connect_as(srv: natsd.LocalServer, user: str) -> bus.Bus:
+    return await bus.connect(srv.url, natsd.creds_path(srv.data, user), connect_timeout_s=10)
+
+
+def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
+                  extra: list[str] | None = None) -> subprocess.Popen:
+    """Start a service as its own process, exactly as `specpilot up` does."""
+    log = open(srv.data / f"{name}.log", "ab")  # noqa: SIM115
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-m", module or f"services.{name}", "--data", str(srv.data), "--nats", srv.url,
+         "--creds", str(natsd.creds_path(srv.data, name)), *(extra or [])],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+    )
+
+
+def wait_for_services(srv: natsd.LocalServer, names: set[str], timeout: float = 30.0) -> None:
+    """Block until every named service answers micro discovery."""
+
+    async def go() -> None:
+        b = await connect_as(srv, subjects.ADMIN)
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while {s["name"] for s in await b.discover(0.3)} < names:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"services {names} did not answer within {timeout} s")
+        finally:
+            await b.close()
+
+    asyncio.run(go())
