@@ -42,7 +42,10 @@ log = logging.getLogger("specpilot.bus")
 
 DECODE_ATTEMPTS = 3  # deliveries of an undecodable message before it is dead-lettered
 DECODE_RETRY_DELAY_S = 0.2
-ACK_WAIT_S = 60.0
+# How long a fetched message may stay unacknowledged before redelivery. The recorder commits a batch
+# in milliseconds, so a crashed recorder's batch comes back quickly; slow workers send in_progress().
+ACK_WAIT_S = {"memory": 5.0}
+DEFAULT_ACK_WAIT_S = 60.0
 DUPLICATE_WINDOW_S = 600.0
 
 
@@ -148,7 +151,7 @@ class Bus:
         sub = await self._sub(service or self.user)
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either when idle
             return []
         out = []
         for m in msgs:
@@ -235,14 +238,20 @@ class Bus:
             return None
         return msg.data
 
-    async def try_subscribe(self, subject: str, wait: float = 0.5) -> bool:
-        """Subscribe and report whether the server accepted it (no permissions error within ``wait``)."""
-        before = len(self.errors)
-        sub = await self.nc.subscribe(subject)
+    def refused(self, subject: str) -> bool:
+        """Whether the server has reported a permissions violation naming ``subject``."""
+        quoted = f'"{subject}"'.lower()  # nats-py lower-cases the server's message
+        return any("permissions violation" in e.lower() and quoted in e.lower() for e in self.errors)
+
+    async def subscribe_raw(self, subject: str) -> None:
+        """A bare core subscription (permission probes); the server reports refusals asynchronously."""
+        await self.nc.subscribe(subject)
         await self.nc.flush()
-        await asyncio.sleep(wait)
-        await sub.unsubscribe()
-        return not any("permissions violation" in e.lower() for e in self.errors[before:])
+
+    async def publish_core(self, subject: str, data: bytes = b"") -> None:
+        """A bare core publish, no JetStream ack (permission probes)."""
+        await self.nc.publish(subject, data)
+        await self.nc.flush()
 
     async def close(self) -> None:
         # Every publish has been acknowledged before it returned, so flushing acks and closing is
@@ -317,7 +326,7 @@ async def provision(admin: Bus) -> None:
     for service, filters in subjects.CONSUMER_FILTERS.items():
         cfg = api.ConsumerConfig(
             durable_name=subjects.consumer_name(service), ack_policy=api.AckPolicy.EXPLICIT,
-            deliver_policy=api.DeliverPolicy.ALL, ack_wait=ACK_WAIT_S, max_ack_pending=20_000,
+            deliver_policy=api.DeliverPolicy.ALL, ack_wait=ACK_WAIT_S.get(service, DEFAULT_ACK_WAIT_S), max_ack_pending=20_000,
             filter_subjects=filters if len(filters) > 1 else None,
             filter_subject=filters[0] if len(filters) == 1 else None,
         )
