@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ DECODE_RETRY_DELAY_S = 0.2
 ACK_WAIT_S = {"memory": 5.0}
 DEFAULT_ACK_WAIT_S = 60.0
 DUPLICATE_WINDOW_S = 600.0
+ATOMIC_BATCH = 1000  # the server's default limit on messages per atomic batch
+ERR_BATCH_DUPLICATE_ID = 10201  # "atomic publish batch contains duplicate message id"
 
 
 class BusError(UserError):
@@ -74,6 +77,66 @@ class Delivery:
 
     async def in_progress(self) -> None:
         await self._msg.in_progress()  # type: ignore[attr-defined]
+
+
+class _Puller:
+    """A raw pull from one durable consumer into this connection's private inbox."""
+
+    def __init__(self, nc: Client, service: str, inbox: str):
+        self.nc, self.next_subject, self.inbox = nc, subjects.js_next(service), inbox
+        self.buffer: deque = deque()
+        self.arrived = asyncio.Event()
+
+    @classmethod
+    async def start(cls, nc: Client, service: str) -> _Puller:
+        puller = cls(nc, service, nc.new_inbox())
+        await nc.subscribe(puller.inbox, cb=puller._on_msg, pending_msgs_limit=1_000_000,
+                           pending_bytes_limit=1 << 30)
+        return puller
+
+    async def _on_msg(self, msg) -> None:
+        self.buffer.append(msg)
+        self.arrived.set()
+
+    async def pull(self, request: dict, want: int, timeout: float) -> list[Delivery]:
+        """Send one pull request and collect its messages until ``want`` or the server's end status."""
+        if want <= 0:
+            return []
+        await self.nc.publish(self.next_subject, json.dumps(request).encode(), reply=self.inbox)
+        out: list[Delivery] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < want:
+            while self.buffer:
+                msg = self.buffer.popleft()
+                status = msg.headers.get("Status") if msg.headers else None
+                if status and not msg.data:
+                    if status == "100":  # idle heartbeat
+                        continue
+                    return out  # 404 no messages, 408 request expired, 409 ...: this pull is over
+                out.append(_delivery(msg))
+                if len(out) >= want:
+                    return out
+            self.arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return out
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=left)
+            except TimeoutError:
+                return out
+        return out
+
+
+def _delivery(msg) -> Delivery:
+    # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.<pending> (v1), or the
+    # v2 form with domain and account hash first; nats-py's Msg.metadata parses both, slowly.
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:
+        delivered, seq = int(tokens[4]), int(tokens[5])
+    else:
+        md = msg.metadata
+        delivered, seq = md.num_delivered, md.sequence.stream
+    return Delivery(subject=msg.subject, data=msg.data, seq=seq, num_delivered=delivered, _msg=msg)
 
 
 def authorised(subject: str, event: schema.Event) -> str | None:
@@ -137,28 +200,69 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    async def publish_many(self, events: list[schema.Event], cause: schema.Event | None = None,
+                           deadline_s: float = 60.0) -> list[schema.Event]:
+        """Publish many events durably in JetStream atomic batches (one fsync per batch, not per event).
+
+        Each batch of up to ``ATOMIC_BATCH`` events is stored whole or not at all. A retried batch that
+        the server already stored is refused as containing duplicate message ids, which means done.
+        """
+        stamped = [self.stamp(e, cause) for e in events]
+        for i in range(0, len(stamped), ATOMIC_BATCH):
+            await self._publish_atomic(stamped[i:i + ATOMIC_BATCH], deadline_s)
+        return stamped
+
+    async def _publish_atomic(self, events: list[schema.Event], deadline_s: float) -> None:
+        deadline = time.monotonic() + deadline_s
+        delay = 0.05
+        while True:
+            batch_id = schema.new_event_id()  # a fresh batch per attempt; the message ids stay the same
+            try:
+                for n, e in enumerate(events, start=1):
+                    headers = {api.Header.BATCH_ID: batch_id, api.Header.BATCH_SEQUENCE: str(n),
+                               api.Header.MSG_ID: e.event_id}
+                    subject, data = subjects.event_subject(self.user, e.tag), schema.encode(e)
+                    if n < len(events):
+                        await self.nc.publish(subject, data, headers=headers)
+                        continue
+                    headers[api.Header.BATCH_COMMIT] = "1"
+                    reply = json.loads((await self.nc.request(subject, data, headers=headers, timeout=5.0)).data)
+                    error = reply.get("error")
+                    if not error or error.get("err_code") == ERR_BATCH_DUPLICATE_ID:
+                        return
+                    raise BusError(f"atomic publish of {len(events)} events refused: {error.get('description')}")
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+                    nats.errors.OutboundBufferLimitError) as exc:
+                if time.monotonic() > deadline:
+                    raise BusError(f"atomic publish not acknowledged within {deadline_s:.0f} s: {exc!r}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
     # --- consuming -------------------------------------------------------------------------------
 
-    async def _sub(self, service: str):
-        if service not in self._subs:
-            self._subs[service] = await self.js.pull_subscribe_bind(
-                durable=subjects.consumer_name(service), stream=subjects.STREAM,
-                inbox_prefix=(subjects.inbox_prefix(self.user) + ".").encode())
-        return self._subs[service]
-
     async def fetch(self, batch: int = 1000, timeout: float = 1.0, service: str | None = None) -> list[Delivery]:
-        """Up to ``batch`` messages from a durable consumer (default: this user's); [] on timeout."""
-        sub = await self._sub(service or self.user)
+        """Up to ``batch`` messages from a durable consumer (default: this user's); [] on timeout.
+
+        Takes what is available at once (a ``no_wait`` pull); when nothing is, long-polls for one
+        message up to ``timeout`` and then takes what followed it. (nats-py's own ``fetch`` spends
+        most of a busy recorder's time in per-message timers, hence this raw pull.)
+        """
         try:
-            msgs = await sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either when idle
-            return []
-        out = []
-        for m in msgs:
-            md = m.metadata
-            out.append(Delivery(subject=m.subject, data=m.data, seq=md.sequence.stream,
-                                num_delivered=md.num_delivered, _msg=m))
-        return out
+            puller = await self._puller(service or self.user)
+            got = await puller.pull({"batch": batch, "no_wait": True}, batch, timeout=5.0)
+            if not got:
+                got = await puller.pull({"batch": 1, "expires": int(timeout * 1e9)}, 1, timeout=timeout + 1.0)
+                if got:
+                    got += await puller.pull({"batch": batch - 1, "no_wait": True}, batch - 1, timeout=5.0)
+            return got
+        except nats.errors.Error as exc:  # disconnected, reconnecting, closed: the caller retries
+            raise BusError(f"fetch from {service or self.user}'s consumer failed: {exc!r}") from exc
+
+    async def _puller(self, service: str) -> _Puller:
+        if service not in self._subs:
+            self._subs[service] = await _Puller.start(self.nc, service)
+        return self._subs[service]  # type: ignore[return-value]
 
     async def consume(self, stop: asyncio.Event | None = None, batch: int = 16,
                       ) -> AsyncIterator[tuple[schema.Event, Delivery]]:
@@ -294,12 +398,14 @@ async def connect(url: str, creds: Credentials | Path | str, name: str = "",
 
     while time.monotonic() < deadline:
         try:
-            nc = await nats.connect(
+            # nats-py keeps retrying an initial connect forever when reconnects are unlimited,
+            # so each attempt gets its own deadline.
+            nc = await asyncio.wait_for(nats.connect(
                 url, user=creds.user, password=creds.password, name=name or creds.user,
                 inbox_prefix=subjects.inbox_prefix(creds.user), connect_timeout=2,
                 max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
                 error_cb=on_error,
-            )
+            ), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
             return Bus(nc, creds.user, errors)
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
             last = exc
@@ -317,10 +423,12 @@ async def provision(admin: Bus) -> None:
     """Create the event stream and every service's durable pull consumer (idempotent, admin only)."""
     stream = api.StreamConfig(
         name=subjects.STREAM, subjects=[subjects.EVENTS_ALL], storage=api.StorageType.FILE,
-        retention=api.RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_S,
+        retention=api.RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_S, allow_atomic=True,
     )
     try:
-        await admin.js.stream_info(subjects.STREAM)
+        info = await admin.js.stream_info(subjects.STREAM)
+        if not info.config.allow_atomic:
+            await admin.js.update_stream(stream)
     except nats.js.errors.NotFoundError:
         await admin.js.add_stream(stream)
     for service, filters in subjects.CONSUMER_FILTERS.items():

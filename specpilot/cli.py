@@ -1,4 +1,4 @@
-"""``specpilot``: bring the services up and down, and read the ledger.
+"""specpilot: bring the services up and down, and read the ledger.
 
 Every command takes ``--data DIR`` (default: ``$SPECPILOT_DATA`` or ``~/.local/share/specpilot``) and,
 to reach a server on another host, ``--nats URL --creds FILE``. Reads (``sql``, ``audit``, ``replay``,
@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import importlib.util
 import json
 import os
 import signal
@@ -53,7 +52,7 @@ async def admin_bus(args: argparse.Namespace) -> bus.Bus:
     if url is None:
         raise UserError(f"no NATS server is running for {data_dir(args)}: run `specpilot up` first")
     creds = args.creds or natsd.creds_path(data_dir(args), subjects.ADMIN)
-    return await bus.connect(url, creds, name="specpilot-cli", connect_timeout_s=5)
+    return await bus.connect(url, creds, name="specpilot-cli", connect_timeout_s=args.connect_timeout)
 
 
 async def call_memory(args: argparse.Namespace, subject: str, payload: dict, timeout: float = 120) -> dict | None:
@@ -155,8 +154,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         table.add_row(r["name"], r["version"], r["id"], ", ".join(r["endpoints"]))
     out.print(table)
     missing = set(SERVICES) - {r["name"] for r in rows}
-    if missing:
+    if server_url(args) is None:
+        console.print(f"no NATS server is running for {data_dir(args)}: start everything with `specpilot up`")
+    elif missing:
         console.print(f"[yellow]not answering[/yellow]: {', '.join(sorted(missing))}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Render credentials and the server config without starting anything (compose, other hosts)."""
+    data = data_dir(args)
+    host, _, port = args.listen.rpartition(":")
+    conf = natsd.render_config(data, int(port), natsd.ensure_credentials(data), host=host or "0.0.0.0")
+    out.print(f"config: {conf}\ncredentials: {data / 'creds'} (one file per service; give each host only its own)")
+    return 0
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    asyncio.run(provision(args))
+    out.print("stream and consumers ready")
     return 0
 
 
@@ -298,17 +314,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 # --- parser --------------------------------------------------------------------------------------
 
 
-PLUGGED_COMMANDS = ("engine.cli", "kernels.w12.cli", "services.controller.cli", "services.master.cli")
+# Commands that live with the part they drive. Their modules import torch, so each is imported only
+# when its command runs; the listing below is what `specpilot --help` shows.
+PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("engine.cli", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
+    "drafter": ("engine.cli", "train the parallel drafter"),
+    "w12": ("kernels.w12.cli", "pack a model's weights in the lossless 12-bit W12 format and report"),
+}
 
 
-def _exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is missing
-        return False
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpilot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"specpilot {__version__}")
@@ -326,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("status", cmd_status, "list the services that answer NATS micro discovery")
     p.add_argument("--json", action="store_true", help="a JSON list of {name, version, ...}")
     command("down", cmd_down, "stop the services and the local NATS server")
+    p = command("init", cmd_init, "write credentials and a nats-server config for a server on another host")
+    p.add_argument("--listen", default="0.0.0.0:4222", help="HOST:PORT the server will listen on")
+    command("provision", cmd_provision, "create the event stream and the services' consumers (admin)")
     p = command("sql", cmd_sql, "run a read-only SQL query on the ledger")
     p.add_argument("query", help='e.g. "SELECT type, count(*) FROM events GROUP BY 1"')
     p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
@@ -339,14 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("export", cmd_export, "export the ledger's tables as Parquet files")
     p.add_argument("--parquet", required=True, metavar="DIR")
 
-    for module in PLUGGED_COMMANDS:
-        if _exists(module):
+    wanted = next((a for a in (argv or []) if not a.startswith("-")), None)
+    for name, (module, help_) in PLUGGED_COMMANDS.items():
+        if name == wanted:
             importlib.import_module(module).add_commands(sub)
+        elif name not in sub.choices:
+            sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ CREATE TABLE IF NOT EXISTS events (
     causation_id VARCHAR,
     correlation_id VARCHAR,
     payload VARCHAR NOT NULL,
-    hash VARCHAR NOT NULL
+    hash VARCHAR NOT NULL,
+    recorded_ns BIGINT NOT NULL  -- when the recorder appended it (not covered by the hash)
 );
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq BIGINT PRIMARY KEY,
@@ -64,7 +66,7 @@ CREATE TABLE IF NOT EXISTS projections (
 );
 """
 COLUMNS = ("event_id", "pos", "seq", "type", "source", "subject", "ts_ns", "round_id", "deployment",
-           "causation_id", "correlation_id", "payload", "hash")
+           "causation_id", "correlation_id", "payload", "hash", "recorded_ns")
 
 
 class LedgerError(UserError):
@@ -167,13 +169,14 @@ class Ledger:
                 fresh.append(item)
         cols: dict[str, list] = {c: [] for c in COLUMNS}
         pos, prev = self.last_pos, self.last_hash
+        now = time.time_ns()
         for item in fresh:
             pos += 1
             prev = chain(prev, item.payload)
             e = item.event
             for name, value in zip(COLUMNS, (e.event_id, pos, item.seq, e.tag, e.source, item.subject, e.ts_ns,
                                              e.round_id, e.deployment, e.causation_id, e.correlation_id,
-                                             item.payload.decode(), prev), strict=True):
+                                             item.payload.decode(), prev, now), strict=True):
                 cols[name].append(value)
         self.con.execute("BEGIN TRANSACTION")
         try:

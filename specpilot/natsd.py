@@ -81,7 +81,7 @@ def ensure_credentials(data: Path) -> dict[str, Credentials]:
     return out
 
 
-def render_config(data: Path, port: int, creds: dict[str, Credentials]) -> Path:
+def render_config(data: Path, port: int, creds: dict[str, Credentials], host: str = "127.0.0.1") -> Path:
     users = []
     for user, c in creds.items():
         if user == subjects.ADMIN:
@@ -93,7 +93,7 @@ def render_config(data: Path, port: int, creds: dict[str, Credentials]) -> Path:
     store.mkdir(parents=True, exist_ok=True)
     conf = {
         "server_name": "specpilot",
-        "listen": f"127.0.0.1:{port}",
+        "listen": f"{host}:{port}",
         "jetstream": {"store_dir": str(store), "sync_interval": "always"},
         "accounts": {"SP": {"jetstream": "enabled", "users": users}},
     }

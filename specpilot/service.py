@@ -27,6 +27,7 @@ class ServiceConfig:
     nats: str
     creds: Path
     data: Path
+    connect_timeout_s: float = 20.0
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,8 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
                         help="data directory (default: $SPECPILOT_DATA or ~/.local/share/specpilot)")
     parser.add_argument("--nats", default=None, help="NATS URL of a running server (default: the local one)")
     parser.add_argument("--creds", type=Path, default=None, help="credentials file for --nats")
+    parser.add_argument("--connect-timeout", type=float, default=20.0,
+                        help="seconds to keep retrying a server that does not answer")
 
 
 def resolve(name: str, args: argparse.Namespace) -> ServiceConfig:
@@ -46,7 +49,7 @@ def resolve(name: str, args: argparse.Namespace) -> ServiceConfig:
             raise SystemExit(f"no local NATS server for {data}: run `specpilot up --data {data}` or pass "
                              "--nats URL --creds FILE")
         url = server.url
-    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data)
+    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data, connect_timeout_s=args.connect_timeout)
 
 
 Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
@@ -55,7 +58,7 @@ Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
 async def run(cfg: ServiceConfig, description: str, body: Body | None = None,
               endpoints: dict[str, Callable[[dict], Awaitable[dict]]] | None = None) -> None:
     """Connect, register as a micro service, run ``body`` until a stop signal, then drain."""
-    b = await bus.connect(cfg.nats, cfg.creds, name=cfg.name)
+    b = await bus.connect(cfg.nats, cfg.creds, name=cfg.name, connect_timeout_s=cfg.connect_timeout_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

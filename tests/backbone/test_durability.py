@@ -9,7 +9,7 @@ import pytest
 
 from specpilot import ledger
 from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
-from tests.conftest import connect_as, spawn_service
+from tests.conftest import connect_as, spawn_service, wait_for_services
 
 N_EVENTS = 10_000
 N_KILLS = 20
@@ -78,6 +78,7 @@ def test_ack_before_commit_loses_events_under_the_same_harness(server):
 def test_broker_crash_during_publishing(server):
     async def go():
         recorder = spawn_service(server, "memory")
+        await asyncio.to_thread(wait_for_services, server, {"memory"})
         master = await connect_as(server, "master")
         events = directions(3000)
         ids: list[str] = []
