@@ -1,13 +1,243 @@
-"""The controller service: Isolated: checks, applies, tests and times patches; the only service that promotes.
+"""The controller service: isolated; checks, applies, tests and times patches; the only service that
+can promote, advance the best system, or read the sealed requests.
 
-Until its issue builds it, it starts, registers with NATS micro discovery, and does nothing else.
+For each ``PatchProposed`` (one at a time, the delivery kept alive with ``in_progress`` while it
+works): policy → ``PatchRefused``; else apply + sandboxed default check → ``PatchTested``; stock
+versus stock noise once per deployment and device → ``TimingMeasured(kind="noise")``; paired ABBA
+timing → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's,
+``ForcingRequested`` and a wait for the forcer's ``ForcingReported``; then ``VerdictIssued`` with every
+statistic and, on promotion, ``BestAdvanced``. Decisions are pure (``policy``, ``stats``); this module
+does the I/O. A patch whose verdict is already in the ledger is not evaluated again (redelivery).
 """
 
-from specpilot import service
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.controller import policy, stats
+from services.controller.evaluate import Evaluator, System
+from specpilot import bus, schema, service, subjects
 
 NAME = "controller"
 DESCRIPTION = "Isolated: checks, applies, tests and times patches; the only service that promotes."
+FORCING_TIMEOUT_S = 1800.0
+# Until the master's cost model states the ceiling of a deployment: no change to a batch-1 decode step
+# can make it 20x faster than the incumbent; a measurement saying so is broken.
+SANITY_CEILING = 20.0
+log = logging.getLogger(NAME)
+
+
+@dataclass
+class State:
+    """What the controller keeps between patches (also in ``DATA/controller/state.json``)."""
+
+    best_options: dict[str, dict] = field(default_factory=dict)  # deployment -> options of the best
+    noise: dict[str, float] = field(default_factory=dict)  # "deployment@device" -> noise of the gain
+    ceiling: dict[str, float] = field(default_factory=dict)  # deployment -> physical ceiling (speedup)
+    registered: list[str] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> State:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (FileNotFoundError, ValueError, TypeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
+        tmp.replace(path)
+
+
+class Controller:
+    def __init__(self, data: Path, b: bus.Bus | None, device: str = "cpu", evaluator_kw: dict | None = None):
+        """With ``b=None`` (``specpilot time``) events are collected in ``self.events`` and forcing runs
+        in this process instead of going through the forcer service."""
+        self.data, self.bus, self.device = Path(data), b, device
+        self.events: list[schema.Event] = []
+        self.evaluator_kw = evaluator_kw or {}
+        self.state_path = self.data / "controller" / "state.json"
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        self.state = State.load(self.state_path)
+        self.evaluators: dict[str, Evaluator] = {}
+        self.forcing: dict[str, asyncio.Future] = {}
+
+    def evaluator(self, deployment: str) -> Evaluator:
+        if deployment not in self.evaluators:
+            self.evaluators[deployment] = Evaluator(self.data, deployment, device=self.device, **self.evaluator_kw)
+        return self.evaluators[deployment]
+
+    async def emit(self, event: schema.Event, cause: schema.Event) -> schema.Event:
+        if self.bus is None:
+            stamped = schema.stamp(event, source=NAME, causation_id=cause.event_id, round_id=cause.round_id,
+                                   deployment=cause.deployment, correlation_id=cause.correlation_id or cause.event_id)
+        else:
+            stamped, _ = await self.bus.publish(event, cause=cause)
+        self.events.append(stamped)
+        return stamped
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        work: asyncio.Queue = asyncio.Queue()
+        worker = asyncio.create_task(self._work(work))
+        try:
+            async for event, delivery in self.bus.consume(stop):
+                if isinstance(event, schema.ForcingReported):
+                    fut = self.forcing.pop(event.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(event)
+                    await delivery.ack()
+                elif isinstance(event, schema.CeilingComputed):
+                    self.state.ceiling[event.deployment] = event.ceiling_speedup
+                    self.state.save(self.state_path)
+                    await delivery.ack()
+                elif isinstance(event, schema.PatchProposed):
+                    # Held unacked until its verdict is out; kept alive so it is not redelivered meanwhile.
+                    await work.put((event, delivery, asyncio.create_task(_keep_alive(delivery))))
+                else:
+                    await delivery.ack()
+                if worker.done():
+                    worker.result()
+        finally:
+            worker.cancel()
+
+    async def _work(self, work: asyncio.Queue) -> None:
+        while True:
+            patch, delivery, beat = await work.get()
+            try:
+                await self.handle_patch(patch)
+            except Exception:
+                log.exception("patch %s: controller failure", patch.patch_id)
+                await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject",
+                                                     reason="controller failure while evaluating (see its log)"), patch)
+            finally:
+                beat.cancel()
+            await delivery.ack()
+
+    async def already_decided(self, patch_id: str) -> bool:
+        if self.bus is None:
+            return False
+        with contextlib.suppress(bus.BusError):
+            rows = (await self.bus.request(subjects.RPC_SQL, {"query": (
+                "SELECT count(*) FROM events WHERE type IN ('verdict.issued', 'patch.refused') AND "
+                f"json_extract_string(payload, '$.patch_id') = '{patch_id.replace(chr(39), '')}'")}, timeout=10))["rows"]
+            return rows[0][0] > 0
+        return False
+
+    # --- one patch -------------------------------------------------------------------------------
+
+    async def handle_patch(self, patch: schema.PatchProposed) -> None:
+        if await self.already_decided(patch.patch_id):
+            log.info("patch %s already has a verdict; skipping the redelivery", patch.patch_id)
+            return
+        if refusal := policy.check(patch.diff, patch.options):
+            await self.emit(schema.PatchRefused(patch_id=patch.patch_id, rule=refusal.rule, reason=refusal.reason), patch)
+            return
+        dep = patch.deployment or "smollm2-cpu"
+        ev = self.evaluator(dep)
+        stock = await asyncio.to_thread(ev.prepare)
+        if dep not in self.state.registered:
+            await self.emit(schema.DeploymentRegistered(deployment=dep, stock_commit=stock,
+                                                        spec={"device": self.device}), patch)
+            self.state.registered.append(dep)
+            self.state.save(self.state_path)
+        best = System(ev.systems.best(dep), self.state.best_options.get(dep, {}))
+        noise = await self.noise(ev, best, patch)
+
+        fields, candidate = await asyncio.to_thread(ev.test, patch, best)
+        await self.emit(schema.PatchTested(patch_id=patch.patch_id, **fields), patch)
+        if candidate is None:
+            await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=fields["detail"],
+                                                 noise=noise), patch)
+            return
+
+        trial = await asyncio.to_thread(ev.time, best, candidate)
+        timing = await self.emit(schema.TimingMeasured(
+            patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
+            candidate_commit=candidate.commit, incumbent_s=trial.incumbent_s, candidate_s=trial.candidate_s,
+            order=trial.order, load=trial.load, noise=noise), patch)
+        if trial.problem:
+            await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
+                                                 noise=noise, timing_event_id=timing.event_id), patch)
+            return
+
+        identical = trial.candidate_outputs == ev.reference(best)
+        forcing_passed = None
+        if not identical:
+            forcing_passed = await self.force(ev, patch, candidate, trial.candidate_outputs)
+        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s)
+        ceiling = self.state.ceiling.get(dep, SANITY_CEILING)
+        decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
+                                ceiling=ceiling)
+        verdict = await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=timing.event_id,
+                                                       **decision.verdict_fields()), patch)
+        if decision.decision == "promote":
+            previous = ev.systems.advance(dep, candidate.commit)
+            self.state.best_options[dep] = candidate.options
+            self.state.save(self.state_path)
+            await self.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
+                                                patch_id=patch.patch_id, options=candidate.options,
+                                                gain=estimate.gain), verdict)
+
+    async def noise(self, ev: Evaluator, best: System, cause: schema.Event) -> float:
+        """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
+        key = f"{ev.deployment}@{self.device}"
+        if key not in self.state.noise:
+            trial = await asyncio.to_thread(ev.time, best, best)
+            if trial.problem:
+                raise RuntimeError(f"noise measurement failed: {trial.problem}")
+            value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
+            await self.emit(schema.TimingMeasured(kind="noise", device=self.device, incumbent_commit=best.commit,
+                                                  candidate_commit=best.commit, incumbent_s=trial.incumbent_s,
+                                                  candidate_s=trial.candidate_s, order=trial.order, load=trial.load,
+                                                  noise=value), cause)
+            self.state.noise[key] = value
+            self.state.save(self.state_path)
+        return self.state.noise[key]
+
+    async def force(self, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
+                    outputs: list[list[int]]) -> bool:
+        request_id = f"force-{patch.patch_id}"
+        outputs_json = [{"prompt_ids": p, "tokens": t} for p, t in zip(ev.prompts(), outputs, strict=True)]
+        if self.bus is None:
+            from services.forcer.cli import force_locally
+
+            report = await asyncio.to_thread(force_locally, ev.deployment, outputs_json, self.data)
+            self.events.append(schema.ForcingReported(request_id=request_id, patch_id=patch.patch_id, source="forcer",
+                                                      passed=report["passed"], reason=report.get("reason", ""),
+                                                      stats=report.get("stats", {})))
+            return bool(report["passed"])
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.forcing[request_id] = fut
+        await self.emit(schema.ForcingRequested(
+            request_id=request_id, patch_id=patch.patch_id, system_commit=candidate.commit, outputs=outputs_json), patch)
+        try:
+            report: schema.ForcingReported = await asyncio.wait_for(fut, FORCING_TIMEOUT_S)
+        except TimeoutError:
+            self.forcing.pop(request_id, None)
+            return False
+        return bool(report.passed)
+
+
+async def _keep_alive(delivery: bus.Delivery, every_s: float = 15.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        with contextlib.suppress(Exception):
+            await delivery.in_progress()
+
+
+def make(cfg: service.ServiceConfig):
+    async def body(b: bus.Bus, stop: asyncio.Event) -> None:
+        await Controller(cfg.data, b).run(stop)
+
+    return body, {}
 
 
 def main(argv: list[str] | None = None) -> None:
-    service.main(NAME, DESCRIPTION, argv=argv)
+    service.main(NAME, DESCRIPTION, make, argv=argv)

@@ -1,0 +1,213 @@
+"""The controller's work on one deployment: prepare stock, measure noise, test and time candidates.
+
+A *system* is a commit of the systems repository plus engine option settings. The evaluator:
+1. ``prepare``: commits stock, converts the model cache (trusted stock code, outside the sandbox),
+   and fixes the secret split seed that decides which requests are sealed.
+2. ``test``: applies a patch on the best commit, then in sandboxes: the candidate with the *best's*
+   options must emit the best's reference tokens exactly (the default check: new code is off by
+   default), and the candidate with its own options must start and answer.
+3. ``time``: interleaved ABBA trials; each trial starts a fresh worker per system (no writable state
+   survives between trials), sends every timing request, and times each reply on the controller's
+   clock. Every reply is checked: the incumbent must reproduce its reference, and the candidate must
+   give the same tokens in every trial (a system that changes its answers between runs — caching,
+   warm-up detection — is rejected).
+Outputs, timings and decisions come back as events for the service to publish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.controller import stats
+from services.controller.sandbox import Limits, Sandbox, Worker, WorkerFailed
+from services.controller.systems import Systems
+from specpilot import schema
+from specpilot.paths import REPO_ROOT
+
+
+@dataclass(frozen=True)
+class System:
+    commit: str
+    options: dict = field(default_factory=dict)
+
+    def key(self) -> str:
+        return f"{self.commit}:{json.dumps(self.options, sort_keys=True)}"
+
+
+@dataclass
+class TrialResult:
+    incumbent_s: list[float]
+    candidate_s: list[float]
+    order: list[str]
+    load: list[float]
+    candidate_outputs: list[list[int]]
+    problem: str = ""
+
+
+@dataclass
+class Evaluator:
+    data: Path
+    deployment: str
+    device: str = "cpu"
+    n_requests: int = 4
+    max_new_tokens: int = 64
+    trials: int = stats.DEFAULT_TRIALS
+    threads: int | None = None
+    limits: Limits = field(default_factory=Limits)
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.data) / "controller"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.systems = Systems(self.root / "systems")
+        self._references: dict[str, list[list[int]]] = {}
+        self._prompts: dict[str, list[list[int]]] = {}
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> Path:
+        return Path(self.data) / "models"
+
+    def split_seed(self) -> int:
+        """The secret seed of the dev/sealed split; it lives where no sandbox can read it."""
+        path = self.root / "split_seed"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(str(secrets.randbits(62)))
+        return int(path.read_text())
+
+    def prepare(self) -> str:
+        """Stock committed, model cache converted; returns the stock commit."""
+        stock = self.systems.ensure_stock()
+        code = ("import sys; from pathlib import Path; from engine.api import load_engine; "
+                "load_engine(sys.argv[1], device='cpu', data_dir=Path(sys.argv[2]))")
+        subprocess.run([self.python, "-c", code, self.deployment, str(self.data)], cwd=REPO_ROOT, check=True,
+                       capture_output=True, timeout=900)
+        return stock
+
+    def prompts(self, split: str = "dev") -> list[list[int]]:
+        """Prompt ids of the timing requests (encoded by the controller with stock's tokenizer)."""
+        if split not in self._prompts:
+            from dataclasses import replace
+
+            from engine.deployment import load_deployment
+            from engine.requests import encode_requests, load_requests
+            from engine.weights import load_tokenizer
+
+            dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
+            reqs = load_requests(dep, split)[: self.n_requests if split == "dev" else None]
+            self._prompts[split] = encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
+        return self._prompts[split]
+
+    # --- running systems -------------------------------------------------------------------------
+
+    def sandbox(self, commit: str, workdir: Path) -> Sandbox:
+        src = self.systems.checkout(commit, workdir / "src")
+        return Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=self.device,
+                       limits=self.limits, threads=self.threads)
+
+    def run(self, system: System, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+        """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp)) as sbx:
+            worker = Worker(sbx, self.python, self.deployment, system.options, device=self.device,
+                            ready_timeout_s=self.limits.wall_s)
+            try:
+                # One untimed request first: lazy initialisation in a fresh process is not the system's speed.
+                worker.generate(prompts[0], self.max_new_tokens, timeout=self.limits.wall_s)
+                outs, times = [], []
+                for p in prompts:
+                    tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
+                    outs.append(tokens)
+                    times.append(secs)
+                return outs, times
+            finally:
+                worker.close()
+
+    def reference(self, system: System) -> list[list[int]]:
+        if system.key() not in self._references:
+            self._references[system.key()] = self.run(system, self.prompts())[0]
+        return self._references[system.key()]
+
+    # --- a patch ---------------------------------------------------------------------------------
+
+    def test(self, patch: schema.PatchProposed, best: System) -> tuple[dict, System | None]:
+        """Apply and check a patch; returns the PatchTested fields and the candidate (None if it failed)."""
+        from services.controller.systems import PatchDoesNotApply
+
+        try:
+            commit = self.systems.apply(best.commit, patch.diff, f"candidate {patch.patch_id}: {patch.direction_id}")
+        except PatchDoesNotApply as exc:
+            return {"passed": False, "detail": str(exc)}, None
+        candidate = System(commit, {**best.options, **patch.options})
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(commit, Path(tmp)) as sbx:
+            info = sbx.describe()
+        try:
+            defaults, _ = self.run(System(commit, best.options), self.prompts())
+        except WorkerFailed as exc:
+            return {"passed": False, "detail": f"candidate with default options failed: {exc}", "sandbox": info}, None
+        identical = defaults == self.reference(best)
+        if not identical:
+            return {"passed": False, "default_outputs_identical": False, "sandbox": info,
+                    "detail": "with default options the candidate's tokens differ from the incumbent's: "
+                              "new behaviour must be off unless its option is set"}, None
+        try:
+            self.run(candidate, self.prompts()[:1])
+        except WorkerFailed as exc:
+            return {"passed": False, "default_outputs_identical": True, "sandbox": info,
+                    "detail": f"candidate with its options failed: {exc}"}, None
+        return {"passed": True, "default_outputs_identical": True, "sandbox": info,
+                "detail": "default check passed; candidate runs with its options"}, candidate
+
+    def incomplete(self, outputs: list[list[int]], reference: list[list[int]]) -> str:
+        """Why some output is not a whole answer ('' if all are): an answer runs to ``max_new_tokens`` or
+        ends on a stop token. Returning less (lazily, truncated) would be less work, not more speed."""
+        stops = {r[-1] for r in reference if r and len(r) < self.max_new_tokens}
+        for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+            if len(out) != self.max_new_tokens and not (out and out[-1] in stops) and out != ref:
+                return (f"output {i} is incomplete: {len(out)} tokens, not {self.max_new_tokens} and no stop token "
+                        "at the end")
+        return ""
+
+    def time(self, incumbent: System, candidate: System, trials: int | None = None) -> TrialResult:
+        """Interleaved ABBA trials; stops early with ``problem`` set when a system misbehaves."""
+        prompts, reference = self.prompts(), self.reference(incumbent)
+        res = TrialResult([], [], [], [], [])
+        first_candidate: list[list[int]] | None = None
+        for order in stats.abba_order(trials or self.trials):
+            times: dict[str, float] = {}
+            for who in order:
+                system = incumbent if who == "A" else candidate
+                try:
+                    outs, secs = self.run(system, prompts)
+                except WorkerFailed as exc:
+                    res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {exc}"
+                    return res
+                times[who] = sum(secs)
+                if who == "A" and outs != reference:
+                    res.problem = "the incumbent did not reproduce its reference tokens (nondeterministic system?)"
+                    return res
+                if who == "B":
+                    if short := self.incomplete(outs, reference):
+                        res.problem = short
+                        return res
+                    if first_candidate is None:
+                        first_candidate = outs
+                        res.candidate_outputs = outs
+                    elif outs != first_candidate:
+                        res.problem = ("the candidate's tokens changed between trials: a system must answer the "
+                                       "same request the same way every time")
+                        return res
+            res.incumbent_s.append(times["A"])
+            res.candidate_s.append(times["B"])
+            res.order.append(order)
+            res.load.append(os.getloadavg()[0])
+        return res

@@ -1,0 +1,234 @@
+"""Paired-timing statistics and the promotion rule: pure functions, no I/O, no clock.
+
+Contract (DESIGN §5, steps 4-5):
+
+- **Design.** One experiment is ``n`` trials. A trial times the incumbent (A) and the candidate (B)
+  once each, on the same requests, back to back; `abba_order` says who goes first in each trial
+  (AB, BA, BA, AB, ...), so a linear drift within any four consecutive trials cancels.
+- **Gain.** Per trial ``r = t_incumbent / t_candidate``; the gain is ``mean(log r)`` (natural log:
+  a gain of 0.0488 is a 5% speedup, ``exp(gain)`` is the speedup factor). `paired_gain` gives its
+  standard error and a one-sided 95% *lower* bound from a Student t-interval (and the one-sided 95%
+  upper bound; together the two are a 90% two-sided interval).
+- **Noise.** ``noise`` is the standard deviation of the *gain estimate* of one experiment of this
+  design when the candidate is the incumbent (stock versus stock), in log-gain units. It is
+  measured per deployment and device by `noise_from_stock_runs` from one or more stock-versus-stock
+  experiments: the larger of (a) the within-run estimate, the pooled per-trial SD of ``log r``
+  over ``sqrt(n_trials)``, and (b) with two or more runs, the between-run estimate, the RMS of the
+  runs' gains (their true value is 0, so this also catches drift between runs that (a) misses).
+- **Promotion** (`decide`). All quantities are in log-gain units. Promote only if every rule passes:
+    1. the estimate is sane (finite, ``n >= 2``);
+    2. *ceiling*: the measured speedup ``exp(gain)`` does not exceed the physical ceiling (the most
+       the candidate can gain over the incumbent, a factor, e.g. 1.8); beyond it the measurement is
+       at fault, not the candidate (``ceiling <= 0`` means unknown: the rule is skipped);
+    3. *forcing*: if the candidate's outputs differ from the incumbent's, a forcing verdict is
+       required and must have passed (a failed verdict rejects even identical outputs);
+    4. *bar*: ``lower_bound > bar`` with ``bar = log(1.01) + 2 * noise``, raised to at least
+       ``log(1.03)`` when outputs differ.
+  `Decision` carries every statistic so the controller can put them all in a ``VerdictIssued``
+  (`Decision.verdict_fields`).
+
+What this module does not do: run trials, measure load, choose which runs count as noise runs,
+or publish anything. It trusts that the noise given was measured for the same deployment, device
+and number of trials as the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+from scipy import stats as sps
+
+# 32 trials (a multiple of 4, so the ABBA pattern is complete) promote a true 5% gain in >= 97% of
+# simulated experiments with 2-5% per-request noise, outliers and drift, where 24 trials fall below
+# 90% once outliers are a little more frequent (tests/controller/test_stats.py holds the model).
+DEFAULT_TRIALS = 32
+CONFIDENCE = 0.95  # one-sided
+BASE_BAR = math.log(1.01)  # 1% in log-gain units
+CHANGED_OUTPUTS_BAR = math.log(1.03)  # at least 3% when the candidate's outputs differ
+NOISE_MULTIPLIER = 2.0
+
+Verdict = Literal["promote", "reject"]
+
+
+def abba_order(n_trials: int) -> list[str]:
+    """Who runs first in each trial: ``["AB", "BA", "BA", "AB", "AB", "BA", ...]`` (A = incumbent)."""
+    if n_trials < 0:
+        raise ValueError(f"n_trials must be >= 0, got {n_trials}")
+    return ["AB" if i % 4 in (0, 3) else "BA" for i in range(n_trials)]
+
+
+@lru_cache(maxsize=1024)
+def _t_quantile(confidence: float, dof: int) -> float:
+    return float(sps.t.ppf(confidence, dof))
+
+
+@dataclass(frozen=True)
+class GainEstimate:
+    gain: float  # mean of log(t_incumbent / t_candidate); > 0: the candidate is faster
+    lower_bound: float  # one-sided lower bound at `confidence`
+    upper_bound: float  # one-sided upper bound at `confidence`
+    std_err: float  # standard error of `gain`
+    n: int  # trials
+    per_trial_log_r: tuple[float, ...]
+    confidence: float = CONFIDENCE
+
+    @property
+    def speedup(self) -> float:
+        """The candidate's measured speedup factor over the incumbent, exp(gain)."""
+        return math.exp(self.gain)
+
+    @property
+    def per_trial_sd(self) -> float:
+        return self.std_err * math.sqrt(self.n)
+
+
+def log_ratios(incumbent_s: Sequence[float], candidate_s: Sequence[float]) -> np.ndarray:
+    """``log(t_incumbent / t_candidate)`` per trial; refuses unpaired, non-positive or NaN times."""
+    a = np.asarray(incumbent_s, dtype=np.float64)
+    b = np.asarray(candidate_s, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired timings need two equal-length lists, got {a.shape} and {b.shape}")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))) or np.any(a <= 0) or np.any(b <= 0):
+        raise ValueError("trial times must be finite and > 0")
+    return np.log(a) - np.log(b)
+
+
+def paired_gain(incumbent_s: Sequence[float], candidate_s: Sequence[float],
+                confidence: float = CONFIDENCE) -> GainEstimate:
+    """The gain of the candidate over the incumbent from paired trial times (seconds, same order)."""
+    lr = log_ratios(incumbent_s, candidate_s)
+    n = lr.size
+    if n < 2:
+        raise ValueError(f"a paired gain needs at least 2 trials, got {n}")
+    gain = float(lr.mean())
+    se = float(lr.std(ddof=1) / math.sqrt(n))
+    half = _t_quantile(confidence, n - 1) * se
+    return GainEstimate(gain=gain, lower_bound=gain - half, upper_bound=gain + half, std_err=se, n=n,
+                        per_trial_log_r=tuple(float(x) for x in lr), confidence=confidence)
+
+
+@dataclass(frozen=True)
+class NoiseEstimate:
+    noise: float  # SD of one experiment's gain estimate when nothing changed (log-gain units)
+    within: float  # pooled per-trial SD of log r / sqrt(n_trials)
+    between: float  # RMS of the stock-vs-stock runs' gains (0.0 with fewer than 2 runs)
+    per_trial_sd: float  # pooled SD of per-trial log r
+    n_runs: int
+    n_trials: int  # the experiment size the noise is stated for
+
+
+def noise_from_stock_runs(runs: Sequence[tuple[Sequence[float], Sequence[float]]],
+                          n_trials: int | None = None) -> NoiseEstimate:
+    """Noise of the gain estimate, from stock-versus-stock runs ``[(incumbent_s, candidate_s), ...]``.
+
+    ``n_trials`` is the size of the experiments the noise will be used for (default: the runs' own
+    size, which must then be the same for every run). The between-run term assumes runs of that
+    same design.
+    """
+    if not runs:
+        raise ValueError("noise needs at least one stock-versus-stock run")
+    lrs = [log_ratios(a, b) for a, b in runs]
+    if any(lr.size < 2 for lr in lrs):
+        raise ValueError("every stock-versus-stock run needs at least 2 trials")
+    sizes = {lr.size for lr in lrs}
+    if n_trials is None:
+        if len(sizes) != 1:
+            raise ValueError(f"runs have different trial counts {sorted(sizes)}: pass n_trials")
+        n_trials = sizes.pop()
+    if n_trials < 2:
+        raise ValueError(f"n_trials must be >= 2, got {n_trials}")
+    # Pooled variance: each run around its own mean (a run's offset is the between-run term's job).
+    ss = sum(float(((lr - lr.mean()) ** 2).sum()) for lr in lrs)
+    dof = sum(lr.size - 1 for lr in lrs)
+    per_trial_sd = math.sqrt(ss / dof)
+    within = per_trial_sd / math.sqrt(n_trials)
+    between = math.sqrt(float(np.mean([lr.mean() ** 2 for lr in lrs]))) if len(lrs) >= 2 else 0.0
+    return NoiseEstimate(noise=max(within, between), within=within, between=between,
+                         per_trial_sd=per_trial_sd, n_runs=len(lrs), n_trials=n_trials)
+
+
+def promotion_bar(noise: float, outputs_identical: bool) -> float:
+    """The lower bound a gain must exceed (log-gain units)."""
+    bar = BASE_BAR + NOISE_MULTIPLIER * noise
+    return bar if outputs_identical else max(bar, CHANGED_OUTPUTS_BAR)
+
+
+@dataclass(frozen=True)
+class Decision:
+    decision: Verdict
+    rule: str  # "promoted" | "bad_estimate" | "ceiling" | "forcing_missing" | "forcing_failed" | "below_bar"
+    reason: str
+    gain: float
+    lower_bound: float
+    upper_bound: float
+    std_err: float
+    n_trials: int
+    bar: float
+    noise: float
+    speedup: float
+    ceiling: float
+    outputs_identical: bool
+    forcing_passed: bool | None
+
+    @property
+    def promoted(self) -> bool:
+        return self.decision == "promote"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def verdict_fields(self) -> dict:
+        """The keyword arguments of ``schema.VerdictIssued`` this decision fills (all but patch_id etc.)."""
+        return {"decision": self.decision, "reason": f"{self.rule}: {self.reason}", "gain": self.gain,
+                "lower_bound": self.lower_bound, "upper_bound": self.upper_bound, "bar": self.bar,
+                "noise": self.noise, "n_trials": self.n_trials, "outputs_identical": self.outputs_identical,
+                "forcing_passed": self.forcing_passed, "ceiling": self.ceiling}
+
+
+def decide(estimate: GainEstimate, noise: float | NoiseEstimate, outputs_identical: bool,
+           forcing_passed: bool | None = None, ceiling: float = 0.0) -> Decision:
+    """Promote or reject a candidate (rules in the module docstring, checked in that order).
+
+    ``forcing_passed``: None when no forcing verdict exists. ``ceiling``: the largest physically
+    possible speedup factor of the candidate over the incumbent; ``<= 0`` means unknown.
+    """
+    noise_value = noise.noise if isinstance(noise, NoiseEstimate) else float(noise)
+    bar = promotion_bar(noise_value, outputs_identical)
+
+    def out(decision: Verdict, rule: str, reason: str) -> Decision:
+        return Decision(decision=decision, rule=rule, reason=reason, gain=estimate.gain,
+                        lower_bound=estimate.lower_bound, upper_bound=estimate.upper_bound,
+                        std_err=estimate.std_err, n_trials=estimate.n, bar=bar, noise=noise_value,
+                        speedup=_safe_exp(estimate.gain), ceiling=ceiling,
+                        outputs_identical=outputs_identical, forcing_passed=forcing_passed)
+
+    numbers = (estimate.gain, estimate.lower_bound, estimate.upper_bound, noise_value)
+    if estimate.n < 2 or not all(math.isfinite(x) for x in numbers) or noise_value < 0:
+        return out("reject", "bad_estimate", f"unusable estimate (n={estimate.n}, gain={estimate.gain}, "
+                                             f"noise={noise_value})")
+    speedup = math.exp(estimate.gain)
+    if ceiling > 0 and speedup > ceiling:
+        return out("reject", "ceiling", f"measured speedup {speedup:.3f}x exceeds the physical ceiling "
+                                        f"{ceiling:.3f}x: a measurement fault")
+    if forcing_passed is False:
+        return out("reject", "forcing_failed", "the forcing verdict failed")
+    if not outputs_identical and forcing_passed is None:
+        return out("reject", "forcing_missing", "outputs differ from the incumbent's and no forcing verdict "
+                                                "was given")
+    if estimate.lower_bound <= bar:
+        return out("reject", "below_bar", f"lower bound {estimate.lower_bound:+.4f} <= bar {bar:.4f} "
+                                          f"(gain {estimate.gain:+.4f}, noise {noise_value:.4f})")
+    return out("promote", "promoted", f"lower bound {estimate.lower_bound:+.4f} > bar {bar:.4f} "
+                                      f"(speedup {speedup:.3f}x)")
+
+
+def _safe_exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except (OverflowError, ValueError):
+        return math.inf
