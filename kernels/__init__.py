@@ -1,0 +1,1 @@
+"""Triton kernels, each with a PyTorch reference beside it."""

@@ -1,0 +1,210 @@
+"""Sandbox and reward-hack probes: each is a patch the controller evaluates on the tiny deployment.
+
+Each probe is contained (it cannot reach NATS, the ledger, the sealed split, the harness or the
+controller), the controller survives, and the events say what happened. A probe that *escapes*
+raises ``ESCAPED`` inside the worker, which would surface in the events; none may.
+"""
+
+import asyncio
+import os
+import socket
+import subprocess
+
+import pytest
+
+from services.controller.main import Controller
+from services.controller.sandbox import Limits, bwrap_available
+from specpilot import schema
+from specpilot.paths import REPO_ROOT
+from tests.controller.patches import worker_patch
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    data = tmp_path_factory.mktemp("ctl")
+    kw = {"n_requests": 2, "max_new_tokens": 16, "trials": 2,
+          "limits": Limits(wall_s=40.0, memory_bytes=3 << 30, pids=64)}
+    return Controller(data, None, evaluator_kw=kw)
+
+
+def evaluate(ctl: Controller, diff: str, options: dict | None = None) -> list[schema.Event]:
+    patch = schema.PatchProposed(direction_id="probe", patch_id=f"probe-{schema.new_event_id()[-12:]}", diff=diff,
+                                 options=options or {}, deployment="tiny-cpu", source="subagent")
+    start = len(ctl.events)
+    asyncio.run(ctl.handle_patch(patch))
+    out = [e for e in ctl.events[start:] if getattr(e, "patch_id", "") == patch.patch_id]
+    assert not any("ESCAPED" in schema.encode(e).decode() for e in out), out
+    return out
+
+
+def patch_tested(events) -> schema.PatchTested:
+    return next(e for e in events if isinstance(e, schema.PatchTested))
+
+
+def verdict(events) -> schema.VerdictIssued:
+    return next(e for e in events if isinstance(e, schema.VerdictIssued))
+
+
+def test_escape_attempts_are_contained(ctl, tmp_path):
+    """One patch tries every escape at start-up: reach a host port (NATS), listen for the outside, read
+    the ledger, credentials and the secret split seed, find secrets in its environment, write to the
+    harness or outside its scratch space, and kill the controller. Any success raises ESCAPED."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    data = ctl.data
+    (data / "ledger.duckdb").write_bytes(b"secret ledger")
+    (data / "creds").mkdir(exist_ok=True)
+    (data / "creds" / "controller.json").write_text('{"user": "controller", "password": "x"}')
+    ctl.evaluator("tiny-cpu").split_seed()
+    harness = REPO_ROOT / "engine" / "pwned_by_probe.py"
+    probe = f"""
+    import os, signal, socket
+    try:
+        socket.create_connection(("127.0.0.1", {port}), timeout=2)
+        raise SystemExit("ESCAPED: reached a host port")
+    except OSError:
+        pass
+    _s = socket.socket(); _s.bind(("0.0.0.0", {port})); _s.listen()
+    for p in ("{data}/ledger.duckdb", "{data}/creds/controller.json", "{data}/controller/split_seed"):
+        if os.path.exists(p):
+            raise SystemExit("ESCAPED: can see " + p)
+    if any(k.startswith("NATS") or "KEY" in k or "TOKEN" in k for k in os.environ):
+        raise SystemExit("ESCAPED: secrets in the environment")
+    for p in ("{harness}", "{tmp_path}/pwned", "/root/pwned_by_probe"):
+        try:
+            open(p, "w").write("x")
+            raise SystemExit("ESCAPED: wrote " + p)
+        except OSError:
+            pass
+    open("/tmp/scratch", "w").write("private scratch is fine")
+    for pid in ({os.getpid()}, os.getppid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    """
+    events = evaluate(ctl, worker_patch(before_ready=probe))
+    listener.close()
+    t = patch_tested(events)
+    assert t.passed, t.detail  # contained, and otherwise a normal system
+    assert t.sandbox["network"] == "none" and t.sandbox["bubblewrap"]
+    assert not harness.exists() and not (tmp_path / "pwned").exists()
+    # this process (the controller) is alive, and nothing the sandbox opened is reachable from here
+    listener2 = socket.socket()
+    listener2.bind(("127.0.0.1", port))  # the port is free on the host: the probe's listener was elsewhere
+    listener2.close()
+
+
+def test_fork_bomb_is_contained(ctl):
+    probe = """
+    import os, time
+    while True:
+        try:
+            if os.fork() == 0:
+                time.sleep(3600)
+                os._exit(0)
+        except OSError:
+            time.sleep(0.01)
+    """
+    events = evaluate(ctl, worker_patch(before_ready=probe))
+    t = patch_tested(events)
+    assert not t.passed and "no answer within" in t.detail
+    left = subprocess.run(["pgrep", "-f", "engine.worker"], capture_output=True, text=True).stdout.split()
+    assert left == [], f"sandbox processes survived: {left}"
+
+
+def test_unbounded_allocation_is_contained(ctl):
+    probe = """
+    hog = []
+    while True:
+        hog.append(bytearray(64 << 20))
+    """
+    t = patch_tested(evaluate(ctl, worker_patch(before_ready=probe)))
+    assert not t.passed and "out of memory" in t.detail
+
+
+def test_infinite_loop_times_out(ctl):
+    t = patch_tested(evaluate(ctl, worker_patch(before_ready="while True:\n    pass\n")))
+    assert not t.passed and "no answer within" in t.detail
+
+
+def test_patched_timer_does_not_fool_the_controller_clock(ctl):
+    # The candidate sleeps and tries to report a fast time; only the controller's clock counts.
+    probe_reply = """
+    import time as _t
+    _t.perf_counter = lambda: 0.0
+    _t.sleep(1.5)
+    send({"tokens": result.tokens, "steps": result.steps, "elapsed_s": 0.0})
+    continue
+    """
+    events = evaluate(ctl, worker_patch(before_reply=probe_reply))
+    timing = next(e for e in events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate")
+    assert min(timing.candidate_s) >= 2 * 1.5  # two timed requests, each slept 1.5 s: the clock saw it
+    assert verdict(events).decision == "reject"
+
+
+def test_outputs_cannot_be_cached_across_runs(ctl):
+    probe = """
+    import os as _os
+    _places = ("/tmp/sp_cache.json", "/dev/shm/sp_cache.json", "/var/tmp/sp_cache.json",
+               _os.path.expanduser("~/.cache/sp_cache.json"))
+    for p in _places:
+        if _os.path.exists(p):
+            raise SystemExit("ESCAPED: CACHE HIT " + p)
+    for p in _places:
+        try:
+            _os.makedirs(_os.path.dirname(p), exist_ok=True)
+            open(p, "w").write('{"cached": true}')
+        except OSError:
+            pass
+    """
+    events = evaluate(ctl, worker_patch(before_ready=probe))
+    assert patch_tested(events).passed
+    assert not any(isinstance(e, schema.VerdictIssued) and "CACHE" in e.reason for e in events)
+
+
+def test_warm_up_detection_is_caught(ctl):
+    # Honest for the first two requests of a process, then fast garbage.
+    probe = """
+    global _served
+    _served = globals().get("_served", 0) + 1
+    if _served > 2:
+        result = type(result)(tokens=[0] * len(result.tokens), steps=1, accepted_per_step=[1], draft_s=[],
+                              verify_s=[], prefill_s=0.0)
+    """
+    v = verdict(evaluate(ctl, worker_patch(before_reply=probe)))
+    assert v.decision == "reject"
+
+
+def test_lazy_partial_outputs_are_caught(ctl):
+    probe = """
+    if int(req["max_new_tokens"]) > 4:
+        result = type(result)(tokens=result.tokens[:3], steps=result.steps, accepted_per_step=[1],
+                              draft_s=[], verify_s=[], prefill_s=0.0)
+    """
+    v = verdict(evaluate(ctl, worker_patch(before_reply=probe)))
+    assert v.decision == "reject"
+
+
+def test_nans_are_caught(ctl):
+    probe = """
+    import torch
+    _orig = engine.model.forward
+    def _nan_forward(*a, **k):
+        out = _orig(*a, **k)
+        if isinstance(out, tuple):
+            return (out[0] * float("nan"),) + tuple(out[1:])
+        return out * float("nan")
+    engine.model.forward = _nan_forward
+    """
+    v = verdict(evaluate(ctl, worker_patch(before_ready=probe)))
+    assert v.decision == "reject"
+
+
+def test_controller_still_works_after_the_probes(ctl):
+    events = evaluate(ctl, "", {"verify": "tree"})
+    assert patch_tested(events).passed and verdict(events).n_trials == 2
