@@ -320,6 +320,7 @@ PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("engine.cli", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
     "drafter": ("engine.cli", "train the parallel drafter"),
     "w12": ("kernels.w12.cli", "pack a model's weights in the lossless 12-bit W12 format and report"),
+    "force": ("services.forcer.cli", "token-force a system's outputs through the stock target"),
     "time": ("services.controller.cli", "evaluate a patch like the controller does (policy, tests, timing, verdict)"),
 }
 

@@ -28,6 +28,7 @@ class ServiceConfig:
     creds: Path
     data: Path
     connect_timeout_s: float = 20.0
+    args: argparse.Namespace | None = None  # the service's own flags
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +50,8 @@ def resolve(name: str, args: argparse.Namespace) -> ServiceConfig:
             raise SystemExit(f"no local NATS server for {data}: run `specpilot up --data {data}` or pass "
                              "--nats URL --creds FILE")
         url = server.url
-    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data, connect_timeout_s=args.connect_timeout)
+    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data, connect_timeout_s=args.connect_timeout,
+                         args=args)
 
 
 Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
@@ -84,11 +86,16 @@ async def run(cfg: ServiceConfig, description: str, body: Body | None = None,
 Factory = Callable[[ServiceConfig], tuple[Body | None, dict[str, Callable[[dict], Awaitable[dict]]]]]
 
 
-def main(name: str, description: str, make: Factory | None = None, argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m services.<name>``; ``make`` builds the body and endpoints."""
+def main(name: str, description: str, make: Factory | None = None, argv: list[str] | None = None,
+         add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """Entry point of ``python -m services.<name>``; ``make`` builds the body and endpoints.
+
+    ``add_args`` adds the service's own flags; ``make`` then finds them on ``cfg.args``."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     add_connection_flags(parser)
     parser.add_argument("--log-level", default="INFO")
+    if add_args:
+        add_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     cfg = resolve(name, args)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from services.controller import policy, stats
 from services.controller.evaluate import Evaluator, System
+from services.controller.sandbox import Limits
 from specpilot import bus, schema, service, subjects
 
 NAME = "controller"
@@ -232,12 +233,24 @@ async def _keep_alive(delivery: bus.Delivery, every_s: float = 15.0) -> None:
             await delivery.in_progress()
 
 
+def add_args(parser) -> None:
+    parser.add_argument("--device", default="cpu", help="device the candidates are timed on")
+    parser.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS, help="ABBA trials per verdict")
+    parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
+    parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
+
+
 def make(cfg: service.ServiceConfig):
+    a = cfg.args
+    kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
+          "limits": Limits(wall_s=a.wall_s)}
+
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
-        await Controller(cfg.data, b).run(stop)
+        await Controller(cfg.data, b, device=a.device, evaluator_kw=kw).run(stop)
 
     return body, {}
 
 
 def main(argv: list[str] | None = None) -> None:
-    service.main(NAME, DESCRIPTION, make, argv=argv)
+    service.main(NAME, DESCRIPTION, make, argv=argv, add_args=add_args)

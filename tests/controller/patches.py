@@ -27,3 +27,35 @@ def worker_patch(before_ready: str = "", before_reply: str = "") -> str:
     if before_reply:
         text = text.replace(REPLY, textwrap.indent(textwrap.dedent(before_reply), "            ") + REPLY)
     return diff(WORKER, text)
+
+OPTIONS = "engine/options.py"
+OPTION_ANCHOR = "    ngram_min_match: int = 2"
+
+
+def with_option(field: str, before_ready: str = "", before_reply: str = "") -> str:
+    """A patch adding an engine option (default off, as policy requires) used by worker code."""
+    opts = (REPO_ROOT / OPTIONS).read_text()
+    line = next(ln for ln in opts.splitlines(True) if ln.startswith(OPTION_ANCHOR))
+    opts = opts.replace(line, line + f"    {field}  # added by a test patch\n", 1)
+    return diff(OPTIONS, opts) + worker_patch(before_ready=before_ready, before_reply=before_reply)
+
+
+SKIP_LAYERS = with_option("skip_layers: int = 0", before_ready="""
+if engine.options.skip_layers:  # faulty and fast: drop the last layers
+    import torch as _torch
+    engine.model.layers = _torch.nn.ModuleList(list(engine.model.layers)[: -engine.options.skip_layers])
+""")
+
+NEAR_TIE_FLIP = with_option("near_tie_flip: float = 0.0", before_ready="""
+if engine.options.near_tie_flip:  # pick the runner-up wherever the top two logits are within the threshold
+    _forward, _thr = engine.model.forward, engine.options.near_tie_flip
+
+    def _flip(*a, **k):
+        logits, hidden = _forward(*a, **k)
+        top = logits.topk(2, dim=-1)
+        gap = top.values[..., 0] - top.values[..., 1]
+        bump = ((gap < _thr).to(logits.dtype) * (gap + 1e-3)).unsqueeze(-1)
+        return logits.scatter_add(-1, top.indices[..., 1:2], bump), hidden
+
+    engine.model.forward = _flip
+""")

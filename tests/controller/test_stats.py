@@ -1,0 +1,205 @@
+"""Paired-timing statistics and the promotion rule, on synthetic timings with realistic noise.
+
+The timing model (`simulate`): each trial times incumbent and candidate on the same 8 requests in
+the order `abba_order` gives. A request's time is its base time x lognormal noise (2-5%), and with
+a small probability an outlier (x1.2-2). Both runs of a trial share a trial-level load factor (3%,
+what pairing cancels); the machine drifts slowly across the experiment (a random walk per run
+slot, what ABBA ordering cancels to first order). The controller's noise comes from one
+stock-versus-stock run of the same design per experiment, as it would be measured per deployment.
+Every RNG is seeded, so the rates below are exact numbers, not flaky ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from services.controller import stats
+from specpilot import schema
+
+N_EXPERIMENTS = 1000
+
+
+def simulate(rng: np.random.Generator, n_exp: int, n_trials: int, gain: float, req_sigma: float,
+             n_req: int = 8, outlier_p: float = 0.005, drift_sd: float = 0.005, trial_sd: float = 0.03,
+             linear_drift: float = 0.0, order: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Trial times (incumbent_s, candidate_s), each [n_exp, n_trials]; the candidate is exp(gain)x faster."""
+    base = rng.uniform(0.5, 3.0, size=(n_exp, 1, 1, n_req))
+    slots = 2 * n_trials
+    walk = np.cumsum(rng.normal(0.0, drift_sd, size=(n_exp, slots)), axis=1)
+    drift = np.exp(walk + linear_drift * np.arange(slots) / slots)
+    shared = np.exp(rng.normal(0.0, trial_sd, size=(n_exp, n_trials, 1)))
+    noise = np.exp(rng.normal(0.0, req_sigma, size=(n_exp, n_trials, 2, n_req)))
+    outliers = np.where(rng.random(noise.shape) < outlier_p, rng.uniform(1.2, 2.0, noise.shape), 1.0)
+    t = (base * noise * outliers).sum(-1) * shared  # [exp, trial, (incumbent, candidate)]
+    first_b = np.array([o == "BA" for o in (order or stats.abba_order(n_trials))], dtype=int)
+    slot_a = 2 * np.arange(n_trials) + first_b
+    slot_b = 2 * np.arange(n_trials) + 1 - first_b
+    return t[:, :, 0] * drift[:, slot_a], t[:, :, 1] * drift[:, slot_b] / math.exp(gain)
+
+
+def promotion_rate(seed: int, gain: float, req_sigma: float, outputs_identical: bool = True,
+                   forcing_passed: bool | None = None, n_trials: int = stats.DEFAULT_TRIALS, **model) -> float:
+    """Share of N_EXPERIMENTS experiments promoted, each with its own stock-vs-stock noise run."""
+    rng = np.random.default_rng(seed)
+    stock_a, stock_b = simulate(rng, N_EXPERIMENTS, n_trials, 0.0, req_sigma, **model)
+    inc, cand = simulate(rng, N_EXPERIMENTS, n_trials, gain, req_sigma, **model)
+    promoted = 0
+    for i in range(N_EXPERIMENTS):
+        noise = stats.noise_from_stock_runs([(stock_a[i], stock_b[i])])
+        d = stats.decide(stats.paired_gain(inc[i], cand[i]), noise, outputs_identical, forcing_passed,
+                         ceiling=2.0)
+        promoted += d.promoted
+    return promoted / N_EXPERIMENTS
+
+
+# --- the rates the controller is specified by -------------------------------------------------
+
+
+@pytest.mark.parametrize("req_sigma", [0.02, 0.05])
+def test_stock_versus_stock_false_promotions_at_most_1_percent(req_sigma):
+    assert promotion_rate(1, 0.0, req_sigma) <= 0.01
+
+
+def test_false_promotions_stay_rare_with_heavy_outliers_and_drift():
+    assert promotion_rate(2, 0.0, 0.05, outlier_p=0.03, drift_sd=0.01) <= 0.01
+
+
+@pytest.mark.parametrize("req_sigma", [0.02, 0.05])
+def test_true_5_percent_gain_promoted_at_default_trials(req_sigma):
+    assert promotion_rate(3, math.log(1.05), req_sigma) >= 0.90
+
+
+@pytest.mark.parametrize("req_sigma", [0.02, 0.05])
+def test_true_half_percent_gain_not_promoted(req_sigma):
+    assert promotion_rate(4, math.log(1.005), req_sigma) <= 0.05
+
+
+def test_changed_outputs_need_3_percent_and_a_forcing_verdict():
+    # A true 2.5% gain clears the 1% + 2*noise bar with little noise, but never the 3% bar.
+    quiet = dict(outlier_p=0.0, drift_sd=0.001, trial_sd=0.01)
+    assert promotion_rate(5, math.log(1.025), 0.01, **quiet) >= 0.90
+    assert promotion_rate(5, math.log(1.025), 0.01, outputs_identical=False, forcing_passed=True, **quiet) == 0.0
+    # A true 5% gain with changed outputs: promoted only when forcing passed.
+    assert promotion_rate(6, math.log(1.05), 0.01, outputs_identical=False, forcing_passed=True, **quiet) >= 0.90
+    assert promotion_rate(6, math.log(1.05), 0.01, outputs_identical=False, forcing_passed=None, **quiet) == 0.0
+    assert promotion_rate(6, math.log(1.05), 0.01, outputs_identical=False, forcing_passed=False, **quiet) == 0.0
+
+
+def test_abba_cancels_linear_drift_that_fixed_order_does_not():
+    rng = np.random.default_rng(7)
+    kw = dict(outlier_p=0.0, drift_sd=0.0, linear_drift=0.10)  # the machine slows 10% over the run
+    a, b = simulate(rng, 200, 32, 0.0, 0.02, **kw)
+    abba = np.mean([stats.paired_gain(a[i], b[i]).gain for i in range(200)])
+    a, b = simulate(rng, 200, 32, 0.0, 0.02, order=["AB"] * 32, **kw)
+    fixed = np.mean([stats.paired_gain(a[i], b[i]).gain for i in range(200)])
+    assert abs(abba) < 0.001
+    assert fixed < -0.0012  # B always runs second, on a slower machine: a spurious loss
+
+
+# --- the pieces -----------------------------------------------------------------------------
+
+
+def test_abba_order():
+    assert stats.abba_order(8) == ["AB", "BA", "BA", "AB", "AB", "BA", "BA", "AB"]
+    assert stats.abba_order(0) == []
+    assert stats.DEFAULT_TRIALS % 4 == 0
+    with pytest.raises(ValueError):
+        stats.abba_order(-1)
+
+
+def test_paired_gain_is_mean_log_ratio_with_t_bounds():
+    from scipy import stats as sps
+
+    inc = [1.10, 1.05, 1.12, 1.08, 1.07]
+    cand = [1.00, 1.01, 1.02, 0.99, 1.00]
+    est = stats.paired_gain(inc, cand)
+    lr = np.log(np.array(inc) / np.array(cand))
+    se = lr.std(ddof=1) / math.sqrt(5)
+    assert est.gain == pytest.approx(lr.mean())
+    assert est.std_err == pytest.approx(se)
+    assert est.lower_bound == pytest.approx(lr.mean() - sps.t.ppf(0.95, 4) * se)
+    assert est.upper_bound == pytest.approx(lr.mean() + sps.t.ppf(0.95, 4) * se)
+    assert est.n == 5 and est.per_trial_log_r == pytest.approx(tuple(lr))
+    assert est.speedup == pytest.approx(math.exp(lr.mean()))
+
+
+@pytest.mark.parametrize("inc,cand", [([1.0], [1.0]), ([1.0, 2.0], [1.0]), ([1.0, 0.0], [1.0, 1.0]),
+                                      ([1.0, float("nan")], [1.0, 1.0]), ([-1.0, 1.0], [1.0, 1.0])])
+def test_paired_gain_refuses_bad_timings(inc, cand):
+    with pytest.raises(ValueError):
+        stats.paired_gain(inc, cand)
+
+
+def test_noise_within_and_between_runs():
+    rng = np.random.default_rng(8)
+    runs = []
+    for offset in (0.02, -0.02):  # two runs whose gains disagree far more than their spread says
+        a = rng.uniform(1.0, 1.1, 16)
+        runs.append((a, a / np.exp(offset + rng.normal(0, 0.001, 16))))
+    one = stats.noise_from_stock_runs(runs[:1])
+    assert one.between == 0.0 and one.noise == one.within
+    assert one.within == pytest.approx(one.per_trial_sd / 4)
+    two = stats.noise_from_stock_runs(runs)
+    assert two.between == pytest.approx(0.02, rel=0.05) and two.noise == two.between > two.within
+    assert two.n_runs == 2 and two.n_trials == 16
+    # Stated for a bigger experiment, the within-run term shrinks with sqrt(n).
+    assert stats.noise_from_stock_runs(runs[:1], n_trials=64).within == pytest.approx(one.within / 2)
+    with pytest.raises(ValueError):
+        stats.noise_from_stock_runs([])
+    with pytest.raises(ValueError):
+        stats.noise_from_stock_runs([(a[:4], a[:4]), (a[:8], a[:8])])
+
+
+def _estimate(gain: float, se: float = 0.002, n: int = 32) -> stats.GainEstimate:
+    half = 1.7 * se
+    return stats.GainEstimate(gain=gain, lower_bound=gain - half, upper_bound=gain + half, std_err=se, n=n,
+                              per_trial_log_r=())
+
+
+def test_bar_is_1_percent_plus_twice_noise_or_3_percent_for_changed_outputs():
+    assert stats.promotion_bar(0.004, True) == pytest.approx(math.log(1.01) + 0.008)
+    assert stats.promotion_bar(0.004, False) == pytest.approx(math.log(1.03))
+    assert stats.promotion_bar(0.02, False) == pytest.approx(math.log(1.01) + 0.04)  # noise raises it past 3%
+    d = stats.decide(_estimate(0.025), 0.004, outputs_identical=True)
+    assert d.promoted and d.rule == "promoted" and d.bar == pytest.approx(math.log(1.01) + 0.008)
+    d = stats.decide(_estimate(0.025), 0.004, outputs_identical=False, forcing_passed=True)
+    assert not d.promoted and d.rule == "below_bar" and d.bar == pytest.approx(math.log(1.03))
+
+
+def test_forcing_rules():
+    good = _estimate(0.10)
+    assert stats.decide(good, 0.004, outputs_identical=False, forcing_passed=True).promoted
+    assert stats.decide(good, 0.004, outputs_identical=False).rule == "forcing_missing"
+    assert stats.decide(good, 0.004, outputs_identical=False, forcing_passed=False).rule == "forcing_failed"
+    assert stats.decide(good, 0.004, outputs_identical=True, forcing_passed=False).rule == "forcing_failed"
+    assert stats.decide(good, 0.004, outputs_identical=True).promoted  # identical outputs need no forcing
+
+
+def test_speedup_beyond_the_ceiling_is_a_measurement_fault():
+    d = stats.decide(_estimate(math.log(2.5)), 0.004, outputs_identical=True, ceiling=2.0)
+    assert d.decision == "reject" and d.rule == "ceiling" and "measurement fault" in d.reason
+    assert stats.decide(_estimate(math.log(1.9)), 0.004, outputs_identical=True, ceiling=2.0).promoted
+    assert stats.decide(_estimate(math.log(2.5)), 0.004, outputs_identical=True, ceiling=0.0).promoted  # unknown
+
+
+def test_unusable_estimates_are_rejected():
+    assert stats.decide(_estimate(float("nan")), 0.004, True).rule == "bad_estimate"
+    assert stats.decide(_estimate(0.1), float("inf"), True).rule == "bad_estimate"
+    assert stats.decide(_estimate(0.1, n=1), 0.004, True).rule == "bad_estimate"
+
+
+def test_decision_fills_a_verdict_event():
+    rng = np.random.default_rng(9)
+    a, b = simulate(rng, 1, stats.DEFAULT_TRIALS, math.log(1.2), 0.02)
+    stock_a, stock_b = simulate(rng, 1, stats.DEFAULT_TRIALS, 0.0, 0.02)
+    noise = stats.noise_from_stock_runs([(stock_a[0], stock_b[0])])
+    d = stats.decide(stats.paired_gain(a[0], b[0]), noise, outputs_identical=True, ceiling=3.0)
+    assert d.promoted
+    v = schema.VerdictIssued(patch_id="p1", **d.verdict_fields())
+    back = schema.decode(schema.encode(v))
+    assert back.decision == "promote" and back.gain == pytest.approx(d.gain) and back.bar == d.bar
+    assert back.n_trials == stats.DEFAULT_TRIALS and back.ceiling == 3.0 and back.noise == d.noise
+    assert set(d.as_dict()) >= {"gain", "lower_bound", "upper_bound", "std_err", "bar", "noise", "speedup"}
