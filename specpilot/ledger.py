@@ -159,9 +159,17 @@ class Ledger:
                projection: projections.State | None = None) -> list[Incoming]:
         """Record a batch in one transaction; returns the events that were new (others were known).
 
-        ``projection`` is folded with the new events and written in the same transaction.
+        ``projection`` is folded with the new events and written in the same transaction. Most
+        batches hold no redelivered event, so the first attempt skips the look-up of known ids; a
+        primary-key conflict rolls back and retries with it.
         """
-        seen: set[str] = self.known([i.event.event_id for i in batch])
+        try:
+            return self._append(batch, dead, projection, set())
+        except duckdb.ConstraintException:
+            return self._append(batch, dead, projection, self.known([i.event.event_id for i in batch]))
+
+    def _append(self, batch: list[Incoming], dead: list[DeadLetter] | tuple, projection: projections.State | None,
+                seen: set[str]) -> list[Incoming]:
         fresh: list[Incoming] = []
         for item in batch:
             if item.event.event_id not in seen:

@@ -31,6 +31,8 @@ from services.controller.systems import Systems
 from specpilot import schema
 from specpilot.paths import REPO_ROOT
 
+WARMUP_TOKENS = 8
+
 
 @dataclass(frozen=True)
 class System:
@@ -69,6 +71,7 @@ class Evaluator:
         self.systems = Systems(self.root / "systems")
         self._references: dict[str, list[list[int]]] = {}
         self._prompts: dict[str, list[list[int]]] = {}
+        self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -112,8 +115,15 @@ class Evaluator:
 
     def sandbox(self, commit: str, workdir: Path) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
-        return Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=self.device,
-                       limits=self.limits, threads=self.threads)
+        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=self.device,
+                      limits=self.limits, threads=self.threads)
+        self._active[id(sbx)] = sbx
+        return sbx
+
+    def abort(self) -> None:
+        """Kill every running sandbox (the service is stopping); the work in progress fails fast."""
+        for sbx in list(self._active.values()):
+            sbx.kill()
 
     def run(self, system: System, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
         """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
@@ -121,8 +131,11 @@ class Evaluator:
             worker = Worker(sbx, self.python, self.deployment, system.options, device=self.device,
                             ready_timeout_s=self.limits.wall_s)
             try:
-                # One untimed request first: lazy initialisation in a fresh process is not the system's speed.
-                worker.generate(prompts[0], self.max_new_tokens, timeout=self.limits.wall_s)
+                # One short untimed request first: lazy initialisation in a fresh process is not the
+                # system's speed. Its tokens are checked like any other (a prefix of the reference).
+                warm, _ = worker.generate(prompts[0], WARMUP_TOKENS, timeout=self.limits.wall_s)
+                if len(warm) > WARMUP_TOKENS:
+                    raise WorkerFailed(f"asked for {WARMUP_TOKENS} tokens, got {len(warm)}")
                 outs, times = [], []
                 for p in prompts:
                     tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
@@ -131,6 +144,7 @@ class Evaluator:
                 return outs, times
             finally:
                 worker.close()
+                self._active.pop(id(sbx), None)
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:
@@ -150,6 +164,7 @@ class Evaluator:
         candidate = System(commit, {**best.options, **patch.options})
         with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(commit, Path(tmp)) as sbx:
             info = sbx.describe()
+            self._active.pop(id(sbx), None)
         try:
             defaults, _ = self.run(System(commit, best.options), self.prompts())
         except WorkerFailed as exc:

@@ -107,6 +107,8 @@ class Controller:
                     worker.result()
         finally:
             worker.cancel()
+            for ev in self.evaluators.values():
+                ev.abort()
 
     async def _work(self, work: asyncio.Queue) -> None:
         while True:

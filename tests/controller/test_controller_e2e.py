@@ -17,10 +17,12 @@ from tests.backbone.helpers import sql
 from tests.conftest import connect_as, spawn_service, wait_for_services
 from tests.controller import patches
 
-pytestmark = [pytest.mark.slow,
+# ~10 minutes on an idle 2-core machine (30 sandboxed SmolLM2 workers): left out of the default run.
+pytestmark = [pytest.mark.long, pytest.mark.timeout(3600),
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")]
 
-CONTROLLER_FLAGS = ["--trials", "4", "--requests", "2", "--max-new-tokens", "64", "--wall-s", "300"]
+# Two trials keep this test to minutes; the statistics have their own tests (test_stats.py).
+CONTROLLER_FLAGS = ["--trials", "2", "--requests", "2", "--max-new-tokens", "64", "--wall-s", "300"]
 TEST_FILE = "tests/engine/test_x.py"
 REQUESTS_FILE = "deployments/chat_prompts.json"
 
@@ -71,7 +73,7 @@ def test_patches_end_to_end_on_smollm2(server):
             await b.close()
 
         asyncio.run(propose())
-        _wait_verdicts(server, list(proposals), timeout=1500)
+        _wait_verdicts(server, list(proposals), timeout=3300)
         s = {name: _story(server, name) for name in proposals}
 
         # policy: harness, tests and request sets are refused before anything runs
@@ -84,10 +86,10 @@ def test_patches_end_to_end_on_smollm2(server):
         # a sleep is slower, never promoted; raw samples are in the timing event
         v = s["sleep"]["verdict.issued"][0]
         timing = s["sleep"]["timing.measured"][0]
-        assert v["decision"] == "reject" and v["gain"] < 0 and len(timing["candidate_s"]) == 4
+        assert v["decision"] == "reject" and v["gain"] < 0 and len(timing["candidate_s"]) == 2
         # tree verification gets a verdict with its statistics
         v = s["tree"]["verdict.issued"][0]
-        assert v["n_trials"] == 4 and v["bar"] > 0 and v["lower_bound"] <= v["gain"] <= v["upper_bound"]
+        assert v["n_trials"] == 2 and v["bar"] > 0 and v["lower_bound"] <= v["gain"] <= v["upper_bound"]
         assert v["outputs_identical"] is True and v["decision"] in ("promote", "reject")
         # faulty and fast: outputs change, forcing rejects, so does the verdict
         f = s["faulty"]["forcing.reported"][0]

@@ -1,0 +1,82 @@
+"""Controller benchmark: stock-versus-stock timing noise and the time to a verdict.
+
+Runs the controller's own timing (sandboxed fresh workers, ABBA trials, controller clock) with the
+stock system on both sides, ``--runs`` times, and reports:
+- the per-trial SD of log r (how noisy one paired trial is),
+- the noise of the gain estimate at ``--trials`` trials (``stats.noise_from_stock_runs``),
+- the false-promotion check: how many stock-vs-stock runs the promotion rule would promote (must be 0),
+- seconds per trial and per verdict (one noise-free verdict = one timing experiment).
+Prints a table and, last, one JSON line.
+
+    python bench/controller_noise.py --deployment smollm2-cpu --trials 8 --runs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from services.controller import stats  # noqa: E402
+from services.controller.evaluate import Evaluator, System  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--deployment", default="smollm2-cpu")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS)
+    ap.add_argument("--runs", type=int, default=2, help="stock-vs-stock experiments")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
+    args = ap.parse_args()
+    data = args.data or Path(tempfile.mkdtemp(prefix="sp-noise-"))
+    console = Console(stderr=True)
+    ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
+                   max_new_tokens=args.max_new_tokens, trials=args.trials)
+    with console.status("preparing stock"):
+        stock = System(ev.prepare())
+        ev.reference(stock)
+    runs, seconds = [], []
+    for i in range(args.runs):
+        with console.status(f"stock vs stock, run {i + 1}/{args.runs} ({args.trials} trials)"):
+            t0 = time.perf_counter()
+            trial = ev.time(stock, stock)
+            seconds.append(time.perf_counter() - t0)
+        if trial.problem:
+            raise SystemExit(f"timing failed: {trial.problem}")
+        runs.append((trial.incumbent_s, trial.candidate_s))
+    noise = stats.noise_from_stock_runs(runs)
+    decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
+    gains = [stats.paired_gain(a, b).gain for a, b in runs]
+    result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
+              "trials": args.trials, "runs": args.runs, "requests": args.requests,
+              "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
+              "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
+              "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),
+              "seconds_per_trial": sum(seconds) / (args.runs * args.trials),
+              "seconds_per_verdict": sum(seconds) / args.runs}
+    table = Table(title=f"stock vs stock on {args.deployment} ({args.device})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("per-trial SD of log r", f"{noise.per_trial_sd:.4f}")
+    table.add_row(f"noise of the gain at {args.trials} trials", f"{noise.noise:.4f} ({100 * noise.noise:.2f}%)")
+    table.add_row("gains of the stock-vs-stock runs", ", ".join(f"{g:+.4f}" for g in gains))
+    table.add_row("false promotions", f"{result['false_promotions']} / {args.runs}")
+    table.add_row("seconds per trial / per verdict", f"{result['seconds_per_trial']:.1f} / {result['seconds_per_verdict']:.0f}")
+    Console().print(table)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
