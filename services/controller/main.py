@@ -241,12 +241,14 @@ def add_args(parser) -> None:
     parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
     parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads per worker (1 keeps timings steady on a shared machine)")
 
 
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
-          "limits": Limits(wall_s=a.wall_s)}
+          "limits": Limits(wall_s=a.wall_s), "threads": a.threads}
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
         await Controller(cfg.data, b, device=a.device, evaluator_kw=kw).run(stop)

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(3600),
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")]
 
 # Two trials keep this test to minutes; the statistics have their own tests (test_stats.py).
-CONTROLLER_FLAGS = ["--trials", "2", "--requests", "2", "--max-new-tokens", "64", "--wall-s", "300"]
+CONTROLLER_FLAGS = ["--trials", "2", "--requests", "2", "--max-new-tokens", "64", "--wall-s", "300", "--threads", "1"]
 TEST_FILE = "tests/engine/test_x.py"
 REQUESTS_FILE = "deployments/chat_prompts.json"
 

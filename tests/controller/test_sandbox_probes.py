@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory):
     data = tmp_path_factory.mktemp("ctl")
-    kw = {"n_requests": 2, "max_new_tokens": 16, "trials": 2,
+    kw = {"n_requests": 2, "max_new_tokens": 16, "trials": 2, "threads": 1,
           "limits": Limits(wall_s=40.0, memory_bytes=3 << 30, pids=64)}
     return Controller(data, None, evaluator_kw=kw)
 
