@@ -1,0 +1,141 @@
+"""The engine's public entry point for harnesses: load once, then generate token ids.
+
+    engine = load_engine("smollm2-cpu", {"verify": "tree"})   # a deployment name/path or a model name
+    ids = engine.tokenize("Write a haiku.", chat=True)
+    result = engine.generate(ids, max_new_tokens=64)          # GenerationResult
+    text = engine.detokenize(result.tokens)
+
+`load_engine` applies every option that changes the model (dtype, weight format, LM head,
+compile) and builds the drafter. `Engine.generate` is greedy; it raises ValueError on an empty
+prompt or one that does not fit the model's context. The engine is single-request (batch 1) and
+not thread-safe; it reuses one KV cache, grown when a request needs more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.decode import DecodeConfig, Generation, generate
+from engine.deployment import Deployment, deployment_path, load_deployment
+from engine.drafters import make_drafter
+from engine.model import CONFIGS, Transformer
+from engine.options import EngineOptions, OptionValue, options_from_dict
+from engine.weights import Tokenizer, load_model
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]  # output ids (prompt excluded), a final stop token included
+    steps: int  # target forwards after the prefill
+    accepted_per_step: list[int]  # tokens committed by each step, bonus token included
+    draft_s: list[float]
+    verify_s: list[float]
+    prefill_s: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per step (the prefill's first token excluded)."""
+        return sum(self.accepted_per_step) / max(1, self.steps)
+
+    @classmethod
+    def from_generation(cls, g: Generation) -> GenerationResult:
+        return cls(g.tokens, g.steps, g.committed, g.draft_s, g.verify_s, g.prefill_s)
+
+
+def _round_up(n: int, m: int = 256) -> int:
+    return (n + m - 1) // m * m
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, options: EngineOptions,
+                 deployment: Deployment | None = None, data_dir: Path | None = None):
+        self.model, self.tokenizer, self.options, self.deployment = model, tokenizer, options, deployment
+        self.cfg = model.cfg
+        self.drafter = make_drafter(options, model, data_dir)
+        self.decode_cfg = DecodeConfig(block_size=options.block_size, tree=options.verify == "tree",
+                                       tree_nodes=options.tree_nodes)
+        self._cache = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def _cache_for(self, slots: int):
+        if self._cache is None or self._cache.max_len < slots:
+            self._cache = None  # free the old buffers before allocating the new ones
+            self._cache = self.model.new_cache(min(_round_up(slots), self.cfg.max_seq_len + self.options.tree_nodes + 1))
+        return self._cache
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: generation needs at least one prompt token")
+        if bad := [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]:
+            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceed "
+                             f"the model's context of {self.cfg.max_seq_len} tokens")
+        # Room for the longest output plus one tree's worth of speculative slots.
+        cache = self._cache_for(len(prompt_ids) + max_new_tokens + self.options.tree_nodes + 1)
+        g = generate(self.model, cache, prompt_ids, max_new_tokens, self.drafter, self.decode_cfg,
+                     self.cfg.stop_ids)
+        return GenerationResult.from_generation(g)
+
+    def tokenize(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``chat`` wrapped in the model's chat template (one user turn)."""
+        return self.tokenizer.encode(self.tokenizer.chat_prompt(text) if chat else text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
+    """Options that change the target model itself (not the decoding loop)."""
+    if opts.weight_format == "w12":
+        try:
+            from kernels.w12 import quantize_model_linears
+        except ImportError as e:
+            raise ImportError(f"weight_format='w12' needs kernels.w12.quantize_model_linears ({e})") from e
+        quantize_model_linears(model, include_lm_head=False)
+    if opts.lm_head == "fp32":
+        model.use_fp32_head()
+    if opts.compile:
+        # dynamic=True: block sizes and cache lengths vary step to step; one graph serves them all.
+        model.forward = torch.compile(model.forward, dynamic=True)
+    return model
+
+
+def load_engine(deployment_or_model: str | Path | Deployment = "smollm2-cpu",
+                options: EngineOptions | dict[str, OptionValue] | None = None,
+                device: str | None = None, data_dir: Path | None = None) -> Engine:
+    """An engine for a deployment (name, path or object) or a bare model name (``CONFIGS``).
+
+    ``options`` are overrides on the deployment's stock options (a dict as the controller sends,
+    or EngineOptions); ``device`` overrides the deployment's device. For a bare model name the
+    base is `EngineOptions()` with dtype fp32 and device cpu unless given.
+    """
+    dep: Deployment | None
+    if isinstance(deployment_or_model, Deployment):
+        dep = deployment_or_model
+    elif isinstance(deployment_or_model, str) and deployment_or_model in CONFIGS \
+            and not deployment_path(deployment_or_model).is_file():
+        dep = None
+    else:
+        dep = load_deployment(deployment_or_model)
+    if dep is not None:
+        opts = dep.options(options)
+        target, device = dep.target, device or dep.device
+    else:
+        opts = options if isinstance(options, EngineOptions) else options_from_dict(options or {})
+        opts = opts.resolved(dtype="fp32")
+        target, device = str(deployment_or_model), device or "cpu"
+    model, tokenizer = load_model(target, dtype=opts.dtype, device=device, data_dir=data_dir)
+    model = apply_model_options(model, opts)
+    return Engine(model, tokenizer, opts, dep, data_dir)

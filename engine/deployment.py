@@ -1,0 +1,99 @@
+"""Deployments: one target, one drafter, one device kind, one serving mode, one request set.
+
+A deployment is a TOML file in ``deployments/`` (or any path). `load_deployment(name_or_path)`
+parses and validates it into a frozen `Deployment`; unknown keys are refused. The deployment's
+``drafter``, ``block_size`` and ``dtype`` (and any ``[options]`` table) are the *stock* engine
+options of that deployment: `Deployment.options(overrides)` layers a patch's option settings on
+top of them, so ``{}`` always means stock.
+
+The embedded default is ``smollm2-cpu``. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.model import CONFIGS
+from engine.options import EngineOptions, OptionValue, options_from_dict
+
+DEPLOYMENTS_DIR = Path(__file__).resolve().parent.parent / "deployments"
+DEFAULT_DEPLOYMENT = "smollm2-cpu"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    target: str  # a model in engine.model.CONFIGS
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "fp32"  # the deployment's stock dtype ("fp32" | "bf16")
+    mode: str = "batch1"  # serving mode: one request at a time, greedy
+    drafter: str = "ngram"
+    block_size: int = 4
+    request_sets: tuple[str, ...] = ("humaneval", "chat")
+    max_new_tokens: int = 128
+    split_seed: int = 0
+    sealed_fraction: float = 0.5  # share of each request set only the controller may read
+    bench_requests: int = 8  # dev requests `specpilot bench` times by default
+    source: str = "engine"  # the source tree under optimisation
+    worker: str = "engine.worker"  # module run as `python -m <worker>` for timing
+    forcing_target: str = ""  # the model the forcer replays outputs through ("" = target)
+    extra_options: dict[str, OptionValue] = field(default_factory=dict)  # the TOML's [options] table
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.target not in CONFIGS:
+            raise ValueError(f"deployment {self.name!r}: unknown target {self.target!r}; known: {', '.join(CONFIGS)}")
+        if self.mode != "batch1":
+            raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
+        if not 0.0 < self.sealed_fraction < 1.0:
+            raise ValueError(f"deployment {self.name!r}: sealed_fraction must be in (0, 1)")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"deployment {self.name!r}: device must be cpu or cuda[:N], got {self.device!r}")
+        from engine.requests import REQUEST_SETS
+
+        unknown = [s for s in self.request_sets if s not in REQUEST_SETS]
+        if unknown:
+            raise ValueError(f"deployment {self.name!r}: unknown request sets {unknown}; known: {', '.join(REQUEST_SETS)}")
+        self.options()  # validates drafter, block_size, dtype and [options] now, not at first use
+
+    def stock_options(self) -> EngineOptions:
+        base = {"drafter": self.drafter, "block_size": self.block_size, "dtype": self.dtype}
+        return options_from_dict({**base, **self.extra_options})
+
+    def options(self, overrides: dict[str, OptionValue] | EngineOptions | None = None) -> EngineOptions:
+        """Stock options of this deployment with ``overrides`` (a patch's option dict) applied."""
+        if isinstance(overrides, EngineOptions):
+            return overrides.resolved(dtype=self.dtype)
+        return options_from_dict(overrides or {}, self.stock_options()).resolved(dtype=self.dtype)
+
+
+def deployment_path(name_or_path: str | Path) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.is_file():
+        return p
+    return DEPLOYMENTS_DIR / f"{name_or_path}.toml"
+
+
+def list_deployments() -> list[str]:
+    return sorted(p.stem for p in DEPLOYMENTS_DIR.glob("*.toml"))
+
+
+def load_deployment(name_or_path: str | Path = DEFAULT_DEPLOYMENT) -> Deployment:
+    """Parse a deployment by name (``deployments/<name>.toml``) or path."""
+    path = deployment_path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no deployment {str(name_or_path)!r} (looked for {path}); "
+                                f"known: {', '.join(list_deployments())}")
+    data = tomllib.loads(path.read_text())
+    data.setdefault("name", path.stem)
+    data["extra_options"] = data.pop("options", {})
+    allowed = {f.name for f in dataclasses.fields(Deployment)} - {"path", "extra_options"} | {"options"}
+    unknown = sorted(set(data) - allowed - {"extra_options"})
+    if unknown:
+        raise ValueError(f"{path}: unknown deployment key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+    if "request_sets" in data:
+        data["request_sets"] = tuple(data["request_sets"])
+    return Deployment(**data, path=str(path))

@@ -1,0 +1,47 @@
+"""Drafters: propose continuations of the committed context for the target to verify.
+
+The contract every drafter meets (`Drafter`):
+
+    propose(context, last_hidden, k, n) -> list[Candidate]
+
+- ``context``: every committed token (prompt + output so far); its last token is the root of the
+  next verification, i.e. the bonus token of the previous step.
+- ``last_hidden``: the target's final-norm hidden state at the token *before* the root (the one
+  whose logits chose the root), shape [dim]; drafters that read the target use it.
+- ``k``: the longest continuation wanted; ``n``: about how many candidates are useful (1 for a
+  chain, the tree's node budget for trees).
+- Candidates come back best first, each with a score per prefix (see `engine.tree.Candidate`);
+  an empty list means "no guess" and the step degenerates to one AR step.
+
+`reset()` is called before each request. Drafters never see the target's logits and never decide
+acceptance, so no drafter can change what the engine emits, only how fast.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from engine.tree import Candidate
+
+
+class Drafter(Protocol):
+    def reset(self) -> None: ...
+
+    def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]: ...
+
+
+def make_drafter(opts, model, data_dir=None) -> Drafter | None:
+    """The drafter ``opts.drafter`` names, for ``model`` (None for plain AR decoding)."""
+    if opts.drafter == "none":
+        return None
+    if opts.drafter == "ngram":
+        from engine.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(max_match=opts.ngram_max_match, min_match=opts.ngram_min_match)
+    if opts.drafter == "parallel":
+        from engine.drafters.parallel import load_parallel_drafter
+
+        return load_parallel_drafter(model, opts.drafter_weights or None)
+    raise ValueError(f"unknown drafter {opts.drafter!r}")

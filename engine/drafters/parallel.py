@@ -1,0 +1,165 @@
+"""Parallel drafter: K draft tokens in one small forward from the target's last hidden state.
+
+Inputs (all from the target, nothing re-run): the final-norm hidden state ``h_t`` that chose the
+root token ``x_{t+1}``, and the target's embeddings of the last ``n_context`` committed tokens
+(root included). One pass of a small network predicts ``x_{t+2} .. x_{t+1+K}`` at once:
+
+    z   = W_in [norm(h_t); norm(e(x_{t+1})); norm(e(x_t)); ...]       shared trunk
+    a_k = Trunk(z + pos_k);  a_k = Head_k(a_k)                          one residual block per position
+    logits_k = norm(W_out a_k) . E_d^T + b                               E_d: the target's embedding rows
+                                                                         of a small draft vocabulary
+
+The output layer reuses the target's (frozen) embedding rows of the ``draft_vocab`` most frequent
+tokens, so drafting stays cheap (a few MB read per step) and the file stays small; only the
+trunk, heads and projections are trained (`engine.drafters.train`). Positions are predicted
+independently, so a candidate's score is the product of its tokens' probabilities; trees come
+from a beam over positions.
+
+The weights file records the target it was trained for, the draft vocabulary, the hash of its
+training data and its figures. A drafter only proposes: acceptance stays exact greedy matching
+in `engine.tree`, so a poor drafter costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.tree import Candidate
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DEFAULT_WEIGHTS = {"smollm2-135m": WEIGHTS_DIR / "smollm2_parallel.pt"}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    target: str  # engine.model.CONFIGS name of the target
+    dim: int  # target hidden size
+    width: int = 576  # drafter hidden size
+    k: int = 4  # positions drafted per pass
+    n_context: int = 3  # committed tokens embedded (root included)
+    draft_vocab: int = 4096
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = _Norm(width)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+        nn.init.zeros_(self.down.weight)  # each block starts as the identity
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+class ParallelDrafterNet(nn.Module):
+    def __init__(self, cfg: ParallelConfig, vocab_ids: Tensor, target_embed: Tensor):
+        super().__init__()
+        self.cfg = cfg
+        d, w = cfg.dim, cfg.width
+        self.in_norms = nn.ModuleList(_Norm(d) for _ in range(1 + cfg.n_context))
+        self.inp = nn.Linear((1 + cfg.n_context) * d, w, bias=False)
+        self.pos = nn.Parameter(torch.zeros(cfg.k, w))
+        self.trunk = _Residual(w, 2 * w)
+        self.heads = nn.ModuleList(_Residual(w, w // 2) for _ in range(cfg.k))
+        self.out = nn.Linear(w, d, bias=False)
+        self.out_norm = _Norm(d)
+        self.bias = nn.Parameter(torch.zeros(cfg.draft_vocab))
+        # Frozen, not saved: they come from the target at load time.
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
+        self.register_buffer("embed", target_embed, persistent=False)  # [V, d], the target's
+        self.register_buffer("out_embed", target_embed[vocab_ids.long()].clone(), persistent=False)
+
+    def forward(self, hidden: Tensor, ctx_tokens: Tensor) -> Tensor:
+        """hidden [B, d], ctx_tokens [B, n_context] (oldest first, root last) -> logits [B, k, draft_vocab]."""
+        parts = [self.in_norms[0](hidden)]
+        e = self.embed[ctx_tokens]  # [B, n_context, d]
+        parts += [self.in_norms[1 + i](e[:, -1 - i]) for i in range(self.cfg.n_context)]  # root first
+        z = self.inp(torch.cat(parts, dim=-1))
+        a = self.trunk(z[:, None, :] + self.pos)  # [B, k, w]
+        a = torch.stack([head(a[:, i]) for i, head in enumerate(self.heads)], dim=1)
+        u = self.out_norm(self.out(a))
+        return u @ self.out_embed.T + self.bias
+
+
+class ParallelDrafter:
+    """The `engine.drafters.Drafter` over a trained `ParallelDrafterNet`."""
+
+    def __init__(self, net: ParallelDrafterNet, beam_top: int = 4):
+        self.net = net.eval()
+        self.cfg = net.cfg
+        self.beam_top = beam_top
+
+    def reset(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
+        if last_hidden is None or k <= 0:
+            return []
+        k = min(k, self.cfg.k)
+        ctx = context[-self.cfg.n_context:]
+        ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
+        net = self.net
+        h = last_hidden.reshape(1, -1).to(net.out_embed.dtype)
+        logits = net(h, torch.tensor([ctx], device=h.device))[0, :k]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if n <= 1:
+            best, idx = logp.max(dim=-1)
+            tokens = net.vocab_ids[idx].tolist()
+            scores = best.cumsum(0).exp().tolist()
+            return [Candidate(tuple(tokens), tuple(scores))]
+        top = min(self.beam_top, logp.shape[-1])
+        vals, idx = logp.topk(top, dim=-1)
+        vals, toks = vals.tolist(), net.vocab_ids[idx].tolist()
+        # Beam over positions (independent marginals): keep the n best prefixes at each depth.
+        beams: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = [(0.0, (), ())]
+        for d in range(k):
+            grown = [(s + vals[d][j], t + (toks[d][j],), c + (s + vals[d][j],))
+                     for s, t, c in beams for j in range(top)]
+            beams = heapq.nlargest(n, grown, key=lambda b: b[0])
+        return [Candidate(t, tuple(math.exp(x) for x in c)) for _, t, c in beams]
+
+
+def save_drafter(path: Path, net: ParallelDrafterNet, meta: dict) -> None:
+    """Weights in fp16 (the file stays small), the draft vocabulary, the config and ``meta``."""
+    state = {k: v.detach().to(torch.float16).cpu() for k, v in net.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"format": 1, "config": asdict(net.cfg), "vocab_ids": net.vocab_ids.to(torch.int32).cpu(),
+                "state": state, "meta": meta}, tmp)
+    tmp.replace(path)
+
+
+def load_parallel_drafter(model, path: Path | str | None = None) -> ParallelDrafter:
+    """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file."""
+    name = model.cfg.name
+    path = Path(path) if path else DEFAULT_WEIGHTS.get(name)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"no parallel drafter weights for target {name!r} (looked for {path}); "
+                                f"train them with `specpilot drafter train --deployment <a deployment of {name}> --out <file>`")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    cfg = ParallelConfig(**blob["config"])
+    if cfg.target != name or cfg.dim != model.cfg.dim:
+        raise ValueError(f"{path} was trained for {cfg.target!r} (dim {cfg.dim}), not {name!r}")
+    embed = model.embed.weight.detach()
+    net = ParallelDrafterNet(cfg, blob["vocab_ids"].to(embed.device), embed)
+    net.load_state_dict({k: v.float() for k, v in blob["state"].items()})
+    net = net.to(device=embed.device, dtype=embed.dtype)
+    return ParallelDrafter(net)

@@ -1,0 +1,48 @@
+"""`specpilot bench` end to end on the tiny deployment: every figure present and consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import bench
+
+
+def test_bench_tiny(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    rc = bench.main(["--deployment", "tiny-cpu", "--limit", "2", "--max-new-tokens", "24", "--ns", "1,3",
+                     "--threads", "1", "--out", str(tmp_path), "--verify", "tree"])
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    r = json.loads(last)
+    assert r["bench"] == "engine" and r["options"]["verify"] == "tree" and r["requests"] == 2
+    rows = r["sweep"]["rows"]
+    assert [row["n"] for row in rows] == [1, 3]
+    for row in rows:
+        assert 1.0 <= row["tau"] <= row["n"] + 1
+        assert row["S"] == pytest.approx(row["tau"] / row["c"])
+    e = r["e2e"]
+    assert e["pairs"] == 2 and e["identical_outputs"] == 1.0 and e["ci95"][0] <= e["speedup"] <= e["ci95"][1]
+    prof = r["profile_ms"]
+    for cls in ("attention", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "lm_head", "norms", "drafter", "host_overhead"):
+        assert prof[cls] >= 0.0, cls
+    assert prof["step_total"] > 0
+    # transformers' greedy decoding on our converted weights emits our AR tokens.
+    assert r["peer"]["greedy_matches_engine"] == 1.0, r["peer"]
+    assert (tmp_path / "tau.png").stat().st_size > 1000 and (tmp_path / "speedup.png").is_file()
+    assert json.loads((tmp_path / "bench.json").read_text())["e2e"] == e
+
+
+def test_cli_registers_bench_and_drafter_train():
+    import argparse
+
+    from engine.cli import add_commands
+
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="command"))
+    args = p.parse_args(["bench", "--deployment", "tiny-cpu", "--block-size", "2"])
+    assert args.func.__name__ == "_bench" and args.opt_block_size == 2
+    args = p.parse_args(["drafter", "train"])
+    assert args.func.__name__ == "_drafter_train"

@@ -1,0 +1,70 @@
+"""Deployments and request sets: parsing, stock options, the dev/sealed split."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.deployment import list_deployments, load_deployment
+from engine.requests import REQUEST_SETS, load_requests, split_of
+
+
+def test_shipped_deployments_load():
+    assert {"smollm2-cpu", "smollm2-h200", "tiny-cpu"} <= set(list_deployments())
+    for name in list_deployments():
+        d = load_deployment(name)
+        assert d.name == name and d.options().dtype in ("fp32", "bf16")
+    d = load_deployment("smollm2-cpu")
+    assert (d.target, d.device, d.dtype, d.drafter, d.block_size) == ("smollm2-135m", "cpu", "fp32", "ngram", 4)
+    assert load_deployment("smollm2-h200").options().dtype == "bf16"
+
+
+def test_deployment_options_layer_overrides_on_stock():
+    d = load_deployment("smollm2-h200")
+    assert d.options() == d.options({})
+    o = d.options({"verify": "tree", "dtype": "fp32"})
+    assert (o.verify, o.dtype, o.block_size) == ("tree", "fp32", 4)
+    assert o.changed() == {"verify": "tree", "dtype": "fp32"}
+    from engine.options import EngineOptions
+
+    assert EngineOptions.for_deployment(d, {"verify": "tree", "dtype": "fp32"}) == o
+
+
+def test_bad_deployment_files(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text('target = "tiny"\nspeed = 3\n')
+    with pytest.raises(ValueError, match=r"unknown deployment key\(s\) \['speed'\]"):
+        load_deployment(p)
+    p.write_text('target = "gpt5"\n')
+    with pytest.raises(ValueError, match="unknown target 'gpt5'"):
+        load_deployment(p)
+    p.write_text('target = "tiny"\ndrafter = "eagle"\n')
+    with pytest.raises(ValueError, match="unknown value 'eagle' for option 'drafter'"):
+        load_deployment(p)
+    p.write_text('target = "tiny"\nrequest_sets = ["mmlu"]\n')
+    with pytest.raises(ValueError, match="unknown request sets"):
+        load_deployment(p)
+    p.write_text('target = "tiny"\n[options]\nverify = "tree"\n')
+    assert load_deployment(p).options().verify == "tree"
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    d = load_deployment("smollm2-cpu")
+    dev, sealed, every = (load_requests(d, s) for s in ("dev", "sealed", "all"))
+    ids = lambda rs: {r.id for r in rs}  # noqa: E731
+    assert ids(dev).isdisjoint(ids(sealed)) and ids(dev) | ids(sealed) == ids(every)
+    assert len(every) == 164 + len(REQUEST_SETS["chat"]())
+    assert 0.35 < len(sealed) / len(every) < 0.65
+    assert [r.id for r in load_requests(d, "dev")] == [r.id for r in dev]
+    assert {r.set for r in dev[:2]} == {"humaneval", "chat"}  # interleaved
+    assert all(r.chat for r in dev if r.set == "chat") and not any(r.chat for r in dev if r.set == "humaneval")
+    # The split of an id depends only on (seed, id).
+    assert split_of("chat/chat-001", 0, 0.5) == split_of("chat/chat-001", 0, 0.5)
+    assert len({split_of(f"x/{i}", 1, 0.5) for i in range(20)}) == 2
+    with pytest.raises(ValueError, match="unknown split"):
+        load_requests(d, "test")
+
+
+def test_chat_prompts_are_unique_and_substantial():
+    reqs = REQUEST_SETS["chat"]()
+    assert len(reqs) >= 40 and len({r.id for r in reqs}) == len(reqs)
+    assert all(len(r.text) > 15 for r in reqs)

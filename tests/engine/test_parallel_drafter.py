@@ -1,0 +1,107 @@
+"""The parallel drafter: its proposals, its weights file, and the training helpers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.drafters.parallel import (
+    DEFAULT_WEIGHTS,
+    ParallelConfig,
+    ParallelDrafter,
+    ParallelDrafterNet,
+    load_parallel_drafter,
+    save_drafter,
+)
+from engine.drafters.train import generate_batch, make_examples, to_draft_ids
+from tests.engine.conftest import make_engine
+
+
+def random_drafter(model, k: int = 4, vocab: int = 64, seed: int = 0) -> ParallelDrafter:
+    torch.manual_seed(seed)
+    cfg = ParallelConfig(target=model.cfg.name, dim=model.cfg.dim, width=32, k=k, draft_vocab=vocab)
+    net = ParallelDrafterNet(cfg, torch.randperm(model.cfg.vocab_size)[:vocab], model.embed.weight.detach())
+    for p in net.parameters():  # make the (identity-initialised) blocks do something
+        torch.nn.init.normal_(p, std=0.5)
+    return ParallelDrafter(net)
+
+
+def test_proposals_chain_and_beam(tiny):
+    model, _ = tiny
+    d = random_drafter(model)
+    h = torch.randn(model.cfg.dim)
+    chain = d.propose([1, 2, 3], h, 3, 1)
+    assert len(chain) == 1 and len(chain[0].tokens) == 3
+    assert set(chain[0].tokens) <= set(d.net.vocab_ids.tolist())
+    s = chain[0].scores
+    assert 1.0 >= s[0] >= s[1] >= s[2] > 0.0
+    beams = d.propose([7], h, 4, 6)  # a context shorter than n_context is padded
+    assert len(beams) == 6 and len({c.tokens for c in beams}) == 6
+    assert beams[0].tokens == tuple(d.propose([7], h, 4, 1)[0].tokens)  # best beam == greedy chain
+    assert [c.scores[-1] for c in beams] == sorted((c.scores[-1] for c in beams), reverse=True)
+    assert d.propose([1], None, 4, 1) == [] and d.propose([1], h, 0, 1) == []
+    assert len(d.propose([1], h, 9, 1)[0].tokens) == 4  # never more than the drafter's k
+
+
+def test_save_load_round_trip_and_target_check(tiny, tmp_path, smollm2):
+    model, _ = tiny
+    d = random_drafter(model)
+    path = tmp_path / "d.pt"
+    save_drafter(path, d.net, {"training_data_sha256": "x" * 64, "figures": {}})
+    loaded = load_parallel_drafter(model, path)
+    h = torch.randn(model.cfg.dim)
+    # fp16 storage: same proposals as the fp32 original on this input.
+    assert loaded.propose([1, 2, 3], h, 4, 1)[0].tokens == d.propose([1, 2, 3], h, 4, 1)[0].tokens
+    with pytest.raises(ValueError, match="trained for 'tiny'"):
+        load_parallel_drafter(smollm2[0], path)
+    with pytest.raises(FileNotFoundError, match="no parallel drafter weights for target 'tiny'"):
+        load_parallel_drafter(model)
+
+
+def test_shipped_weights_are_small_and_documented(smollm2):
+    path = DEFAULT_WEIGHTS["smollm2-135m"]
+    assert path.stat().st_size <= 10_000_000
+    blob = torch.load(path, weights_only=True)
+    meta = blob["meta"]
+    assert len(meta["training_data_sha256"]) == 64
+    assert {"heldout", "measured_tau", "generated_tokens"} <= set(meta["figures"])
+    d = load_parallel_drafter(smollm2[0])
+    assert d.cfg.target == "smollm2-135m" and d.cfg.draft_vocab == len(blob["vocab_ids"])
+
+
+def test_generate_batch_equals_engine_ar_and_examples_line_up(tiny):
+    """Left-padded lockstep generation (the training data) == batch-1 AR decoding, row by row."""
+    model, _ = tiny
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 9, 5)]
+    b = generate_batch(model, prompts, 12, model.cfg.stop_ids)
+    ar = make_engine(tiny, drafter="none")
+    for i, p in enumerate(prompts):
+        ref = ar.generate(p, 12).tokens
+        assert b["tokens"][i, : len(ref)].tolist() == ref
+    ex = make_examples([b], n_context=3, k=4)
+    n0 = int(b["alive"][0].sum())
+    row0 = b["tokens"][0].tolist()
+    # Example g of row 0: context ends at token g; targets are the next 4 tokens (-1 past the end).
+    g = 2
+    assert ex["ctx"][g].tolist() == row0[g - 2: g + 1]
+    assert ex["targets"][g].tolist() == [row0[g + j] if g + j < n0 else -1 for j in range(1, 5)]
+    assert ex["ctx"][0].tolist() == prompts[0][-2:] + row0[:1]
+    assert torch.equal(ex["hidden"][0], b["hidden"][0, 0])
+    ids = to_draft_ids(torch.tensor([[5, -1, 7]]), torch.tensor([7, 9]), 320)
+    assert ids.tolist() == [[-100, -100, 0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiny_parallel_drafter_is_lossless(tiny, seed):
+    model, _ = tiny
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 20))] for _ in range(3)]
+    ref = [make_engine(tiny, drafter="none").generate(p, 48).tokens for p in prompts]
+    for verify, block, nodes in (("chain", 4, 16), ("tree", 4, 12), ("tree", 3, 30)):
+        e = make_engine(tiny, drafter="ngram", verify=verify, block_size=block, tree_nodes=nodes)
+        # Draft vocabulary = every token, so drafts are sometimes right.
+        e.drafter = random_drafter(model, vocab=320, seed=seed)
+        assert [e.generate(p, 48).tokens for p in prompts] == ref
