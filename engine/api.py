@@ -51,10 +51,10 @@ def _round_up(n: int, m: int = 256) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, options: EngineOptions,
-                 deployment: Deployment | None = None, data_dir: Path | None = None):
+                 deployment: Deployment | None = None):
         self.model, self.tokenizer, self.options, self.deployment = model, tokenizer, options, deployment
         self.cfg = model.cfg
-        self.drafter = make_drafter(options, model, data_dir)
+        self.drafter = make_drafter(options, model)
         self.decode_cfg = DecodeConfig(block_size=options.block_size, tree=options.verify == "tree",
                                        tree_nodes=options.tree_nodes)
         self._cache = None
@@ -138,4 +138,4 @@ def load_engine(deployment_or_model: str | Path | Deployment = "smollm2-cpu",
         target, device = str(deployment_or_model), device or "cpu"
     model, tokenizer = load_model(target, dtype=opts.dtype, device=device, data_dir=data_dir)
     model = apply_model_options(model, opts)
-    return Engine(model, tokenizer, opts, dep, data_dir)
+    return Engine(model, tokenizer, opts, dep)

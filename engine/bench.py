@@ -351,8 +351,8 @@ def run(args: argparse.Namespace) -> int:
         model = apply_model_options(load_model(dep.target, dtype=opts.dtype, device=device, data_dir=args.data_dir)[0], opts)
     requests = load_requests(dep, "dev")[:limit]
     prompts = encode_requests(requests, tok)
-    sys_engine = Engine(model, tok, opts, dep, args.data_dir)
-    ar_engine = Engine(stock_model, tok, opts.replace(drafter="none"), dep, args.data_dir)
+    sys_engine = Engine(model, tok, opts, dep)
+    ar_engine = Engine(stock_model, tok, opts.replace(drafter="none"), dep)
     for e in (sys_engine, ar_engine):  # warm-up: first calls at a new shape pay one-off costs
         e.generate(prompts[0], max_new)
 

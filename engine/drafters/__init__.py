@@ -32,7 +32,7 @@ class Drafter(Protocol):
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]: ...
 
 
-def make_drafter(opts, model, data_dir=None) -> Drafter | None:
+def make_drafter(opts, model) -> Drafter | None:
     """The drafter ``opts.drafter`` names, for ``model`` (None for plain AR decoding)."""
     if opts.drafter == "none":
         return None
