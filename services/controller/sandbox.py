@@ -35,11 +35,14 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specpilot.paths import REPO_ROOT
 
 SANDBOX_SRC = "/tmp/src"
 SANDBOX_DATA = "/tmp/data"
@@ -170,6 +173,11 @@ class Sandbox:
         if not self.isolated:
             return cmd
         args = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
+        # The interpreter, its environment and the project (editable install) may live under /tmp
+        # (a CI clone, say): show them again, read-only, before hiding the data directory.
+        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve()}):
+            if str(keep).startswith("/tmp/"):
+                args += ["--ro-bind", str(keep), str(keep)]
         for h in self.hide:
             if Path(h).exists():
                 args += ["--tmpfs", str(Path(h).resolve())]
