@@ -52,6 +52,12 @@ ATOMIC_BATCH = 1000  # the server's default limit on messages per atomic batch
 ERR_BATCH_DUPLICATE_ID = 10201  # "atomic publish batch contains duplicate message id"
 
 
+# Publish failures that a retry with the same message id can heal (the server dedupes it).
+RETRIABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+             nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+             nats.errors.OutboundBufferLimitError)
+
+
 class BusError(UserError):
     pass
 
@@ -192,9 +198,7 @@ class Bus:
             except nats.js.errors.APIError as exc:
                 # A permissions or stream error will not heal by retrying.
                 raise BusError(f"publish to {subject} refused: {exc}") from exc
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
-                    nats.errors.OutboundBufferLimitError) as exc:
+            except RETRIABLE as exc:
                 if time.monotonic() > deadline:
                     raise BusError(f"publish to {subject} not acknowledged within {deadline_s:.0f} s: {exc!r}") from exc
                 await asyncio.sleep(delay)
@@ -231,9 +235,7 @@ class Bus:
                     if not error or error.get("err_code") == ERR_BATCH_DUPLICATE_ID:
                         return
                     raise BusError(f"atomic publish of {len(events)} events refused: {error.get('description')}")
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
-                    nats.errors.OutboundBufferLimitError) as exc:
+            except RETRIABLE as exc:
                 if time.monotonic() > deadline:
                     raise BusError(f"atomic publish not acknowledged within {deadline_s:.0f} s: {exc!r}") from exc
                 await asyncio.sleep(delay)
