@@ -145,6 +145,11 @@ def _delivery(msg) -> Delivery:
     return Delivery(subject=msg.subject, data=msg.data, seq=seq, num_delivered=delivered, _msg=msg)
 
 
+def retries_exhausted(d: Delivery) -> bool:
+    """An undecodable message is given up (dead-lettered) at its ``DECODE_ATTEMPTS``-th delivery."""
+    return d.num_delivered >= DECODE_ATTEMPTS
+
+
 def authorised(subject: str, event: schema.Event) -> str | None:
     """Why ``event`` on ``subject`` is not authorised, or None when it is."""
     source = subjects.source_of(subject)
@@ -289,7 +294,7 @@ class Bus:
 
     async def reject_undecodable(self, d: Delivery, exc: Exception) -> bool:
         """Retry a bad message a bounded number of times; True once it is given up (terminated)."""
-        if d.num_delivered < DECODE_ATTEMPTS:
+        if not retries_exhausted(d):
             await d.nak(delay=DECODE_RETRY_DELAY_S)
             return False
         log.error("giving up on seq %d on %s after %d deliveries: %s", d.seq, d.subject, d.num_delivered, exc)
@@ -444,11 +449,6 @@ async def provision(admin: Bus) -> None:
             await admin.js.consumer_info(subjects.STREAM, cfg.durable_name)
         except nats.js.errors.NotFoundError:
             await admin.js.add_consumer(subjects.STREAM, cfg)
-
-
-async def stream_state(admin: Bus) -> dict:
-    info = await admin.js.stream_info(subjects.STREAM)
-    return {"messages": info.state.messages, "last_seq": info.state.last_seq, "bytes": info.state.bytes}
 
 
 async def raw_stream_messages(admin: Bus, start_seq: int = 1) -> AsyncIterator[tuple[int, str, bytes]]:

@@ -19,7 +19,6 @@ Contract:
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -359,6 +358,3 @@ def verify(ledger: Ledger) -> VerifyResult:
                             reason="projections rebuilt from the log differ from the live ones")
     return VerifyResult(True, rows)
 
-
-def to_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -105,6 +104,3 @@ def main(name: str, description: str, make: Factory | None = None, argv: list[st
     except UserError as exc:
         raise SystemExit(f"{name}: {exc}") from None
 
-
-def dumps(obj: object) -> str:
-    return json.dumps(obj, default=str)

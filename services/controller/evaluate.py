@@ -72,6 +72,7 @@ class Evaluator:
         self._references: dict[str, list[list[int]]] = {}
         self._prompts: dict[str, list[list[int]]] = {}
         self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
+        self.last_sandbox: dict = {}  # describe() of the latest sandbox, recorded in PatchTested
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class Evaluator:
         sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=self.device,
                       limits=self.limits, threads=self.threads)
         self._active[id(sbx)] = sbx
+        self.last_sandbox = sbx.describe()
         return sbx
 
     def abort(self) -> None:
@@ -162,13 +164,12 @@ class Evaluator:
         except PatchDoesNotApply as exc:
             return {"passed": False, "detail": str(exc)}, None
         candidate = System(commit, {**best.options, **patch.options})
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(commit, Path(tmp)) as sbx:
-            info = sbx.describe()
-            self._active.pop(id(sbx), None)
         try:
             defaults, _ = self.run(System(commit, best.options), self.prompts())
         except WorkerFailed as exc:
-            return {"passed": False, "detail": f"candidate with default options failed: {exc}", "sandbox": info}, None
+            return {"passed": False, "detail": f"candidate with default options failed: {exc}",
+                    "sandbox": self.last_sandbox}, None
+        info = self.last_sandbox  # the default check's sandbox (reference() may start another)
         identical = defaults == self.reference(best)
         if not identical:
             return {"passed": False, "default_outputs_identical": False, "sandbox": info,

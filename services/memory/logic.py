@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from specpilot import schema, subjects
-from specpilot.bus import DECODE_ATTEMPTS, Delivery, authorised
+from specpilot.bus import Delivery, authorised, retries_exhausted
 from specpilot.ledger import DeadLetter, Incoming
 
 
@@ -41,7 +41,7 @@ def classify(deliveries: list[Delivery]) -> Plan:
         try:
             event = schema.decode(d.data)
         except schema.DecodeError as exc:
-            if d.num_delivered >= DECODE_ATTEMPTS:
+            if retries_exhausted(d):
                 plan.dead.append(DeadLetter(d.subject, d.seq, d.data, str(exc), d.num_delivered))
                 plan.dead_deliveries.append(d)
             else:
