@@ -72,17 +72,31 @@ class Delivery:
     num_delivered: int
     _msg: object
 
+    # A lost ack only causes a redelivery, so a broken connection is reported as ``BusError`` for
+    # the caller's retry loop rather than as one of nats-py's own exceptions.
     async def ack(self) -> None:
-        await self._msg.ack()  # type: ignore[attr-defined]
+        with _as_bus_error("ack"):
+            await self._msg.ack()  # type: ignore[attr-defined]
 
     async def nak(self, delay: float | None = None) -> None:
-        await self._msg.nak(delay=delay)  # type: ignore[attr-defined]
+        with _as_bus_error("nak"):
+            await self._msg.nak(delay=delay)  # type: ignore[attr-defined]
 
     async def term(self) -> None:
-        await self._msg.term()  # type: ignore[attr-defined]
+        with _as_bus_error("term"):
+            await self._msg.term()  # type: ignore[attr-defined]
 
     async def in_progress(self) -> None:
-        await self._msg.in_progress()  # type: ignore[attr-defined]
+        with _as_bus_error("in_progress"):
+            await self._msg.in_progress()  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _as_bus_error(what: str):
+    try:
+        yield
+    except nats.errors.Error as exc:
+        raise BusError(f"{what} failed: {exc!r}") from exc
 
 
 class _Puller:
@@ -277,7 +291,8 @@ class Bus:
         while stop is None or not stop.is_set():
             try:
                 deliveries = await self.fetch(batch=batch, timeout=1.0)
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            except BusError as exc:  # disconnected or reconnecting: nats-py reconnects by itself
+                log.warning("fetch failed, retrying: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
             for d in deliveries:
@@ -353,6 +368,11 @@ class Bus:
         """Whether the server has reported a permissions violation naming ``subject``."""
         quoted = f'"{subject}"'.lower()  # nats-py lower-cases the server's message
         return any("permissions violation" in e.lower() and quoted in e.lower() for e in self.errors)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Wait until the server has seen everything sent so far (acks included)."""
+        with _as_bus_error("flush"):
+            await self.nc.flush(timeout=timeout)
 
     async def subscribe_raw(self, subject: str) -> None:
         """A bare core subscription (permission probes); the server reports refusals asynchronously."""

@@ -88,27 +88,35 @@ class Controller:
         work: asyncio.Queue = asyncio.Queue()
         worker = asyncio.create_task(self._work(work))
         try:
-            async for event, delivery in self.bus.consume(stop):
-                if isinstance(event, schema.ForcingReported):
-                    fut = self.forcing.pop(event.request_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(event)
-                    await delivery.ack()
-                elif isinstance(event, schema.CeilingComputed):
-                    self.state.ceiling[event.deployment] = event.ceiling_speedup
-                    self.state.save(self.state_path)
-                    await delivery.ack()
-                elif isinstance(event, schema.PatchProposed):
-                    # Held unacked until its verdict is out; kept alive so it is not redelivered meanwhile.
-                    await work.put((event, delivery, asyncio.create_task(_keep_alive(delivery))))
-                else:
-                    await delivery.ack()
-                if worker.done():
-                    worker.result()
+            while not stop.is_set():
+                try:
+                    await self._dispatch(stop, work, worker)
+                except (bus.BusError, ConnectionError) as exc:  # the broker went away; it will come back
+                    log.warning("bus trouble, retrying: %s", exc)
+                    await asyncio.sleep(0.5)
         finally:
             worker.cancel()
             for ev in self.evaluators.values():
                 ev.abort()
+
+    async def _dispatch(self, stop: asyncio.Event, work: asyncio.Queue, worker: asyncio.Task) -> None:
+        async for event, delivery in self.bus.consume(stop):
+            if isinstance(event, schema.ForcingReported):
+                fut = self.forcing.pop(event.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(event)
+                await delivery.ack()
+            elif isinstance(event, schema.CeilingComputed):
+                self.state.ceiling[event.deployment] = event.ceiling_speedup
+                self.state.save(self.state_path)
+                await delivery.ack()
+            elif isinstance(event, schema.PatchProposed):
+                # Held unacked until its verdict is out; kept alive so it is not redelivered meanwhile.
+                await work.put((event, delivery, asyncio.create_task(_keep_alive(delivery))))
+            else:
+                await delivery.ack()
+            if worker.done():
+                worker.result()
 
     async def _work(self, work: asyncio.Queue) -> None:
         while True:
@@ -121,7 +129,8 @@ class Controller:
                                                      reason="controller failure while evaluating (see its log)"), patch)
             finally:
                 beat.cancel()
-            await delivery.ack()
+            with contextlib.suppress(bus.BusError):  # a lost ack means a redelivery, which already_decided absorbs
+                await delivery.ack()
 
     async def already_decided(self, patch_id: str) -> bool:
         if self.bus is None:

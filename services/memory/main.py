@@ -51,7 +51,7 @@ class Recorder:
             await d.term()
         for d in plan.retry:
             await d.nak(delay=bus.DECODE_RETRY_DELAY_S)
-        await self.bus.nc.flush()
+        await self.bus.flush()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
