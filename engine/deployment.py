@@ -59,6 +59,12 @@ class Deployment:
             raise ValueError(f"deployment {self.name!r}: unknown request sets {unknown}; known: {', '.join(REQUEST_SETS)}")
         self.options()  # validates drafter, block_size, dtype and [options] now, not at first use
 
+    def facts(self) -> dict[str, str]:
+        """What memory-entry requirements are stated over (see services.memory.entries)."""
+        return {"deployment": self.name, "target": self.target, "model_family": "llama",
+                "device_kind": "cuda" if self.device.startswith("cuda") else "cpu", "dtype": self.dtype,
+                "mode": self.mode}
+
     def stock_options(self) -> EngineOptions:
         base = {"drafter": self.drafter, "block_size": self.block_size, "dtype": self.dtype}
         return options_from_dict({**base, **self.extra_options})

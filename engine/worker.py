@@ -8,7 +8,10 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
 2. For each line ``{"prompt_ids": [...], "max_new_tokens": N}`` on stdin it generates greedily,
    synchronises the device, and prints ``{"tokens": [...], "steps": n}`` (``steps``: target
    forwards after the prefill). A bad request gets ``{"error": "..."}`` and the worker goes on.
-3. It exits when stdin closes.
+3. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
+   needs (``engine.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
+   Its figures are planning inputs, never verdicts.
+4. It exits when stdin closes.
 
 The controller times each request from its own clock (send to reply) and keeps the reference
 tokens; the worker reports no timings, so it cannot misreport them.
@@ -65,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             req = json.loads(line)
+            if "measure" in req:
+                from engine.replay import measure
+
+                m = req["measure"]
+                send(measure(engine, m["prompt_ids"], int(m["max_new_tokens"])))
+                continue
             result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
             engine.synchronize()
             send({"tokens": result.tokens, "steps": result.steps})

@@ -77,13 +77,13 @@ def pid_file(data: Path, name: str) -> Path:
     return data / "run" / f"{name}.pid"
 
 
-def start_service(data: Path, name: str, url: str) -> subprocess.Popen:
+def start_service(data: Path, name: str, url: str, extra: list[str] | None = None) -> subprocess.Popen:
     (data / "logs").mkdir(parents=True, exist_ok=True)
     (data / "run").mkdir(parents=True, exist_ok=True)
     log = open(data / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", f"services.{name}", "--data", str(data), "--nats", url,
-         "--creds", str(natsd.creds_path(data, name))],
+         "--creds", str(natsd.creds_path(data, name)), *(extra or [])],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         cwd=paths.REPO_ROOT,
     )
@@ -108,7 +108,11 @@ async def provision(args: argparse.Namespace) -> None:
         await b.close()
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def ensure_up(args: argparse.Namespace, extra_flags: dict[str, list[str]] | None = None,
+              timeout: float = 60.0) -> natsd.LocalServer:
+    """Start the local server and every service that does not answer; return when all answer.
+
+    ``extra_flags``: per service, flags for a service this call starts (a running one keeps its own)."""
     data = data_dir(args)
     data.mkdir(parents=True, exist_ok=True)
     server = natsd.running(data)
@@ -121,8 +125,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     procs = {}
     for name in SERVICES:
         if name not in found:
-            procs[name] = start_service(data, name, server.url)
-    deadline = time.monotonic() + args.timeout
+            procs[name] = start_service(data, name, server.url, (extra_flags or {}).get(name))
+    deadline = time.monotonic() + timeout
     with console.status("waiting for services to answer"):
         while True:
             found = {s["name"] for s in asyncio.run(discover(args))}
@@ -133,9 +137,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                     raise UserError(f"service {name} exited with code {p.returncode}; see {data}/logs/{name}.log")
             if time.monotonic() > deadline:
                 missing = ", ".join(sorted(set(SERVICES) - found))
-                raise UserError(f"services did not answer within {args.timeout:.0f} s: {missing}; see {data}/logs/")
+                raise UserError(f"services did not answer within {timeout:.0f} s: {missing}; see {data}/logs/")
             time.sleep(0.2)
-    console.print(f"[green]up[/green]: NATS at {server.url}, data in {data}")
+    return server
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    server = ensure_up(args, timeout=args.timeout)
+    console.print(f"[green]up[/green]: NATS at {server.url}, data in {data_dir(args)}")
     return cmd_status(args)
 
 
@@ -317,6 +326,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 # Commands that live with the part they drive. Their modules import torch, so each is imported only
 # when its command runs; the listing below is what `specpilot --help` shows.
 PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
+    "round": ("services.master.cli", "run a round: measure, plan, patch, time, promote, sealed final"),
     "bench": ("engine.cli", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
     "drafter": ("engine.cli", "train the parallel drafter"),
     "w12": ("kernels.w12.cli", "pack a model's weights in the lossless 12-bit W12 format and report"),

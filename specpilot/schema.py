@@ -80,6 +80,8 @@ class RoundStarted(Event, frozen=True, kw_only=True, tag="round.started"):
     planner: str = ""
     coder: str = ""
     devices: list[str] = []
+    sealed_requests: int = 0  # Phase 4: sealed requests to run (0: all)
+    sealed_trials: int = 3
 
 
 class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"):
@@ -102,6 +104,12 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     classes_s: dict[str, float] = {}
     tau: float = 0.0
     block_size: int = 0
+    t_ar_s: float = 0.0  # the AR step of the same system on the same requests
+    n_tokens: int = 0  # tokens per verification (root included) of the profiled system
+    context: int = 0  # mean cached positions attended to during the profiled steps
+    dtype: str = ""
+    shape: dict[str, int] = {}  # the target's dimensions (engine.model.ModelConfig)
+    replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
@@ -241,6 +249,14 @@ class BestAdvanced(Event, frozen=True, kw_only=True, tag="best.advanced"):
     gain: float = 0.0
 
 
+class SealedFinalRequested(Event, frozen=True, kw_only=True, tag="sealed.final.requested"):
+    """Phase 4: the master asks the controller to run the final system, stock and AR on the sealed split."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER)
+    requests: int = 0  # sealed requests to run (0: all of them)
+    trials: int = 3
+
+
 class SealedFinalReported(Event, frozen=True, kw_only=True, tag="sealed.final.reported"):
     """Phase 4: final, stock and AR on the sealed split."""
 
@@ -265,6 +281,7 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     contract: str = ""  # the correctness contract it was checked under
     evidence: list[str] = []  # event ids
     source_commit: str = ""
+    source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under engine/ and kernels/
 
 
 class MemoryEntryAccepted(Event, frozen=True, kw_only=True, tag="memory.entry.accepted"):
@@ -311,6 +328,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     ForcingReported,
     IntegrationProposed,
     BestAdvanced,
+    SealedFinalRequested,
     SealedFinalReported,
     MemoryEntryProposed,
     MemoryEntryAccepted,
@@ -334,6 +352,7 @@ AnyEvent = (
     | ForcingReported
     | IntegrationProposed
     | BestAdvanced
+    | SealedFinalRequested
     | SealedFinalReported
     | MemoryEntryProposed
     | MemoryEntryAccepted

@@ -17,6 +17,7 @@ Outputs, timings and decisions come back as events for the service to publish.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -227,3 +228,71 @@ class Evaluator:
             res.order.append(order)
             res.load.append(os.getloadavg()[0])
         return res
+
+    # --- phase 0 and phase 4 ---------------------------------------------------------------------
+
+    def measure(self, system: System) -> dict:
+        """What the cost model needs of ``system`` on the dev requests (`ProfileMeasured` fields).
+
+        The kernel-class profile and the drafter's matched depths come from the system's own worker
+        (planning inputs, not verdicts); the step times come from the controller's clock: the
+        system and its AR twin (same code and options, no drafter) answer the same requests."""
+        prompts = self.prompts()
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp)) as sbx:
+            worker = Worker(sbx, self.python, self.deployment, system.options, device=self.device,
+                            ready_timeout_s=self.limits.wall_s)
+            try:
+                replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": self.max_new_tokens}},
+                                          timeout=self.limits.wall_s)[0] for p in prompts]
+            finally:
+                worker.close()
+                self._active.pop(id(sbx), None)
+        _, system_s = self.run(system, prompts)
+        ar_outputs, ar_s = self.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
+        n = len(prompts)
+        steps = sum(int(r["steps"]) for r in replies)
+        new_tokens = sum(len(r["tokens"]) for r in replies)
+        classes: dict[str, float] = {}
+        for r in replies:
+            for k, v in r["profile_ms"].items():
+                classes[k] = classes.get(k, 0.0) + float(v) / 1e3 / n
+        # The prefill counts as one step on both sides, so the two step times stay comparable.
+        return {
+            "step_s": sum(system_s) / (steps + n),
+            "t_ar_s": sum(ar_s) / sum(len(t) for t in ar_outputs),
+            "tau": (new_tokens - n) / max(1, steps),
+            "classes_s": classes,
+            "context": round(sum(int(r["context"]) for r in replies) / n),
+            "replay_depths": [[int(d) for d in r["depths"]] for r in replies],
+        }
+
+    def sealed_final(self, systems: dict[str, System], n_requests: int = 0, trials: int = 3,
+                     ) -> tuple[dict, dict[str, list[list[int]]]]:
+        """Phase 4: every system answers the sealed requests ``trials`` times in rotating order.
+
+        Returns per system its tokens/s and, per other system, the speedup over the one named "ar"
+        and over "stock" (geometric mean of per-trial time ratios, two-sided 95% t-interval), plus
+        the outputs of the first trial (for forcing)."""
+        prompts = self.prompts("sealed")[: n_requests or None]
+        names = list(systems)
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        outputs: dict[str, list[list[int]]] = {}
+        for t in range(trials):
+            for name in names[t % len(names):] + names[: t % len(names)]:
+                outs, secs = self.run(systems[name], prompts)
+                if name in outputs and outs != outputs[name]:
+                    raise WorkerFailed(f"{name} changed its tokens between trials")
+                outputs[name] = outs
+                seconds[name].append(sum(secs))
+        results: dict = {"requests": len(prompts), "trials": trials, "max_new_tokens": self.max_new_tokens}
+        for name in names:
+            tokens = sum(len(o) for o in outputs[name])
+            row = {"tok_s": tokens * trials / sum(seconds[name]), "seconds": seconds[name],
+                   "identical_to_stock": outputs[name] == outputs.get("stock")}
+            for base in ("ar", "stock"):
+                if base in seconds and base != name and trials >= 2:
+                    est = stats.paired_gain(seconds[base], seconds[name], confidence=0.975)
+                    row[f"over_{base}"] = math.exp(est.gain)
+                    row[f"over_{base}_ci95"] = [math.exp(est.lower_bound), math.exp(est.upper_bound)]
+            results[name] = row
+        return results, outputs

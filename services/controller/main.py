@@ -110,8 +110,8 @@ class Controller:
                 self.state.ceiling[event.deployment] = event.ceiling_speedup
                 self.state.save(self.state_path)
                 await delivery.ack()
-            elif isinstance(event, schema.PatchProposed):
-                # Held unacked until its verdict is out; kept alive so it is not redelivered meanwhile.
+            elif isinstance(event, schema.PatchProposed | schema.RoundStarted | schema.SealedFinalRequested):
+                # Held unacked until its work is done; kept alive so it is not redelivered meanwhile.
                 await work.put((event, delivery, asyncio.create_task(_keep_alive(delivery))))
             else:
                 await delivery.ack()
@@ -120,27 +120,59 @@ class Controller:
 
     async def _work(self, work: asyncio.Queue) -> None:
         while True:
-            patch, delivery, beat = await work.get()
+            event, delivery, beat = await work.get()
             try:
-                await self.handle_patch(patch)
-            except Exception:
-                log.exception("patch %s: controller failure", patch.patch_id)
-                await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject",
-                                                     reason="controller failure while evaluating (see its log)"), patch)
+                if isinstance(event, schema.PatchProposed):
+                    await self.handle_patch(event)
+                elif isinstance(event, schema.RoundStarted):
+                    await self.handle_round_started(event)
+                else:
+                    await self.handle_final(event)
+            except Exception as exc:
+                log.exception("%s %s: controller failure", event.tag, event.event_id)
+                await self._report_failure(event, exc)
             finally:
                 beat.cancel()
-            with contextlib.suppress(bus.BusError):  # a lost ack means a redelivery, which already_decided absorbs
+            with contextlib.suppress(bus.BusError):  # a lost ack means a redelivery, which the ledger check absorbs
                 await delivery.ack()
 
-    async def already_decided(self, patch_id: str) -> bool:
+    async def _report_failure(self, event: schema.Event, exc: Exception) -> None:
+        reason = f"controller failure ({type(exc).__name__}: {exc}); see its log"
+        if isinstance(event, schema.PatchProposed):
+            await self.emit(schema.VerdictIssued(patch_id=event.patch_id, decision="reject", reason=reason), event)
+        elif isinstance(event, schema.SealedFinalRequested):
+            await self.emit(schema.SealedFinalReported(results={"error": reason}), event)
+        else:  # phase 0: the master plans without a profile (it waits for one, then goes on)
+            await self.emit(schema.ProfileMeasured(device=self.device, step_s=0.0, classes_s={"error": 0.0}), event)
+
+    async def _ledger_count(self, where: str) -> int:
+        """Rows of the ledger matching ``where`` (0 when memory cannot answer: the work is then redone)."""
         if self.bus is None:
-            return False
+            return 0
         with contextlib.suppress(bus.BusError):
-            rows = (await self.bus.request(subjects.RPC_SQL, {"query": (
-                "SELECT count(*) FROM events WHERE type IN ('verdict.issued', 'patch.refused') AND "
-                f"json_extract_string(payload, '$.patch_id') = '{patch_id.replace(chr(39), '')}'")}, timeout=10))["rows"]
-            return rows[0][0] > 0
-        return False
+            rows = (await self.bus.request(subjects.RPC_SQL, {"query": f"SELECT count(*) FROM events WHERE {where}"},
+                                           timeout=10))["rows"]
+            return int(rows[0][0])
+        return 0
+
+    async def already_decided(self, patch_id: str) -> bool:
+        return await self._ledger_count(
+            "type IN ('verdict.issued', 'patch.refused') AND "
+            f"json_extract_string(payload, '$.patch_id') = '{_quote(patch_id)}'") > 0
+
+    async def _already_reported(self, tag: str, round_id: str) -> bool:
+        return await self._ledger_count(f"type = '{tag}' AND round_id = '{_quote(round_id)}'") > 0
+
+    async def _register(self, ev: Evaluator, dep: str, cause: schema.Event) -> None:
+        stock = await asyncio.to_thread(ev.prepare)
+        if dep not in self.state.registered:
+            await self.emit(schema.DeploymentRegistered(deployment=dep, stock_commit=stock,
+                                                        spec={"device": self.device}), cause)
+            self.state.registered.append(dep)
+            self.state.save(self.state_path)
+
+    def best_system(self, ev: Evaluator, dep: str) -> System:
+        return System(ev.systems.best(dep), self.state.best_options.get(dep, {}))
 
     # --- one patch -------------------------------------------------------------------------------
 
@@ -151,15 +183,10 @@ class Controller:
         if refusal := policy.check(patch.diff, patch.options):
             await self.emit(schema.PatchRefused(patch_id=patch.patch_id, rule=refusal.rule, reason=refusal.reason), patch)
             return
-        dep = patch.deployment or "smollm2-cpu"
+        dep = patch.deployment or _default_deployment()
         ev = self.evaluator(dep)
-        stock = await asyncio.to_thread(ev.prepare)
-        if dep not in self.state.registered:
-            await self.emit(schema.DeploymentRegistered(deployment=dep, stock_commit=stock,
-                                                        spec={"device": self.device}), patch)
-            self.state.registered.append(dep)
-            self.state.save(self.state_path)
-        best = System(ev.systems.best(dep), self.state.best_options.get(dep, {}))
+        await self._register(ev, dep, patch)
+        best = self.best_system(ev, dep)
         noise = await self.noise(ev, best, patch)
 
         fields, candidate = await asyncio.to_thread(ev.test, patch, best)
@@ -193,9 +220,89 @@ class Controller:
             previous = ev.systems.advance(dep, candidate.commit)
             self.state.best_options[dep] = candidate.options
             self.state.save(self.state_path)
-            await self.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
-                                                patch_id=patch.patch_id, options=candidate.options,
-                                                gain=estimate.gain), verdict)
+            advanced = await self.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
+                                                           patch_id=patch.patch_id, options=candidate.options,
+                                                           gain=estimate.gain), verdict)
+            await self.emit(self.memory_entry(ev, patch, candidate, identical,
+                                              [patch.event_id, timing.event_id, verdict.event_id, advanced.event_id]),
+                            advanced)
+
+    def memory_entry(self, ev: Evaluator, patch: schema.PatchProposed, candidate: System, identical: bool,
+                     evidence: list[str]) -> schema.MemoryEntryProposed:
+        """What a promotion teaches: the whole delta from stock to the promoted system, and where it holds."""
+        import tempfile
+
+        from engine.deployment import load_deployment
+        from services.memory.entries import requirements_of, tree_hashes
+
+        stock = ev.systems.git("rev-parse", "stock")
+        with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
+            files = tree_hashes(ev.systems.checkout(candidate.commit, Path(tmp)))
+        return schema.MemoryEntryProposed(
+            entry_id=f"entry-{patch.patch_id}", title=patch.notes[:120] or f"promoted {patch.patch_id}",
+            delta=ev.systems.git("diff", stock, candidate.commit, "--", "engine", "kernels") + "\n"
+            if candidate.commit != stock else "",
+            options=candidate.options, requirements=requirements_of(load_deployment(ev.deployment).facts()),
+            contract="greedy tokens identical to the incumbent's" if identical
+            else "passes token forcing against stock (rate and event rules)",
+            evidence=evidence, source_commit=candidate.commit, source_files=files)
+
+    # --- phase 0 and phase 4 -----------------------------------------------------------------------
+
+    async def handle_round_started(self, event: schema.RoundStarted) -> None:
+        """Phase 0: measure the device and profile the current best on the dev requests."""
+        from engine.deployment import load_deployment
+        from engine.model import CONFIGS
+        from services.controller import hardware
+
+        if await self._already_reported("profile.measured", event.round_id):
+            return
+        dep = event.deployment or _default_deployment()
+        ev = self.evaluator(dep)
+        await self._register(ev, dep, event)
+        deployment = load_deployment(dep)
+        best = self.best_system(ev, dep)
+        dtype = str(best.options.get("dtype") or deployment.dtype)
+        hw = await asyncio.to_thread(hardware.measure, self.device, dtype, ev.threads)
+        await self.emit(schema.HardwareMeasured(**hw), event)
+        m = await asyncio.to_thread(ev.measure, best)
+        opts = {**deployment.stock_options().to_dict(), **best.options}
+        tree = opts.get("verify") == "tree" and opts.get("drafter") != "none"
+        n_tokens = 1 + (int(opts.get("tree_nodes", 16)) if tree else int(opts.get("block_size", 0)))
+        cfg = CONFIGS[deployment.target]
+        shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate")}
+        await self.emit(schema.ProfileMeasured(
+            device=hw["device"], system_commit=best.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
+            block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens, context=m["context"],
+            dtype=dtype, shape=shape, replay_depths=m["replay_depths"]), event)
+
+    async def handle_final(self, event: schema.SealedFinalRequested) -> None:
+        """Phase 4: the final system, stock and AR on the sealed requests, and the final's forcing verdict.
+
+        Forcing runs here, not through the forcer service, so sealed prompts never enter the ledger."""
+        if await self._already_reported("sealed.final.reported", event.round_id):
+            return
+        from services.forcer.cli import force_locally
+
+        dep = event.deployment or _default_deployment()
+        ev = self.evaluator(dep)
+        await self._register(ev, dep, event)
+        stock_commit = ev.systems.git("rev-parse", "stock")
+        final = self.best_system(ev, dep)
+        systems = {"final": final, "stock": System(stock_commit, {}), "ar": System(stock_commit, {"drafter": "none"})}
+        results, outputs = await asyncio.to_thread(ev.sealed_final, systems, event.requests, max(2, event.trials))
+        identical = outputs["final"] == outputs["ar"]
+        forcing: dict = {"passed": True, "reason": "the final emits AR's tokens exactly"}
+        if not identical:
+            prompts = ev.prompts("sealed")[: event.requests or None]
+            forcing = await asyncio.to_thread(
+                force_locally, dep, [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs["final"], strict=True)],
+                self.data)
+        results["forcing"] = {"passed": bool(forcing["passed"]), "reason": forcing.get("reason", ""),
+                              "stats": forcing.get("stats", {}), "identical_to_ar": identical}
+        results["final_options"] = final.options
+        await self.emit(schema.SealedFinalReported(final_commit=final.commit, results=results,
+                                                   lossless=bool(forcing["passed"])), event)
 
     async def noise(self, ev: Evaluator, best: System, cause: schema.Event) -> float:
         """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
@@ -235,6 +342,16 @@ class Controller:
             self.forcing.pop(request_id, None)
             return False
         return bool(report.passed)
+
+
+def _default_deployment() -> str:
+    from engine.deployment import DEFAULT_DEPLOYMENT  # imports torch: only when a deployment is needed
+
+    return DEFAULT_DEPLOYMENT
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "")
 
 
 async def _keep_alive(delivery: bus.Delivery, every_s: float = 15.0) -> None:

@@ -300,9 +300,9 @@ class Worker:
             raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}")
         return reply
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:
-        """Tokens and seconds measured by the controller's clock, send to reply."""
-        msg = (json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n").encode()
+    def request(self, obj: dict, timeout: float = 300.0) -> tuple[dict, float]:
+        """Send one protocol request; the reply and the seconds from send to reply (controller clock)."""
+        msg = (json.dumps(obj) + "\n").encode()
         t0 = time.perf_counter()
         try:
             self.proc.stdin.write(msg)
@@ -313,6 +313,11 @@ class Worker:
         elapsed = time.perf_counter() - t0
         if "error" in reply:
             raise WorkerFailed(f"worker error: {reply['error']}")
+        return reply, elapsed
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:
+        """Tokens and seconds measured by the controller's clock, send to reply."""
+        reply, elapsed = self.request({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}, timeout)
         tokens = reply.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise WorkerFailed("worker returned something other than a list of token ids")

@@ -25,6 +25,7 @@ def one_of_each() -> list[schema.Event]:
         s.ForcingReported(**ENV, source="forcer", request_id="f-1", patch_id="p-1", passed=True, stats={"mismatch_rate": 0.007}, audited=[{"pos": 3, "margin": 0.1}]),
         s.IntegrationProposed(**ENV, source="master", integration_id="i-1", patch_ids=["p-1", "p-3"]),
         s.BestAdvanced(**ENV, source="controller", commit="def456", previous_commit="abc123", patch_id="p-1", options={"verify": "tree"}, gain=0.2),
+        s.SealedFinalRequested(**ENV, source="master", requests=8, trials=3),
         s.SealedFinalReported(**ENV, source="controller", final_commit="def456", results={"final_over_stock": 1.4}, lossless=True),
         s.MemoryEntryProposed(**ENV, source="controller", entry_id="m-1", title="tree verification", delta="diff", options={"verify": "tree"}, requirements={"device": "cpu"}, contract="greedy-exact", evidence=["e-1"]),
         s.MemoryEntryAccepted(**ENV, source="memory", entry_id="m-1"),

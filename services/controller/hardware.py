@@ -1,0 +1,45 @@
+"""Peak memory bandwidth and matmul FLOP/s of the timing device (`HardwareMeasured`).
+
+Trusted code in the controller's process: a large device-to-device copy (bytes read + written
+over the best of several repeats) and a square matmul in the deployment's dtype. The cost model
+divides by these, so they are measured, never looked up.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None, repeats: int = 5) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+    def best_of(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    n_bytes = (1 << 30) if cuda else (256 << 20)
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = best_of(lambda: dst.copy_(src))
+    size = 8192 if cuda else 1024
+    a = torch.randn(size, size, device=dev).to(dt)
+    b = torch.randn(size, size, device=dev).to(dt)
+    mm_s = best_of(lambda: a @ b)
+    name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    return {"device": name, "bandwidth_bytes_s": 2 * n_bytes / copy_s, "flops_s": 2 * size**3 / mm_s,
+            "method": f"best of {repeats}: copy of {n_bytes >> 20} MiB (read + write), {size}^3 matmul in {dtype}"}

@@ -1,0 +1,153 @@
+"""The cost model (DESIGN §7), pure: measurements in, a speed ceiling and its three factors out.
+
+Definitions:
+- A kernel class's **floor** is ``max(FLOPs / (0.6 · peak FLOP/s), bytes / (0.9 · bandwidth))``
+  with the peaks measured on the device (`HardwareMeasured`).
+- **Exact replay**: walk the target's own greedy output; at each step the drafter's candidates at
+  that prefix (recorded by the system itself, `engine.replay`) match the target to some depth; the
+  best tree of ``N`` draft nodes in hindsight holds that matching path cut to ``N`` nodes, so a
+  step commits ``min(depth, N) + 1`` tokens (the bonus included). ``tau_best(N)`` is the mean.
+- The **ceiling** is one draft plus one exact pass over the best tree (``N + 1`` tokens) with every
+  kernel class at its floor: ``S* = max_N tau_best(N) · t_AR / (draft_floor + floor(N + 1))``,
+  a speedup over the measured AR step ``t_AR``.
+- **Factors** of the current system (``tau`` per step, ``step`` seconds, kernel-class profile):
+  *tau* = ``tau_best(N*) / tau``; *kernel* = profiled kernel time / the summed floors of the
+  current step; *overhead* = step time / profiled kernel time. Their product is the gap between
+  the current speedup and the ceiling, up to the difference between the current step's floors
+  and the best tree's; the largest names what to attack.
+
+Nothing here measures or imports torch: `services.master.measure` does the measuring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FLOP_EFFICIENCY = 0.6
+BANDWIDTH_EFFICIENCY = 0.9
+NODE_BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+LINEAR_CLASSES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KERNEL_CLASSES = (*LINEAR_CLASSES, "lm_head", "attention", "norms", "embedding")
+FACTORS = ("tau", "kernel", "overhead")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    bandwidth_bytes_s: float
+    flops_s: float
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float
+    bytes: float
+
+    def floor_s(self, hw: Hardware) -> float:
+        return max(self.flops / (FLOP_EFFICIENCY * hw.flops_s), self.bytes / (BANDWIDTH_EFFICIENCY * hw.bandwidth_bytes_s))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the floors need to know of a decoder (a subset of engine.model.ModelConfig)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.dim // self.n_heads * self.n_kv_heads
+
+
+def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, act_bytes: float = 4.0,
+              ) -> dict[str, Work]:
+    """FLOPs and bytes per kernel class of one target forward over ``n_tokens`` new tokens.
+
+    ``context`` is the number of cached positions attended to; ``weight_bytes`` per weight
+    (4 fp32, 2 bf16, 1.5 W12); activations and the KV cache use ``act_bytes``."""
+    d, kv, f, L, T = shape.dim, shape.kv_dim, shape.intermediate, shape.n_layers, n_tokens
+    dims = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    out = {
+        name: Work(flops=2.0 * T * k * n * L, bytes=(k * n * weight_bytes + T * (k + n) * act_bytes) * L)
+        for name, (k, n) in dims.items()
+    }
+    out["lm_head"] = Work(flops=2.0 * T * d * shape.vocab_size,
+                          bytes=d * shape.vocab_size * weight_bytes + T * (d + shape.vocab_size) * act_bytes)
+    attended = context + T
+    out["attention"] = Work(flops=4.0 * T * attended * d * L,  # scores and the weighted sum, every head
+                            bytes=(2.0 * attended * kv + 2.0 * T * d) * act_bytes * L)
+    out["norms"] = Work(flops=4.0 * T * d * (2 * L + 1), bytes=2.0 * T * d * act_bytes * (2 * L + 1))
+    out["embedding"] = Work(flops=0.0, bytes=T * d * weight_bytes)
+    return out
+
+
+def floors_s(work: dict[str, Work], hw: Hardware) -> dict[str, float]:
+    return {name: w.floor_s(hw) for name, w in work.items()}
+
+
+# --- exact replay ---------------------------------------------------------------------------------
+
+def replay_tau(depths: Sequence[int], budgets: Sequence[int] = NODE_BUDGETS) -> dict[int, float]:
+    """Tokens per step of the best tree in hindsight at each node budget.
+
+    ``depths[p]``: how deep the drafter's candidates after the output's first ``p`` tokens match
+    what the target emitted from position ``p`` on (`engine.replay.matched_depths`; position 0 is
+    the prefill's token). Each budget walks its own steps: a bigger tree commits more per step
+    and so visits other positions. A step at ``p`` commits ``min(depth, budget) + 1`` tokens."""
+    n = len(depths)
+    out: dict[int, float] = {}
+    for budget in budgets:
+        pos, steps = min(1, n), 0
+        while pos < n:
+            pos += min(depths[pos], budget, n - pos - 1) + 1
+            steps += 1
+        out[budget] = (n - min(1, n)) / steps if steps else 1.0
+    return out
+
+
+# --- ceiling and factors --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ceiling:
+    speedup: float  # S*: the best tree's speedup over the measured AR step, every class at its floor
+    budget: int  # the node budget N that reaches it
+    tau_best: float
+    factors: dict[str, float]  # tau, kernel, overhead of the current system
+    floors_s: dict[str, float]  # per kernel class, of the current step
+    current_speedup: float  # tau / (step / t_AR) of the current system
+
+    @property
+    def largest_factor(self) -> str:
+        return max(self.factors, key=self.factors.__getitem__)
+
+
+def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float, context: int,
+            t_ar_s: float, step_s: float, tau: float, n_tokens: int, profile_s: dict[str, float],
+            replay: dict[int, float], draft_floor_s: float = 0.0) -> Ceiling:
+    """The ceiling and the factors of the current system.
+
+    ``step_s``/``tau``/``n_tokens``: the current system's mean step time, tokens per step and
+    tokens per verification (root included); ``profile_s``: seconds per step by kernel class (the
+    keys of `KERNEL_CLASSES` that were measured; others are ignored); ``replay``: `replay_tau`."""
+    if t_ar_s <= 0 or step_s <= 0 or tau <= 0:
+        raise ValueError("t_ar_s, step_s and tau must be positive")
+    options = {}
+    for budget, tau_n in replay.items():
+        pass_s = draft_floor_s + sum(floors_s(step_work(shape, budget + 1, context, weight_bytes, act_bytes), hw).values())
+        options[budget] = (tau_n * t_ar_s / pass_s, tau_n)
+    budget = max(options, key=lambda b: options[b][0])
+    speedup, tau_best = options[budget]
+    current_floors = floors_s(step_work(shape, n_tokens, context, weight_bytes, act_bytes), hw)
+    kernel_s = sum(v for k, v in profile_s.items() if k in KERNEL_CLASSES)
+    factors = {
+        "tau": max(tau_best, tau) / tau,
+        "kernel": kernel_s / sum(current_floors.values()) if kernel_s > 0 else 1.0,
+        "overhead": step_s / kernel_s if kernel_s > 0 else 1.0,
+    }
+    return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
+                   current_speedup=tau * t_ar_s / step_s)

@@ -1,0 +1,106 @@
+"""Planning, pure: which directions to try next, from the cost model's factors, the deployment's
+facts, accepted memory entries and what the ledger says was already tried (DESIGN §7).
+
+The offline planner (``rules``) works in this order:
+1. accepted memory entries whose requirements hold here and that no direction has applied yet
+   (provider ``memory``);
+2. option sweeps, grouped by the factor they attack, largest factor first, skipping option values
+   already tried on this deployment and options the engine does not have; on a GPU the overhead
+   and kernel mechanisms come first when their factors say so, on a CPU they are not offered;
+3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
+One direction per free device per wave. A direction is a `Direction` (the master publishes it as
+``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Option sweeps by the factor they attack: (option, values, devices it makes sense on).
+SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
+    "tau": [
+        ("verify", ["tree"], ("cpu", "cuda")),
+        ("tree_nodes", [8, 32], ("cpu", "cuda")),
+        ("block_size", [2, 6, 8], ("cpu", "cuda")),
+        ("ngram_min_match", [1, 3], ("cpu", "cuda")),
+        ("drafter", ["parallel"], ("cpu", "cuda")),
+    ],
+    "overhead": [
+        ("cuda_graphs", [True], ("cuda",)),
+        ("compile", [True], ("cuda",)),
+    ],
+    "kernel": [
+        ("weight_format", ["w12"], ("cuda",)),
+    ],
+}
+# Options that only mean something when another one is set.
+DEPENDS: dict[str, tuple[str, Any]] = {"tree_nodes": ("verify", "tree")}
+LLM_TASKS = {
+    "tau": "raise tokens per step (tau): a better drafter or tree shape, without changing what the target accepts",
+    "kernel": "make the step's kernels closer to their byte floors (fewer bytes moved, fused work)",
+    "overhead": "cut host and launch overhead between kernels in the decode step",
+}
+
+
+@dataclass(frozen=True)
+class Direction:
+    title: str
+    factor: str
+    provider: str
+    rationale: str = ""
+    hints: dict[str, Any] = field(default_factory=dict)
+    memory_entry_id: str = ""
+
+    @property
+    def expected_patches(self) -> int:
+        return len(self.hints.get("values", [])) if self.provider == "sweep" else 1
+
+
+@dataclass(frozen=True)
+class History:
+    tried_options: frozenset[tuple[str, str]] = frozenset()  # (option, repr(value)) already proposed
+    applied_entries: frozenset[str] = frozenset()
+    llm_directions: int = 0
+
+
+def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
+         known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
+         devices: int = 1) -> list[Direction]:
+    """Up to ``devices`` directions for the next wave; [] when nothing is left to try."""
+    out: list[Direction] = []
+    for entry in entries:
+        if entry["entry_id"] not in history.applied_entries:
+            out.append(Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
+                                 factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
+                                 rationale="validated on a deployment whose facts match this one",
+                                 hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}}))
+    order = sorted(factors, key=lambda f: -factors[f]) or list(SWEEPS)
+    llm = coder not in ("sweep", "memory", "")
+    if llm and order:
+        top = order[0]
+        out.append(Direction(title=f"{top}: {LLM_TASKS.get(top, 'make the decode step faster')}", factor=top,
+                             provider=coder, rationale=_why(top, factors),
+                             hints={"factors": factors, "best_options": best_options}))
+    for factor in order:
+        for option, values, kinds in SWEEPS.get(factor, []):
+            if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
+                continue
+            fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
+            if not fresh:
+                continue
+            base = dict(best_options)
+            if option in DEPENDS:
+                need, value = DEPENDS[option]
+                if base.get(need) != value:
+                    base[need] = value
+            out.append(Direction(title=f"sweep {option} over {fresh}", factor=factor, provider="sweep",
+                                 rationale=_why(factor, factors), hints={"option": option, "values": fresh, "base": base}))
+    return out[:devices]
+
+
+def _why(factor: str, factors: dict[str, float]) -> str:
+    if not factors:
+        return "no cost-model factors yet"
+    ranked = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(factors.items(), key=lambda kv: -kv[1]))
+    return f"factor {factor} ({ranked})"

@@ -1,0 +1,82 @@
+"""The cost model on hand-computed examples: floors, replayed tree tau, ceiling and factors."""
+
+import pytest
+
+from services.master import costmodel as cm
+
+HW = cm.Hardware(bandwidth_bytes_s=1e9, flops_s=1e12)
+
+
+def test_floor_is_the_slower_of_compute_and_bytes():
+    # 0.9 GB at 0.9 * 1 GB/s = 1 s of bytes; 0.6 TFLOP at 0.6 * 1 TFLOP/s = 1 s of compute.
+    assert cm.Work(flops=0.6e12, bytes=0.45e9).floor_s(HW) == pytest.approx(1.0)
+    assert cm.Work(flops=0.3e12, bytes=0.9e9).floor_s(HW) == pytest.approx(1.0)
+    assert cm.Work(flops=0.0, bytes=0.0).floor_s(HW) == 0.0
+
+
+def test_step_work_counts_weights_once_and_flops_per_token():
+    shape = cm.Shape(vocab_size=10, dim=4, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=8)
+    one = cm.step_work(shape, n_tokens=1, context=0, weight_bytes=2, act_bytes=0)
+    three = cm.step_work(shape, n_tokens=3, context=0, weight_bytes=2, act_bytes=0)
+    assert shape.kv_dim == 2
+    assert one["q_proj"] == cm.Work(flops=2 * 4 * 4 * 2, bytes=4 * 4 * 2 * 2)
+    assert one["k_proj"].bytes == 4 * 2 * 2 * 2
+    assert one["gate_proj"].bytes == 4 * 8 * 2 * 2
+    assert one["lm_head"] == cm.Work(flops=2 * 4 * 10, bytes=4 * 10 * 2)
+    assert three["up_proj"].bytes == one["up_proj"].bytes  # weights are read once per forward
+    assert three["up_proj"].flops == 3 * one["up_proj"].flops
+
+
+def test_replay_tau_by_hand():
+    # 9 output tokens; the first comes from the prefill. At every position the drafter's candidates
+    # match the truth 3 deep.
+    depths = [0] + [3] * 8
+    tau = cm.replay_tau(depths, budgets=(1, 2, 4))
+    # 8 tokens after the prefill. Budget 1: 2 per step -> 4 steps. Budget 2: 3 per step (3, 3, 2).
+    # Budget 4: the match is only 3 deep, so 4 per step -> steps of 4 and 4.
+    assert tau[1] == pytest.approx(8 / 4)
+    assert tau[2] == pytest.approx(8 / 3)
+    assert tau[4] == pytest.approx(8 / 2)
+
+
+def test_replay_follows_the_positions_each_budget_visits():
+    # Deep matches only at even positions: budget 1 lands on them (1 -> 3 -> 5), budget 0 on all.
+    depths = [0, 1, 0, 1, 0, 1, 0]
+    tau = cm.replay_tau(depths, budgets=(0, 1))
+    assert tau[0] == 1.0
+    assert tau[1] == pytest.approx(6 / 3)  # steps at 1, 3, 5 commit 2 each
+
+
+def test_replay_without_a_useful_drafter_is_ar():
+    assert cm.replay_tau([0, 0, 0, 0], budgets=(1, 8)) == {1: 1.0, 8: 1.0}
+    assert cm.replay_tau([], budgets=(4,)) == {4: 1.0}
+
+
+def test_ceiling_and_factors_by_hand():
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
+    work1 = cm.floors_s(cm.step_work(shape, 2, 10, 4, 4), HW)
+    floor_2 = sum(work1.values())
+    kernel_s = 4 * floor_2  # the current step's kernels run at 4x their floors...
+    step_s = 2 * kernel_s  # ...and the host doubles it
+    c = cm.ceiling(shape=shape, hw=HW, weight_bytes=4, act_bytes=4, context=10, t_ar_s=step_s,
+                   step_s=step_s, tau=1.5, n_tokens=2, profile_s={"q_proj": kernel_s, "drafter": 1.0},
+                   replay={1: 1.8})
+    assert c.factors["kernel"] == pytest.approx(4.0)
+    assert c.factors["overhead"] == pytest.approx(2.0)
+    assert c.factors["tau"] == pytest.approx(1.8 / 1.5)
+    assert c.largest_factor == "kernel"
+    assert c.budget == 1 and c.tau_best == 1.8
+    assert c.speedup == pytest.approx(1.8 * step_s / floor_2)
+    assert c.current_speedup == pytest.approx(1.5)
+    # the product of the factors is the gap to the ceiling (same token count here)
+    assert c.factors["tau"] * c.factors["kernel"] * c.factors["overhead"] == pytest.approx(c.speedup / c.current_speedup)
+
+
+def test_ceiling_picks_the_best_budget_and_refuses_nonsense():
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
+    kw = dict(shape=shape, hw=HW, weight_bytes=4, act_bytes=4, context=10, t_ar_s=1e-3, step_s=1e-3, tau=1.0,
+              n_tokens=1, profile_s={"q_proj": 1e-4})
+    c = cm.ceiling(**kw, replay={1: 1.0, 4: 3.0})
+    assert c.budget == 4
+    with pytest.raises(ValueError):
+        cm.ceiling(**{**kw, "tau": 0.0}, replay={1: 1.0})
