@@ -152,6 +152,15 @@ class PatchProposed(Event, frozen=True, kw_only=True, tag="patch.proposed"):
     notes: str = ""
 
 
+class DirectionFailed(Event, frozen=True, kw_only=True, tag="direction.failed"):
+    """A subagent could not turn a direction into any patch (provider error, no valid value, ...)."""
+
+    sources: ClassVar[frozenset[str]] = _only(SUBAGENT)
+    direction_id: str
+    provider: str = ""
+    reason: str = ""
+
+
 class PatchRefused(Event, frozen=True, kw_only=True, tag="patch.refused"):
     """The controller's policy refused a patch before running it."""
 
@@ -320,6 +329,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     CeilingComputed,
     DirectionPlanned,
     PatchProposed,
+    DirectionFailed,
     PatchRefused,
     PatchTested,
     TimingMeasured,
@@ -344,6 +354,7 @@ AnyEvent = (
     | CeilingComputed
     | DirectionPlanned
     | PatchProposed
+    | DirectionFailed
     | PatchRefused
     | PatchTested
     | TimingMeasured

@@ -276,6 +276,29 @@ class Controller:
             block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens, context=m["context"],
             dtype=dtype, shape=shape, replay_depths=m["replay_depths"]), event)
 
+    def peer(self, ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
+        """transformers' prompt-lookup assisted generation on the same sealed prompts, in this process.
+
+        Stock weights and a published library, so it needs no sandbox; it runs with the workers' thread
+        count. Its tokens are compared with AR's; its speedup is over its own greedy generation."""
+        import torch
+
+        from engine.bench import peer
+        from engine.deployment import load_deployment
+        from engine.weights import load_model
+
+        try:
+            dep = load_deployment(ev.deployment)
+            opts = dep.options()
+            if ev.threads:
+                torch.set_num_threads(ev.threads)
+            model, _ = load_model(dep.target, dtype=opts.dtype, device=torch.device(self.device), data_dir=self.data)
+            prompts = ev.prompts("sealed")[: n_requests or None]
+            return peer(model, dep, opts, prompts, ev.max_new_tokens, reference)
+        except Exception as exc:  # the peer is a comparison, never a reason to lose the final
+            log.exception("peer run failed")
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
     async def handle_final(self, event: schema.SealedFinalRequested) -> None:
         """Phase 4: the final system, stock and AR on the sealed requests, and the final's forcing verdict.
 
@@ -301,6 +324,7 @@ class Controller:
         results["forcing"] = {"passed": bool(forcing["passed"]), "reason": forcing.get("reason", ""),
                               "stats": forcing.get("stats", {}), "identical_to_ar": identical}
         results["final_options"] = final.options
+        results["peer"] = await asyncio.to_thread(self.peer, ev, outputs["ar"], event.requests)
         await self.emit(schema.SealedFinalReported(final_commit=final.commit, results=results,
                                                    lossless=bool(forcing["passed"])), event)
 

@@ -148,6 +148,8 @@ def describe(e: schema.Event) -> str:
             return escape(f"direction [{e.provider}] {e.title}")
         case schema.PatchProposed():
             return f"  patch {e.patch_id}: options {e.options}" + (" + code" if e.diff.strip() else "")
+        case schema.DirectionFailed():
+            return escape(f"  direction failed [{e.provider}]: {e.reason[:200]}")
         case schema.PatchRefused():
             return f"  [red]refused[/red] {e.patch_id}: {e.rule}: {e.reason}"
         case schema.TimingMeasured():

@@ -41,7 +41,7 @@ POLL_S = 0.5
 PHASE0_TIMEOUT_S = 1800.0
 DIRECTION_TIMEOUT_S = 3600.0
 FINAL_TIMEOUT_S = 3600.0
-NO_PATCH_TIMEOUT_S = 900.0  # a direction that produced no patch by then has failed
+NO_PATCH_TIMEOUT_S = 2400.0  # a direction that produced no patch by then has failed (LLM loops run tests)
 log = logging.getLogger(NAME)
 
 
@@ -243,7 +243,6 @@ class RoundDriver:
                             coder=self.started.coder, devices=max(1, len(self.started.devices)))
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
-        expected = int(direction.hints.get("expected_patches", 1))
         did = _q(direction.direction_id)
         t0 = time.monotonic()
         while True:
@@ -257,7 +256,12 @@ class RoundDriver:
                 f"(SELECT json_extract_string(payload, '$.patch_id') FROM events WHERE type = 'patch.proposed' AND "
                 f"json_extract_string(payload, '$.direction_id') = '{did}')") if ids else [[0]]
             elapsed = time.monotonic() - t0
-            if len(ids) >= expected and decided[0][0] >= len(ids):
+            if ids and decided[0][0] >= len(ids):  # a subagent stores a direction's patches in one atomic batch
+                return
+            if not ids and (await self.ledger.rows(
+                    "SELECT count(*) FROM events WHERE type = 'direction.failed' AND "
+                    f"json_extract_string(payload, '$.direction_id') = '{did}'"))[0][0]:
+                log.warning("direction %s failed in the subagent (see the ledger)", direction.direction_id)
                 return
             if not ids and elapsed > NO_PATCH_TIMEOUT_S:
                 log.warning("direction %s produced no patch in %.0f s", direction.direction_id, elapsed)
@@ -324,8 +328,12 @@ def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingC
             "final_over_stock_ci95": results["final"].get("over_stock_ci95"),
             "lossless": bool(final.lossless) if final else False,
         }
-        if isinstance(results.get("peer"), dict) and "speedup" in results["peer"]:
-            headline["peer_over_its_ar"] = results["peer"]["speedup"]
+        peer = results.get("peer")
+        if isinstance(peer, dict) and "speedup" in peer:
+            headline["peer_over_its_ar"] = peer["speedup"]
+            headline["peer_tok_s"] = peer["prompt_lookup_tok_s"]
+            headline["final_tok_s"] = results["final"].get("tok_s")
+            headline["final_faster_than_peer"] = bool(results["final"].get("tok_s", 0) > peer["prompt_lookup_tok_s"])
     candidates = []
     for v in verdicts:
         p = proposals.get(v.patch_id)

@@ -17,6 +17,7 @@ def one_of_each() -> list[schema.Event]:
         s.CeilingComputed(**ENV, source="master", ceiling_speedup=3.2, factors={"tau": 1.4, "kernel": 1.8, "overhead": 1.3}, floors_s={"lm_head": 0.002}, replay_tau={"16": 3.1}),
         s.DirectionPlanned(**ENV, source="master", direction_id="d-1", title="tree verification", rationale="tau factor largest", factor="tau", provider="sweep", device="cpu"),
         s.PatchProposed(**ENV, source="subagent", direction_id="d-1", patch_id="p-1", diff="--- a/engine/x.py\n+++ b/engine/x.py\n", options={"verify": "tree", "tree_nodes": 16}),
+        s.DirectionFailed(**ENV, source="subagent", direction_id="d-1", provider="anthropic", reason="ANTHROPIC_API_KEY is not set"),
         s.PatchRefused(**ENV, source="controller", patch_id="p-2", rule="paths", reason="touches tests/"),
         s.PatchTested(**ENV, source="controller", patch_id="p-1", passed=True, default_outputs_identical=True, detail="12 passed"),
         s.TimingMeasured(**ENV, source="controller", patch_id="p-1", device="cpu", incumbent_s=[1.0, 1.1], candidate_s=[0.8, 0.85], order=["AB", "BA"], load=[0.1, 0.2]),

@@ -1,0 +1,139 @@
+"""A local HTTP server that speaks the Anthropic Messages and OpenAI Chat Completions wire formats and
+replays a scripted transcript, so tests drive the real SDKs without a network.
+
+- ``POST /v1/messages``: a non-streaming Anthropic ``message`` (``id``, ``type``, ``role``, ``model``,
+  ``content`` blocks — ``text`` and ``tool_use`` —, ``stop_reason``, ``usage``).
+- ``POST /v1/chat/completions``: a ``chat.completion`` whose ``choices[0].message.tool_calls`` carry the
+  calls (``finish_reason: "tool_calls"``) and ``usage``.
+
+The script is one list of ``Turn``s; each API replays it independently (the n-th request to an
+endpoint gets the n-th turn; past the end, a plain text reply). Tool-call ids are deterministic:
+``toolu_<turn>_<j>`` (Anthropic) and ``call_<turn>_<j>`` (OpenAI). Every request is recorded
+(path, headers, JSON body) so a test can check what the SDK sent back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    args: dict
+
+
+@dataclass(frozen=True)
+class Turn:
+    text: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: dict
+
+
+class ScriptedServer:
+    """``with ScriptedServer(turns) as srv:`` — ``srv.url`` is the root (Anthropic's base URL);
+    ``srv.openai_url`` ends in ``/v1``."""
+
+    def __init__(self, turns: list[Turn]):
+        self.turns = list(turns)
+        self.requests: list[Recorded] = []
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def openai_url(self) -> str:
+        return self.url + "/v1"
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def bodies(self, path: str) -> list[dict]:
+        return [r.body for r in self.requests if r.path == path]
+
+    # --- replies ---------------------------------------------------------------------------------
+
+    def _next(self, path: str, body: dict, headers: dict[str, str]) -> int:
+        with self._lock:
+            n = sum(1 for r in self.requests if r.path == path)
+            self.requests.append(Recorded(path, headers, body))
+            return n
+
+    def anthropic_reply(self, n: int, body: dict) -> dict:
+        turn = self.turns[n] if n < len(self.turns) else Turn(text="I have nothing more to do.")
+        content: list[dict] = [{"type": "text", "text": turn.text}] if turn.text else []
+        content += [{"type": "tool_use", "id": f"toolu_{n}_{j}", "name": c.name, "input": c.args}
+                    for j, c in enumerate(turn.calls)]
+        return {"id": f"msg_{n}", "type": "message", "role": "assistant", "model": body.get("model", ""),
+                "content": content, "stop_reason": "tool_use" if turn.calls else "end_turn", "stop_sequence": None,
+                "usage": {"input_tokens": 100 + n, "output_tokens": 10 + n}}
+
+    def openai_reply(self, n: int, body: dict) -> dict:
+        turn = self.turns[n] if n < len(self.turns) else Turn(text="I have nothing more to do.")
+        message: dict = {"role": "assistant", "content": turn.text or None, "refusal": None}
+        if turn.calls:
+            message["tool_calls"] = [{"id": f"call_{n}_{j}", "type": "function",
+                                      "function": {"name": c.name, "arguments": json.dumps(c.args)}}
+                                     for j, c in enumerate(turn.calls)]
+        return {"id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1_700_000_000 + n,
+                "model": body.get("model", ""),
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": "tool_calls" if turn.calls else "stop"}],
+                "usage": {"prompt_tokens": 100 + n, "completion_tokens": 10 + n, "total_tokens": 110 + 2 * n}}
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("request-id", "req_test")
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    self._send(400, {"error": {"message": "body is not JSON"}})
+                    return
+                path = self.path.split("?", 1)[0]
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                if path == "/v1/messages":
+                    self._send(200, server.anthropic_reply(server._next(path, body, headers), body))
+                elif path == "/v1/chat/completions":
+                    self._send(200, server.openai_reply(server._next(path, body, headers), body))
+                else:
+                    server._next(path, body, headers)
+                    self._send(404, {"error": {"type": "not_found_error", "message": f"no route {path}"}})
+
+        return Handler
