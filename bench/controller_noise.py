@@ -26,13 +26,14 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from engine.deployment import DEFAULT_DEPLOYMENT  # noqa: E402
 from services.controller import stats  # noqa: E402
 from services.controller.evaluate import Evaluator, System  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--deployment", default="smollm2-cpu")
+    ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS)
     ap.add_argument("--runs", type=int, default=2, help="stock-vs-stock experiments")

@@ -9,10 +9,15 @@
 compile) and builds the drafter. `Engine.generate` is greedy; it raises ValueError on an empty
 prompt or one that does not fit the model's context. The engine is single-request (batch 1) and
 not thread-safe; it reuses one KV cache, grown when a request needs more.
+
+``cuda_graphs`` makes the engine replay its decode steps as CUDA graphs (`engine.graphs`, captured
+lazily per block size and attention-length bucket, re-captured when the cache grows); on a device
+other than CUDA it is a no-op, noted once in the log, so an options sweep on a CPU does not fail.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +26,13 @@ import torch
 from engine.decode import DecodeConfig, Generation, generate
 from engine.deployment import Deployment, deployment_path, load_deployment
 from engine.drafters import make_drafter
+from engine.graphs import GraphRunner, graphs_supported
 from engine.model import CONFIGS, Transformer
 from engine.options import EngineOptions, OptionValue, options_from_dict
 from engine.weights import Tokenizer, load_model
+
+log = logging.getLogger(__name__)
+_noted_graphs_off_cuda = False
 
 
 @dataclass(frozen=True)
@@ -58,14 +67,27 @@ class Engine:
         self.decode_cfg = DecodeConfig(block_size=options.block_size, tree=options.verify == "tree",
                                        tree_nodes=options.tree_nodes)
         self._cache = None
+        self._runner = None
+        self.graphs = options.cuda_graphs and graphs_supported(self.device)
+        if options.cuda_graphs and not self.graphs:
+            _note_graphs_off_cuda(self.device)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
+    def graph_runner(self, cache):
+        """The CUDA graph runner over ``cache`` (None unless cuda_graphs is on and usable)."""
+        if not self.graphs:
+            return None
+        if self._runner is None or self._runner.cache is not cache:
+            self._runner = None  # release the old graphs before capturing new ones
+            self._runner = GraphRunner(self.model, cache)
+        return self._runner
+
     def _cache_for(self, slots: int):
         if self._cache is None or self._cache.max_len < slots:
-            self._cache = None  # free the old buffers before allocating the new ones
+            self._cache = self._runner = None  # free the old buffers (and graphs over them) first
             self._cache = self.model.new_cache(min(_round_up(slots), self.cfg.max_seq_len + self.options.tree_nodes + 1))
         return self._cache
 
@@ -81,7 +103,7 @@ class Engine:
         # Room for the longest output plus one tree's worth of speculative slots.
         cache = self._cache_for(len(prompt_ids) + max_new_tokens + self.options.tree_nodes + 1)
         g = generate(self.model, cache, prompt_ids, max_new_tokens, self.drafter, self.decode_cfg,
-                     self.cfg.stop_ids)
+                     self.cfg.stop_ids, self.graph_runner(cache))
         return GenerationResult.from_generation(g)
 
     def tokenize(self, text: str, chat: bool = False) -> list[int]:
@@ -94,6 +116,13 @@ class Engine:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _note_graphs_off_cuda(device: torch.device) -> None:
+    global _noted_graphs_off_cuda
+    if not _noted_graphs_off_cuda:
+        _noted_graphs_off_cuda = True
+        log.warning("cuda_graphs=True has no effect on device %s (CUDA only): decoding stays eager", device)
 
 
 def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:

@@ -5,7 +5,9 @@
 - `prefill` runs the prompt and returns the first output token (the target's argmax after it).
 - `draft` asks the drafter for candidates and lays them out as a chain or a best-first tree.
 - `verify` runs root + drafts in one target forward under the tree mask, accepts the longest path
-  that matches the target's argmax (greedy acceptance), and compacts the cache to that path.
+  that matches the target's argmax (greedy acceptance), and compacts the cache to that path. With a
+  `engine.graphs.GraphRunner` the forward is a CUDA graph replay of the graph-safe form of the same
+  computation; acceptance and compaction stay eager.
 - `generate` loops until ``max_new_tokens`` tokens or a stop token (which is emitted, then stops).
 
 With no drafter every step verifies the root alone: that *is* autoregressive decoding, through the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +30,9 @@ from torch import Tensor
 from engine.drafters import Drafter
 from engine.model import KVCache, Transformer
 from engine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from engine.graphs import GraphRunner
 
 
 @dataclass
@@ -78,23 +84,33 @@ def draft(drafter: Drafter | None, context: list[int], last_hidden: Tensor, k: i
 
 
 @torch.no_grad()
-def verify(model: Transformer, cache: KVCache, tree: DraftTree, start: int) -> tuple[list[int], Tensor]:
+def verify(model: Transformer, cache: KVCache, tree: DraftTree, start: int,
+           runner: GraphRunner | None = None) -> tuple[list[int], Tensor]:
     """One target forward over the tree at slots start..; returns (committed tokens, hidden at the last
-    accepted node). The root and the accepted drafts end up in slots start..start+len(committed)-1."""
-    device = model.device
-    tokens = torch.tensor([tree.tokens], dtype=torch.int64, device=device)
-    # A chain is causal, which SDPA handles without an explicit mask.
-    mask = None if tree.is_chain else tree.attention_mask(device)
-    logits, hidden = model(tokens, tree.positions(start, device), cache, start, mask)
-    argmax = logits[0].argmax(dim=-1).tolist()  # the one device sync of the step
+    accepted node). The root and the accepted drafts end up in slots start..start+len(committed)-1.
+    With ``runner`` the forward is its graph replay (when the block fits the cache)."""
+    if runner is not None and runner.fits(len(tree), start):
+        argmax, hidden = runner.step(tree, start)  # hidden: [T, D], valid until the next step
+    else:
+        device = model.device
+        tokens = torch.tensor([tree.tokens], dtype=torch.int64, device=device)
+        # A chain is causal, which SDPA handles without an explicit mask.
+        mask = None if tree.is_chain else tree.attention_mask(device)
+        logits, hidden = model(tokens, tree.positions(start, device), cache, start, mask)
+        argmax = logits[0].argmax(dim=-1).tolist()  # the one device sync of the step
+        hidden = hidden[0]
     path, bonus = tree.accept(argmax)
     cache.compact(start, path)
-    return [tree.tokens[i] for i in path[1:]] + [bonus], hidden[0, path[-1]]
+    return [tree.tokens[i] for i in path[1:]] + [bonus], hidden[path[-1]]
 
 
 def generate(model: Transformer, cache: KVCache, prompt: list[int], max_new_tokens: int,
-             drafter: Drafter | None, cfg: DecodeConfig, stop_ids: tuple[int, ...] = ()) -> Generation:
-    """Greedy generation of up to ``max_new_tokens`` tokens after ``prompt``."""
+             drafter: Drafter | None, cfg: DecodeConfig, stop_ids: tuple[int, ...] = (),
+             runner: GraphRunner | None = None) -> Generation:
+    """Greedy generation of up to ``max_new_tokens`` tokens after ``prompt``; ``runner`` (over this
+    ``cache``) replays the decode steps as CUDA graphs."""
+    if runner is not None and runner.cache is not cache:
+        raise ValueError("the graph runner was built for another KV cache")
     if not prompt:
         raise ValueError("the prompt is empty: generation needs at least one prompt token")
     if max_new_tokens < 1:
@@ -117,7 +133,7 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], max_new_toke
         k = min(cfg.block_size, max_new_tokens - len(gen.tokens) - 1)
         tree = draft(drafter, context, hidden, k, cfg, max_nodes=cache.max_len - start - 1)
         t1 = time.perf_counter()
-        new, hidden = verify(model, cache, tree, start)
+        new, hidden = verify(model, cache, tree, start, runner)
         t2 = time.perf_counter()
         start += len(new)
         n_before = len(gen.tokens)

@@ -16,7 +16,6 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.model import CONFIGS
 from engine.options import EngineOptions, OptionValue, options_from_dict
 
 DEPLOYMENTS_DIR = Path(__file__).resolve().parent.parent / "deployments"
@@ -44,6 +43,8 @@ class Deployment:
     path: str = ""
 
     def __post_init__(self) -> None:
+        from engine.model import CONFIGS  # imports torch: only when a deployment is built
+
         if self.target not in CONFIGS:
             raise ValueError(f"deployment {self.name!r}: unknown target {self.target!r}; known: {', '.join(CONFIGS)}")
         if self.mode != "batch1":

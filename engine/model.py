@@ -12,6 +12,11 @@ Contract:
   ``last_only``) and the final-norm hidden states that feed the LM head (what a drafter reads).
 - `KVCache.compact(start, keep)` moves the slots of an accepted tree path into consecutive slots;
   everything after them is dead and will be overwritten.
+- `Transformer.forward_static(tokens, positions, start, block_mask, cache, length)` is the same
+  computation in a form a CUDA graph can capture (`engine.graphs`): ``start`` is a device scalar,
+  K/V are written with ``index_copy_`` at slots ``start + i``, and attention reads the fixed first
+  ``length`` cache slots under an additive bias built on the device (slot < start, or a block slot
+  that ``block_mask`` allows). Every shape depends only on (T, length); nothing syncs the host.
 
 Every linear layer is a plain ``nn.Linear`` attribute (``q_proj`` .. ``down_proj``, ``lm_head``) so
 a weight format can swap the module. The attention core is its own module (`Attention.core`) so
@@ -133,6 +138,11 @@ class KVCache(nn.Module):
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k/v ([B, kv_heads, T, hd]) at the slots named by a device tensor (graph-safe)."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+
     def compact(self, start: int, keep: list[int]) -> None:
         """Move slots ``start + keep[j]`` to ``start + j`` (keep is increasing, keep[j] >= j).
 
@@ -150,8 +160,18 @@ class KVCache(nn.Module):
 class SDPA(nn.Module):
     """The attention core as a module, so hooks and profilers can time it apart from the linears."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                gqa: bool = True) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """What a graph-safe forward needs beyond the token block (see `Transformer.forward_static`)."""
+
+    slots: Tensor  # [T] int64 cache slots of the new tokens
+    bias: Tensor  # [1, 1, G*T, length] additive attention bias (0 or -inf), rows ordered (group, token)
+    length: int  # cache slots attention reads: 0 .. length-1 (static per graph)
 
 
 class Attention(nn.Module):
@@ -164,16 +184,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = SDPA()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
                 mask: Tensor | None, causal: bool) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(start, StaticStep):
+            return self.o_proj(self._static_attention(q, k, v, cache, start))
         k, v = cache.update(self.layer, start, k, v)
         y = self.core(q, k, v, mask, causal)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def _static_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
+        """Graph-safe attention: K/V written through an index tensor, then every query of a KV head's
+        group reads the fixed first ``step.length`` slots as one batch of G*T rows (no K/V repeat)."""
+        B, H, T, hd = q.shape
+        G = H // self.n_kv
+        cache.write(self.layer, step.slots, k, v)
+        keys = cache.k[self.layer, :, :, : step.length]
+        values = cache.v[self.layer, :, :, : step.length]
+        y = self.core(q.reshape(B, self.n_kv, G * T, hd), keys, values, step.bias, False, gqa=False)
+        # [B, KV, G*T, hd] -> [B, T, KV, G, hd] -> [B, T, H*hd] (head h = kv * G + g, as enable_gqa)
+        return y.view(B, self.n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
 
 
 class MLP(nn.Module):
@@ -260,6 +294,33 @@ class Transformer(nn.Module):
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return logits, hidden
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
+                       cache: KVCache, length: int) -> tuple[Tensor, Tensor]:
+        """Graph-safe forward of a block of T tokens (batch 1); returns (logits [1, T, V], hidden).
+
+        ``start`` is a 0-d int64 device tensor (the first slot of the block), ``block_mask`` [T, T]
+        bool says which block tokens each block token sees (itself included), ``length`` (fixed per
+        captured graph, ``start + T <= length <= cache.max_len``) is how many cache slots attention
+        reads. Every shape depends on (T, length) only, and no value reaches the host.
+        """
+        T = tokens.shape[1]
+        dev = tokens.device
+        slots = start + torch.arange(T, device=dev)
+        rel = torch.arange(length, device=dev) - start  # slot - start: < 0 for the committed prefix
+        in_block = (rel >= 0) & (rel < T)
+        seen = block_mask.gather(1, rel.clamp(0, T - 1).expand(T, length))
+        allowed = (rel < 0) | (in_block & seen)  # [T, length]
+        bias = torch.zeros((T, length), dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        step = StaticStep(slots, bias.repeat(G, 1).view(1, 1, G * T, length), length)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, step, None, False)
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden
 
     def _attention_mask(self, T: int, start: int, mask: Tensor | None) -> tuple[Tensor | None, bool]:
         """(boolean mask [T, start+T] or None, is_causal) for SDPA; built once per forward."""

@@ -36,7 +36,8 @@ class EngineOptions:
     dtype: Literal["fp32", "bf16"] | None = None  # None: the deployment's dtype
     weight_format: Literal["bf16", "w12"] = "bf16"  # "w12": kernels.w12 replaces the linears
     lm_head: Literal["default", "fp32"] = "default"  # "fp32": the head computes in fp32 whatever dtype
-    compile: bool = False  # torch.compile the decoder forward (CUDA graphs on CUDA)
+    compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
+    cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (engine.graphs); no-op off CUDA
     ngram_max_match: int = 4  # longest context suffix the n-gram drafter tries to match
     ngram_min_match: int = 2  # shortest; below it the n-gram drafter proposes nothing
     drafter_weights: str = ""  # parallel drafter weights file; "": the one shipped for the target

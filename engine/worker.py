@@ -23,10 +23,12 @@ import argparse
 import json
 import sys
 
+from engine.deployment import DEFAULT_DEPLOYMENT
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--deployment", default="smollm2-cpu", help="deployment name or TOML path")
+    ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment name or TOML path")
     ap.add_argument("--options", default="{}", help="JSON dict of engine option overrides")
     ap.add_argument("--device", default=None, help="override the deployment's device")
     ap.add_argument("--data-dir", default=None, help="SpecPilot data directory (model cache)")

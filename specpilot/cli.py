@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from engine.deployment import DEFAULT_DEPLOYMENT
 from specpilot import __version__, bus, ledger, natsd, paths, subjects
 from specpilot.errors import UserError
 from specpilot.schema import SERVICES
@@ -312,6 +313,15 @@ def rebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.system:
+        from services.controller.systems import export_system
+
+        res = export_system(data_dir(args), args.deployment, Path(args.system).resolve())
+        out.print(f"best system of {res['deployment']} ({res['commit'][:12]}, options {res['options']}) "
+                  f"written to {res['dir']}")
+        return 0
+    if not args.parquet:
+        raise UserError("say what to export: --parquet DIR (the ledger) or --system DIR (the final system)")
     dest = Path(args.parquet).resolve()
     res = ledger_call(args, subjects.RPC_EXPORT, {"dir": str(dest)},
                       lambda led: {"files": [str(p) for p in led.export_parquet(dest)]})
@@ -366,8 +376,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rebuild", action="store_true",
                    help="rebuild a corrupted ledger from the stream (stop the memory service first)")
-    p = command("export", cmd_export, "export the ledger's tables as Parquet files")
-    p.add_argument("--parquet", required=True, metavar="DIR")
+    p = command("export", cmd_export, "export the ledger as Parquet files, or the final system as files + patch")
+    p.add_argument("--parquet", metavar="DIR", help="write the ledger's tables as Parquet files into DIR")
+    p.add_argument("--system", metavar="DIR", help="write the best system's files, final.patch and options.json")
+    p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="whose best system --system writes")
 
     wanted = next((a for a in (argv or []) if not a.startswith("-")), None)
     for name, (module, help_) in PLUGGED_COMMANDS.items():

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.deployment import DEFAULT_DEPLOYMENT
 from engine.drafters.parallel import DEFAULT_WEIGHTS, ParallelConfig, ParallelDrafterNet, save_drafter
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--deployment", default="smollm2-cpu", help="its target and dev requests are used")
+    ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="its target and dev requests are used")
     ap.add_argument("--out", type=Path, default=None, help="weights file (default: the shipped file for the target)")
     ap.add_argument("--minutes", type=float, default=18.0, help="total time budget (generation + training)")
     ap.add_argument("--gen-share", type=float, default=0.6, help="share of the budget spent generating data")

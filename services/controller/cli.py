@@ -13,6 +13,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from engine.deployment import DEFAULT_DEPLOYMENT
 from specpilot import paths, schema
 
 
@@ -21,7 +22,7 @@ def add_commands(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("patch", type=Path, help="a unified diff (git diff format) against engine/ and kernels/; "
                                             "use /dev/null for options only")
-    p.add_argument("--deployment", default="smollm2-cpu")
+    p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
     p.add_argument("--options", default="{}", help='JSON engine options the patch enables, e.g. \'{"verify": "tree"}\'')
     p.add_argument("--trials", type=int, default=None, help="ABBA trials (default: the controller's)")
     p.add_argument("--requests", type=int, default=4, help="timing requests from the dev split")

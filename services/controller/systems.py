@@ -103,3 +103,27 @@ class Systems:
 
     def diff(self, base: str, commit: str) -> str:
         return self.git("diff", base, commit)
+
+
+def export_system(data: Path, deployment: str, dest: Path) -> dict:
+    """Write the best system of ``deployment`` for use outside SpecPilot: its tree (``engine/``,
+    ``kernels/``, ``deployments/``), ``final.patch`` (its diff against stock, apply with ``git apply``
+    in a SpecPilot checkout) and ``options.json`` (the engine option settings it runs with)."""
+    import json
+
+    root = Path(data) / "controller" / "systems"
+    if not (root / ".git").exists():
+        raise UserError(f"no systems under {root}: run `specpilot round` (or `specpilot time`) first")
+    systems = Systems(root)
+    best, stock = systems.best(deployment), systems.git("rev-parse", "stock")
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise UserError(f"{dest} is not empty: choose a new folder")
+    systems.checkout(best, dest)
+    (dest / "final.patch").write_text(systems.diff(stock, best) + "\n" if best != stock else "")
+    try:
+        options = json.loads((root.parent / "state.json").read_text()).get("best_options", {}).get(deployment, {})
+    except (FileNotFoundError, ValueError):
+        options = {}
+    (dest / "options.json").write_text(json.dumps(options, indent=2) + "\n")
+    return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}

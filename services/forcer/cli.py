@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from engine.deployment import DEFAULT_DEPLOYMENT
+
 
 def force_locally(deployment: str, outputs: list[dict], data_dir: Path | None = None, device: str | None = None,
                   max_audit: int | None = None, seed: int = 0) -> dict:
@@ -103,7 +105,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("force", help=help_, description=__doc__.split("\n\n")[1],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outputs", metavar="OUTPUTS", help="JSONL file of outputs ('-' for stdin)")
-    p.add_argument("--deployment", default="smollm2-cpu", help="deployment whose stock target forces (default: smollm2-cpu)")
+    p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment whose stock target forces (default: %(default)s)")
     p.add_argument("--device", default=None, help="override the deployment's device")
     p.add_argument("--max-audit", type=int, default=MAX_AUDITED,
                    help=f"events whose explanation is checked per run (default: {MAX_AUDITED})")
