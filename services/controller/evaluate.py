@@ -67,6 +67,9 @@ class Evaluator:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
+        # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (see `time`).
+        self.devices = tuple(d.strip() for d in self.device.split(",") if d.strip())
+        self.device = self.devices[0]
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -115,9 +118,9 @@ class Evaluator:
 
     # --- running systems -------------------------------------------------------------------------
 
-    def sandbox(self, commit: str, workdir: Path) -> Sandbox:
+    def sandbox(self, commit: str, workdir: Path, device: str | None = None) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
-        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=self.device,
+        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=device or self.device,
                       limits=self.limits, threads=self.threads)
         self._active[id(sbx)] = sbx
         self.last_sandbox = sbx.describe()
@@ -128,10 +131,12 @@ class Evaluator:
         for sbx in list(self._active.values()):
             sbx.kill()
 
-    def run(self, system: System, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+    def run(self, system: System, prompts: list[list[int]], device: str | None = None,
+            ) -> tuple[list[list[int]], list[float]]:
         """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp)) as sbx:
-            worker = Worker(sbx, self.python, self.deployment, system.options, device=self.device,
+        device = device or self.device
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp), device) as sbx:
+            worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
                             ready_timeout_s=self.limits.wall_s)
             try:
                 # One short untimed request first: lazy initialisation in a fresh process is not the
@@ -195,20 +200,22 @@ class Evaluator:
         return ""
 
     def time(self, incumbent: System, candidate: System, trials: int | None = None) -> TrialResult:
-        """Interleaved ABBA trials; stops early with ``problem`` set when a system misbehaves."""
+        """Paired trials; stops early with ``problem`` set when a system misbehaves.
+
+        One device: interleaved ABBA, one system at a time. Two devices: each trial runs both systems
+        at once (A on the first device, B on the second), then again with the devices swapped; a
+        system's trial time is the sum of its two runs, so a faster device favours neither."""
         prompts, reference = self.prompts(), self.reference(incumbent)
         res = TrialResult([], [], [], [], [])
         first_candidate: list[list[int]] | None = None
+        systems = {"A": incumbent, "B": candidate}
         for order in stats.abba_order(trials or self.trials):
-            times: dict[str, float] = {}
-            for who in order:
-                system = incumbent if who == "A" else candidate
-                try:
-                    outs, secs = self.run(system, prompts)
-                except WorkerFailed as exc:
-                    res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {exc}"
+            times: dict[str, float] = {"A": 0.0, "B": 0.0}
+            for who, outs, secs, failure in self._trial_runs(order, systems, prompts):
+                if failure is not None:
+                    res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {failure}"
                     return res
-                times[who] = sum(secs)
+                times[who] += sum(secs)
                 if who == "A" and outs != reference:
                     res.problem = "the incumbent did not reproduce its reference tokens (nondeterministic system?)"
                     return res
@@ -225,9 +232,32 @@ class Evaluator:
                         return res
             res.incumbent_s.append(times["A"])
             res.candidate_s.append(times["B"])
-            res.order.append(order)
+            res.order.append(order if len(self.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
             res.load.append(os.getloadavg()[0])
         return res
+
+    def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
+        """(who, outputs, seconds, failure) of each run of one trial, in ``order``."""
+        if len(self.devices) < 2:
+            for who in order:
+                try:
+                    outs, secs = self.run(systems[who], prompts)
+                    yield who, outs, secs, None
+                except WorkerFailed as exc:
+                    yield who, [], [], exc
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        d0, d1 = self.devices[:2]
+        for placement in ({order[0]: d0, order[1]: d1}, {order[0]: d1, order[1]: d0}):
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                futures = {who: pool.submit(self.run, systems[who], prompts, dev) for who, dev in placement.items()}
+            for who in order:
+                try:
+                    outs, secs = futures[who].result()
+                    yield who, outs, secs, None
+                except WorkerFailed as exc:
+                    yield who, [], [], exc
 
     # --- phase 0 and phase 4 ---------------------------------------------------------------------
 

@@ -263,7 +263,7 @@ class Controller:
         deployment = load_deployment(dep)
         best = self.best_system(ev, dep)
         dtype = str(best.options.get("dtype") or deployment.dtype)
-        hw = await asyncio.to_thread(hardware.measure, self.device, dtype, ev.threads)
+        hw = await asyncio.to_thread(hardware.measure, ev.device, dtype, ev.threads)
         await self.emit(schema.HardwareMeasured(**hw), event)
         m = await asyncio.to_thread(ev.measure, best)
         opts = {**deployment.stock_options().to_dict(), **best.options}
@@ -292,7 +292,7 @@ class Controller:
             opts = dep.options()
             if ev.threads:
                 torch.set_num_threads(ev.threads)
-            model, _ = load_model(dep.target, dtype=opts.dtype, device=torch.device(self.device), data_dir=self.data)
+            model, _ = load_model(dep.target, dtype=opts.dtype, device=torch.device(ev.device), data_dir=self.data)
             prompts = ev.prompts("sealed")[: n_requests or None]
             return peer(model, dep, opts, prompts, ev.max_new_tokens, reference)
         except Exception as exc:  # the peer is a comparison, never a reason to lose the final
@@ -386,7 +386,9 @@ async def _keep_alive(delivery: bus.Delivery, every_s: float = 15.0) -> None:
 
 
 def add_args(parser) -> None:
-    parser.add_argument("--device", default="cpu", help="device the candidates are timed on")
+    parser.add_argument("--device", default="cpu",
+                        help="device the candidates are timed on; two, comma-separated (cuda:0,cuda:1), run both "
+                             "systems of a trial at once and then swap devices")
     parser.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS, help="ABBA trials per verdict")
     parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")

@@ -145,7 +145,8 @@ def describe(e: schema.Event) -> str:
             f = ", ".join(f"{k} {v:.2f}x" for k, v in e.factors.items())
             return f"ceiling {e.ceiling_speedup:.1f}x over AR; factors: {f}"
         case schema.DirectionPlanned():
-            return escape(f"direction [{e.provider}] {e.title}")
+            guess = e.hints.get("predicted_gain")
+            return escape(f"direction [{e.provider}] {e.title}" + (f" (cost model predicts {guess})" if guess else ""))
         case schema.PatchProposed():
             return f"  patch {e.patch_id}: options {e.options}" + (" + code" if e.diff.strip() else "")
         case schema.DirectionFailed():

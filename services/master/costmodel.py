@@ -151,3 +151,52 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     }
     return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
                    current_speedup=tau * t_ar_s / step_s)
+
+
+# --- predictions for planning ---------------------------------------------------------------------
+
+PREDICTABLE = ("block_size", "verify", "tree_nodes")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The current system's step as the planner sees it: a step verifying ``1 + n`` tokens costs
+    ``t_AR · (1 + slope · n)`` (slope from the profiled step), and commits ``tau_best(n)`` tokens
+    (exact replay: optimistic for a chain, which keeps only the drafter's first candidate)."""
+
+    t_ar_s: float
+    step_s: float
+    n_tokens: int
+    tau: float
+    replay: dict[int, float]
+
+    @property
+    def slope(self) -> float:
+        return max(0.0, (self.step_s / self.t_ar_s - 1.0) / max(1, self.n_tokens - 1))
+
+    def replay_tau(self, n: int) -> float:
+        budgets = [b for b in self.replay if b <= n]
+        return self.replay[max(budgets)] if budgets else 1.0
+
+    def speedup(self, n: int) -> float:
+        """Predicted speedup over AR with ``n`` draft tokens (or tree nodes) per step."""
+        return self.replay_tau(n) / (1.0 + self.slope * n)
+
+    @property
+    def current(self) -> float:
+        return self.tau / (self.step_s / self.t_ar_s)
+
+
+def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
+    """Predicted speedup of setting ``option`` to ``value`` over the current system, or None when the
+    model cannot say (another drafter, a kernel or overhead mechanism, ...).
+
+    ``options``: the current best's settings; ``stock``: the deployment's stock options (defaults)."""
+    if option not in PREDICTABLE:
+        return None
+    new = {**stock, **options, option: value}
+    if new.get("drafter", "ngram") != stock.get("drafter", "ngram") or model.t_ar_s <= 0 or model.step_s <= 0:
+        return None
+    tree = new.get("verify") == "tree"
+    n = int(new.get("tree_nodes", 16)) if tree else int(new.get("block_size", 4))
+    return model.speedup(n) / model.current

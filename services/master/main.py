@@ -127,7 +127,7 @@ class Master:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Drain this service's consumer (events wake the round drivers) until stopped."""
-        await self.resume_all()
+        resuming = asyncio.create_task(self.resume_all())  # waits for memory, which may start later
         while not stop.is_set():
             try:
                 async for _event, delivery in self.bus.consume(stop, batch=64):
@@ -136,6 +136,7 @@ class Master:
             except (bus.BusError, ConnectionError) as exc:
                 log.warning("bus trouble, retrying: %s", exc)
                 await asyncio.sleep(0.5)
+        resuming.cancel()
         for task in self.tasks.values():
             task.cancel()
 
@@ -237,10 +238,18 @@ class RoundDriver:
             entries = reply.get("entries", [])
         except bus.BusError:
             entries = []
+        predict = None
+        profiles = [p for p in await self.ledger.round_events(self.round_id, "profile.measured") if p.step_s > 0]  # type: ignore[attr-defined]
+        if profiles:
+            model = step_model(profiles[-1])  # type: ignore[arg-type]
+            stock = load_deployment(self.deployment).stock_options().to_dict()
+
+            def predict(option: str, value: Any) -> float | None:
+                return costmodel.predicted_gain(model, option, value, best_options, stock)
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=set(EngineOptions.__dataclass_fields__), entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
-                            coder=self.started.coder, devices=max(1, len(self.started.devices)))
+                            coder=self.started.coder, devices=max(1, len(self.started.devices)), predict=predict)
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
         did = _q(direction.direction_id)
@@ -306,6 +315,11 @@ def replay(prof: schema.ProfileMeasured) -> dict[int, float]:
             tokens, steps = totals.get(budget, (0.0, 0.0))
             totals[budget] = (tokens + n, steps + n / tau)
     return {b: tokens / steps for b, (tokens, steps) in totals.items()} or {1: 1.0}
+
+
+def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
+    return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
+                               replay=replay(prof))
 
 
 def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> costmodel.Ceiling:

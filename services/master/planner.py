@@ -6,7 +6,9 @@ The offline planner (``rules``) works in this order:
    (provider ``memory``);
 2. option sweeps, grouped by the factor they attack, largest factor first, skipping option values
    already tried on this deployment and options the engine does not have; on a GPU the overhead
-   and kernel mechanisms come first when their factors say so, on a CPU they are not offered;
+   and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
+   Values the cost model can judge (``predict``: draft length, tree size) are kept only when it
+   predicts a gain; timing a candidate costs minutes, predicting it nothing;
 3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
 One direction per free device per wave. A direction is a `Direction` (the master publishes it as
 ``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
@@ -14,8 +16,11 @@ One direction per free device per wave. A direction is a `Direction` (the master
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+MIN_PREDICTED_GAIN = 1.0  # a value the cost model predicts to be slower than the best is not timed
 
 # Option sweeps by the factor they attack: (option, values, devices it makes sense on).
 SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
@@ -66,8 +71,10 @@ class History:
 
 def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
          known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
-         devices: int = 1) -> list[Direction]:
-    """Up to ``devices`` directions for the next wave; [] when nothing is left to try."""
+         devices: int = 1, predict: Callable[[str, Any], float | None] | None = None) -> list[Direction]:
+    """Up to ``devices`` directions for the next wave; [] when nothing is left to try.
+
+    ``predict(option, value)``: the cost model's predicted gain over the best, None when it cannot say."""
     out: list[Direction] = []
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
@@ -87,6 +94,8 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
                 continue
             fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
+            predicted = {repr(v): predict(option, v) for v in fresh} if predict else {}
+            fresh = [v for v in fresh if predicted.get(repr(v)) is None or predicted[repr(v)] >= MIN_PREDICTED_GAIN]
             if not fresh:
                 continue
             base = dict(best_options)
@@ -94,8 +103,12 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
                 need, value = DEPENDS[option]
                 if base.get(need) != value:
                     base[need] = value
+            hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
+            guesses = {k: round(g, 3) for k, g in predicted.items() if g is not None and k in map(repr, fresh)}
+            if guesses:
+                hints["predicted_gain"] = guesses
             out.append(Direction(title=f"sweep {option} over {fresh}", factor=factor, provider="sweep",
-                                 rationale=_why(factor, factors), hints={"option": option, "values": fresh, "base": base}))
+                                 rationale=_why(factor, factors), hints=hints))
     return out[:devices]
 
 

@@ -80,3 +80,19 @@ def test_ceiling_picks_the_best_budget_and_refuses_nonsense():
     assert c.budget == 4
     with pytest.raises(ValueError):
         cm.ceiling(**{**kw, "tau": 0.0}, replay={1: 1.0})
+
+
+def test_predicted_gain_by_hand():
+    # AR 10 ms; the current chain of 4 drafts costs 14 ms per step (slope 0.1 per draft) and commits 2.
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={1: 1.5, 2: 1.8, 4: 2.0, 16: 2.6})
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
+    assert model.slope == pytest.approx(0.1)
+    assert model.current == pytest.approx(2.0 / 1.4)
+    # two drafts: 1.8 / 1.2 = 1.5 against 2.0 / 1.4
+    assert cm.predicted_gain(model, "block_size", 2, {}, stock) == pytest.approx(1.5 / (2.0 / 1.4))
+    # a 16-node tree: 2.6 / 2.6 = 1.0, a loss
+    assert cm.predicted_gain(model, "verify", "tree", {}, stock) == pytest.approx(1.0 / (2.0 / 1.4))
+    # 6 drafts use the replay at the largest budget not above 6 (4)
+    assert cm.predicted_gain(model, "block_size", 6, {}, stock) == pytest.approx((2.0 / 1.6) / (2.0 / 1.4))
+    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None
+    assert cm.predicted_gain(model, "cuda_graphs", True, {}, stock) is None

@@ -1,0 +1,75 @@
+"""The rules planner: memory entries first, then sweeps by factor, nothing twice, regime-aware."""
+
+from services.master import planner
+from services.master.planner import History
+
+CPU = {"device_kind": "cpu", "dtype": "fp32", "model_family": "llama", "mode": "batch1"}
+GPU = {**CPU, "device_kind": "cuda", "dtype": "bf16"}
+KNOWN = {"verify", "tree_nodes", "block_size", "ngram_min_match", "drafter", "cuda_graphs", "compile", "weight_format"}
+
+
+def _plan(factors, facts=CPU, history=History(), entries=(), best=None, devices=1, coder="sweep", known=KNOWN,
+          predict=None):
+    return planner.plan(factors=factors, facts=facts, best_options=best or {}, known_options=set(known),
+                        entries=list(entries), history=history, coder=coder, devices=devices, predict=predict)
+
+
+def test_the_largest_factor_is_attacked_first_and_cpu_gets_no_gpu_mechanisms():
+    (d,) = _plan({"tau": 1.5, "kernel": 3.0, "overhead": 2.0})
+    assert d.provider == "sweep" and d.factor == "tau"  # kernel and overhead sweeps are GPU-only
+    assert d.hints == {"option": "verify", "values": ["tree"], "base": {}}
+    assert d.expected_patches == 1
+
+
+def test_on_a_gpu_overhead_mechanisms_come_first_when_overhead_dominates():
+    (d,) = _plan({"tau": 1.5, "kernel": 1.2, "overhead": 9.0}, facts=GPU)
+    assert d.hints["option"] == "cuda_graphs"
+    ds = _plan({"tau": 1.5, "kernel": 1.2, "overhead": 9.0}, facts=GPU, devices=3)
+    assert [x.hints["option"] for x in ds] == ["cuda_graphs", "compile", "verify"]
+
+
+def test_nothing_is_tried_twice_and_unknown_options_are_skipped():
+    tried = frozenset({("verify", repr("tree")), ("block_size", repr(2))})
+    ds = _plan({"tau": 2.0}, history=History(tried_options=tried), devices=10, known=KNOWN - {"drafter"})
+    options = [d.hints["option"] for d in ds]
+    assert "verify" not in options and "drafter" not in options
+    block = next(d for d in ds if d.hints["option"] == "block_size")
+    assert block.hints["values"] == [6, 8]
+    # a dependent option brings what it needs into its base
+    nodes = next(d for d in ds if d.hints["option"] == "tree_nodes")
+    assert nodes.hints["base"]["verify"] == "tree"
+
+
+def test_the_best_options_are_the_base_and_current_values_are_not_proposed():
+    ds = _plan({"tau": 2.0}, best={"block_size": 6, "verify": "tree"}, devices=10)
+    block = next(d for d in ds if d.hints["option"] == "block_size")
+    assert block.hints["values"] == [2, 8] and block.hints["base"] == {"block_size": 6, "verify": "tree"}
+    assert all(d.hints["option"] != "verify" for d in ds)
+
+
+def test_memory_entries_come_first_once():
+    entry = {"entry_id": "e1", "title": "tree", "delta": "", "options": {"verify": "tree"}}
+    (d,) = _plan({"tau": 2.0}, entries=[entry])
+    assert d.provider == "memory" and d.memory_entry_id == "e1" and d.hints["entry"]["options"] == {"verify": "tree"}
+    (d,) = _plan({"tau": 2.0}, entries=[entry], history=History(applied_entries=frozenset({"e1"})))
+    assert d.provider == "sweep"
+
+
+def test_an_llm_coder_gets_an_open_direction_for_the_largest_factor():
+    (d,) = _plan({"tau": 1.1, "overhead": 4.0}, facts=GPU, coder="anthropic")
+    assert d.provider == "anthropic" and d.factor == "overhead" and "overhead" in d.title
+
+
+def test_nothing_left_means_no_directions():
+    tried = frozenset((o, repr(v)) for o, vs, _ in planner.SWEEPS["tau"] for v in vs)
+    assert _plan({"tau": 2.0}, history=History(tried_options=tried)) == []
+
+
+def test_values_the_cost_model_predicts_to_lose_are_not_timed():
+    guesses = {("block_size", 2): 1.1, ("block_size", 6): 0.8, ("block_size", 8): 0.7, ("verify", "tree"): 0.9}
+    ds = _plan({"tau": 2.0}, devices=10, predict=lambda o, v: guesses.get((o, v)))
+    options = {d.hints["option"]: d for d in ds}
+    assert "verify" not in options  # predicted to lose
+    assert options["block_size"].hints["values"] == [2]
+    assert options["block_size"].hints["predicted_gain"] == {"2": 1.1}
+    assert "predicted_gain" not in options["ngram_min_match"].hints  # the model cannot say: timed
