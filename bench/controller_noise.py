@@ -34,17 +34,18 @@ from services.controller.evaluate import Evaluator, System  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or two devices: cuda:0,cuda:1 (both at once, swapped)")
     ap.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS)
     ap.add_argument("--runs", type=int, default=2, help="stock-vs-stock experiments")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (rounds on CPU use 1)")
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
     args = ap.parse_args()
     data = args.data or Path(tempfile.mkdtemp(prefix="sp-noise-"))
     console = Console(stderr=True)
     ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
-                   max_new_tokens=args.max_new_tokens, trials=args.trials)
+                   max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads)
     with console.status("preparing stock"):
         stock = System(ev.prepare())
         ev.reference(stock)
@@ -61,7 +62,7 @@ def main() -> None:
     decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
     gains = [stats.paired_gain(a, b).gain for a, b in runs]
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
-              "trials": args.trials, "runs": args.runs, "requests": args.requests,
+              "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),

@@ -6,8 +6,17 @@ works): policy → ``PatchRefused``; else apply + sandboxed default check → ``
 versus stock noise once per deployment and device → ``TimingMeasured(kind="noise")``; paired ABBA
 timing → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's,
 ``ForcingRequested`` and a wait for the forcer's ``ForcingReported``; then ``VerdictIssued`` with every
-statistic and, on promotion, ``BestAdvanced``. Decisions are pure (``policy``, ``stats``); this module
-does the I/O. A patch whose verdict is already in the ledger is not evaluated again (redelivery).
+statistic and, on promotion, ``BestAdvanced`` and a ``MemoryEntryProposed`` (the whole delta from
+stock, the promoted system's file hashes, the deployment's facts as requirements). Decisions are pure
+(``policy``, ``stats``); this module does the I/O. A patch whose verdict is already in the ledger is not
+evaluated again (redelivery).
+
+Rounds: on ``RoundStarted`` (phase 0) it measures the device (``hardware``) and profiles the best
+system on the dev split (``Evaluator.measure``) → ``HardwareMeasured``, ``ProfileMeasured``; on
+``SealedFinalRequested`` (phase 4) it runs the final system, stock and AR on the sealed split, forces
+the final's outputs in this process (sealed prompts never enter the ledger), runs transformers'
+prompt lookup on the same prompts, and reports ``SealedFinalReported``. Both are skipped when the
+ledger already holds their report for that round.
 """
 
 from __future__ import annotations

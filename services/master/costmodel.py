@@ -191,7 +191,8 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
     """Predicted speedup of setting ``option`` to ``value`` over the current system, or None when the
     model cannot say (another drafter, a kernel or overhead mechanism, ...).
 
-    ``options``: the current best's settings; ``stock``: the deployment's stock options (defaults)."""
+    ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
+    ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults)."""
     if option not in PREDICTABLE:
         return None
     new = {**stock, **options, option: value}

@@ -244,8 +244,8 @@ class RoundDriver:
             model = step_model(profiles[-1])  # type: ignore[arg-type]
             stock = load_deployment(self.deployment).stock_options().to_dict()
 
-            def predict(option: str, value: Any) -> float | None:
-                return costmodel.predicted_gain(model, option, value, best_options, stock)
+            def predict(option: str, value: Any, base: dict) -> float | None:
+                return costmodel.predicted_gain(model, option, value, base, stock)
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=set(EngineOptions.__dataclass_fields__), entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),

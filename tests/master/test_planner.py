@@ -65,11 +65,18 @@ def test_nothing_left_means_no_directions():
     assert _plan({"tau": 2.0}, history=History(tried_options=tried)) == []
 
 
-def test_values_the_cost_model_predicts_to_lose_are_not_timed():
-    guesses = {("block_size", 2): 1.1, ("block_size", 6): 0.8, ("block_size", 8): 0.7, ("verify", "tree"): 0.9}
-    ds = _plan({"tau": 2.0}, devices=10, predict=lambda o, v: guesses.get((o, v)))
+def test_values_the_cost_model_predicts_to_lose_are_not_timed_and_the_best_predicted_go_first():
+    guesses = {("block_size", 2): 0.95, ("block_size", 6): 0.8, ("block_size", 8): 1.2, ("verify", "tree"): 0.85,
+               ("tree_nodes", 8): 0.92, ("tree_nodes", 32): 0.5}
+    ds = _plan({"tau": 2.0}, devices=10, predict=lambda o, v, base: guesses.get((o, v)))
     options = {d.hints["option"]: d for d in ds}
-    assert "verify" not in options  # predicted to lose
-    assert options["block_size"].hints["values"] == [2]
-    assert options["block_size"].hints["predicted_gain"] == {"2": 1.1}
+    assert "verify" not in options  # predicted to lose more than 10%
+    assert options["block_size"].hints["values"] == [8, 2]  # 6 screened out; best predicted first
+    assert options["block_size"].hints["predicted_gain"] == {"2": 0.95, "8": 1.2}
     assert "predicted_gain" not in options["ngram_min_match"].hints  # the model cannot say: timed
+    # the prediction sees what the option needs (tree_nodes means a tree)
+    seen = []
+    _plan({"tau": 2.0}, devices=10, predict=lambda o, v, base: seen.append((o, base.get("verify"))))
+    assert ("tree_nodes", "tree") in seen and ("block_size", None) in seen
+    # directions ordered by their best predicted value; unknowns count as 1.0
+    assert [d.hints["option"] for d in ds] == ["block_size", "ngram_min_match", "drafter", "tree_nodes"]
