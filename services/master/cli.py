@@ -39,7 +39,8 @@ def add_commands(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     add_connection_flags(p)
     p.add_argument("--deployment", default=d["deployment"])
-    p.add_argument("--planner", default=d["planner"], help="planner: rules (offline)")
+    p.add_argument("--planner", default=d["planner"],
+                   help="planner: rules (offline, the default), anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
     p.add_argument("--coder", default=d["coder"],
                    help="subagent provider: sweep, memory, anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
     p.add_argument("--rounds", type=int, default=d["rounds"], help="waves of directions")
@@ -92,6 +93,9 @@ async def _call(args: argparse.Namespace, subject: str, payload: dict, timeout: 
             try:
                 return await b.request(subject, payload, timeout=30)
             except bus.BusError as exc:
+                starting = "no service answers" in str(exc) or "did not answer" in str(exc) or "starting" in str(exc)
+                if not starting:  # the master refused the request: say why at once
+                    raise UserError(f"the master refused the round: {exc}") from exc
                 if time.monotonic() > deadline:
                     raise UserError(f"the master did not answer: {exc}; see {cli.data_dir(args)}/logs/master.log") from exc
                 await asyncio.sleep(1.0)

@@ -88,6 +88,7 @@ class Master:
         unknown = set(params) - set(round_defaults())
         if unknown:
             raise ValueError(f"unknown round parameters: {sorted(unknown)}")
+        check_providers(str(params["planner"]), str(params["coder"]))
         for started in await self.unfinished():
             if started.deployment == params["deployment"]:
                 self._spawn(started)
@@ -246,10 +247,27 @@ class RoundDriver:
 
             def predict(option: str, value: Any, base: dict) -> float | None:
                 return costmodel.predicted_gain(model, option, value, base, stock)
+        known = set(EngineOptions.__dataclass_fields__)
+        devices = max(1, len(self.started.devices))
+        if self.started.planner not in ("", "rules"):
+            from services.master.llm_planner import plan_with_llm
+            from specpilot.errors import UserError
+
+            context = {"deployment": facts, "best_options": best_options, "stock_options": EngineOptions().to_dict(),
+                       "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors),
+                                   "replay_tau": dict(ceiling.replay_tau)} if ceiling else None,
+                       "profile_s": dict(profiles[-1].classes_s) if profiles else None,  # type: ignore[attr-defined]
+                       "tried": sorted(f"{o}={v}" for o, v in tried), "memory_entries": entries}
+            try:
+                return await asyncio.to_thread(plan_with_llm, self.started.planner, context, known, best_options,
+                                               self.started.coder, devices)
+            except UserError as exc:  # provider errors and missing keys: plan by the rules instead
+                log.warning("round %s: LLM planner %s failed (%s); planning by the rules", self.round_id,
+                            self.started.planner, exc)
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
-                            known_options=set(EngineOptions.__dataclass_fields__), entries=entries,
+                            known_options=known, entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
-                            coder=self.started.coder, devices=max(1, len(self.started.devices)), predict=predict)
+                            coder=self.started.coder, devices=devices, predict=predict)
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
         did = _q(direction.direction_id)
@@ -303,6 +321,16 @@ class RoundDriver:
 
 
 # --- pure helpers ------------------------------------------------------------------------------------
+
+def check_providers(planner_name: str, coder: str) -> None:
+    """Refuse a round whose planner or coder string does not parse (keys are checked where they are used:
+    the coder's on the subagent's host)."""
+    from services.subagent.providers import OFFLINE, parse_provider
+
+    if planner_name not in ("", "rules") and parse_provider(planner_name).kind in OFFLINE:
+        raise ValueError(f"planner {planner_name!r}: use 'rules' or an LLM provider (anthropic, openai, openai-compatible:URL)")
+    parse_provider(coder)
+
 
 def replay(prof: schema.ProfileMeasured) -> dict[int, float]:
     """Replayed tau per node budget, pooled over the profiled requests (steps weighted)."""

@@ -1,7 +1,10 @@
 """LLM providers: a tool loop over a workspace, through the Anthropic or OpenAI SDK. The only module
 that imports ``anthropic`` or ``openai``.
 
-Contract: ``propose(spec, direction, tools, key)`` drives one conversation. The system prompt states
+Contract: ``tool_loop(spec, key, system, task, toolbox, usage, max_turns)`` drives one conversation over
+any toolbox (``specs``: name/description/input_schema dicts; ``call(name, args)`` → ``ToolResult``;
+``finished``: set when the conversation is done); the master's LLM planner uses it with its own
+``plan`` tool. ``propose(spec, direction, tools, key)`` is the subagent's conversation. The system prompt states
 the direction (title, rationale, factor, hints), the deployment, what an engine option is and the
 rules; the model calls the tools of ``workspace.TOOL_SPECS`` (executed by ``workspace.Tools``) until an
 accepted ``finish``, which yields a ``Proposal`` (the workspace's diff against its base, the finish's
@@ -97,13 +100,7 @@ def propose(spec: ProviderSpec, direction: schema.DirectionPlanned, tools: Tools
     """Run the tool loop of ``spec`` until ``finish``; the patch as a ``Proposal``."""
     system = system_prompt(direction, best_options or {}, max_turns)
     usage = Usage()
-    try:
-        if spec.kind == ANTHROPIC:
-            _anthropic_loop(spec, key, system, task_message(direction), tools, usage, max_turns, max_tokens)
-        else:
-            _openai_loop(spec, key, system, task_message(direction), tools, usage, max_turns)
-    except (anthropic.APIError, openai.APIError) as exc:
-        raise ProviderError(f"{spec}: {type(exc).__name__}: {exc}") from exc
+    tool_loop(spec, key, system, task_message(direction), tools, usage, max_turns, max_tokens)
     done = tools.finished
     if done is None:
         raise ProviderError(f"{spec}: no finish within {max_turns} turns ({usage.summary()})")
@@ -114,11 +111,23 @@ def propose(spec: ProviderSpec, direction: schema.DirectionPlanned, tools: Tools
     return Proposal(diff=diff, options=done.options, notes=notes)
 
 
+def tool_loop(spec: ProviderSpec, key: str, system: str, task: str, toolbox, usage: Usage,
+              max_turns: int = DEFAULT_MAX_TURNS, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    """Converse until ``toolbox.finished`` is set or ``max_turns`` model calls; SDK errors → ProviderError."""
+    try:
+        if spec.kind == ANTHROPIC:
+            _anthropic_loop(spec, key, system, task, toolbox, usage, max_turns, max_tokens)
+        else:
+            _openai_loop(spec, key, system, task, toolbox, usage, max_turns)
+    except (anthropic.APIError, openai.APIError) as exc:
+        raise ProviderError(f"{spec}: {type(exc).__name__}: {exc}") from exc
+
+
 # --- Anthropic -----------------------------------------------------------------------------------
 
 
-def _anthropic_tools() -> list[dict]:
-    return [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]} for t in TOOL_SPECS]
+def _anthropic_tools(specs: list[dict]) -> list[dict]:
+    return [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]} for t in specs]
 
 
 def _anthropic_block(block) -> dict:
@@ -133,7 +142,7 @@ def _anthropic_block(block) -> dict:
 def _anthropic_loop(spec: ProviderSpec, key: str, system: str, task: str, tools: Tools, usage: Usage,
                     max_turns: int, max_tokens: int) -> None:
     client = anthropic.Anthropic(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
-    specs = _anthropic_tools()
+    specs = _anthropic_tools(getattr(tools, "specs", TOOL_SPECS))
     messages: list[dict] = [{"role": "user", "content": task}]
     while usage.turns < max_turns:
         reply = client.messages.create(model=spec.model, max_tokens=max_tokens, system=system, tools=specs,
@@ -162,15 +171,15 @@ def _anthropic_loop(spec: ProviderSpec, key: str, system: str, task: str, tools:
 # --- OpenAI and OpenAI-compatible ----------------------------------------------------------------
 
 
-def _openai_tools() -> list[dict]:
+def _openai_tools(specs: list[dict]) -> list[dict]:
     return [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                              "parameters": t["input_schema"]}} for t in TOOL_SPECS]
+                                              "parameters": t["input_schema"]}} for t in specs]
 
 
 def _openai_loop(spec: ProviderSpec, key: str, system: str, task: str, tools: Tools, usage: Usage,
                  max_turns: int) -> None:
     client = openai.OpenAI(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
-    specs = _openai_tools()
+    specs = _openai_tools(getattr(tools, "specs", TOOL_SPECS))
     messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
     while usage.turns < max_turns:
         reply = client.chat.completions.create(model=spec.model, messages=messages, tools=specs)
