@@ -5,7 +5,8 @@
   its candidates). `services.master.costmodel.replay_tau` turns these into the tokens per step of
   the best tree at any node budget ("exact replay").
 - `measure`: one request through the engine with the kernel-class profile of `engine.bench`, and
-  the matched depths of its output.
+  the matched depths of its output twice: over all the drafter's candidates (``depths``: the best
+  tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies).
 
 The timing worker serves `measure` (``engine.worker``); nothing here decides anything.
 """
@@ -65,5 +66,6 @@ def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int =
         "tokens": result.tokens, "steps": result.steps,
         "profile_ms": prof,
         "depths": matched_depths(engine, prompt, result.tokens, depth, nodes),
+        "chain_depths": matched_depths(engine, prompt, result.tokens, depth, 1),
         "context": len(prompt) + len(result.tokens) // 2,
     }

@@ -110,6 +110,7 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     dtype: str = ""
     shape: dict[str, int] = {}  # the target's dimensions (engine.model.ModelConfig)
     replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
+    chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):

@@ -294,6 +294,7 @@ class Evaluator:
             "classes_s": classes,
             "context": round(sum(int(r["context"]) for r in replies) / n),
             "replay_depths": [[int(d) for d in r["depths"]] for r in replies],
+            "chain_depths": [[int(d) for d in r.get("chain_depths", [])] for r in replies],
         }
 
     def sealed_final(self, systems: dict[str, System], n_requests: int = 0, trials: int = 3,

@@ -157,8 +157,10 @@ def describe(e: schema.Event) -> str:
             return escape(f"  direction failed [{e.provider}]: {e.reason[:200]}")
         case schema.PatchRefused():
             return f"  [red]refused[/red] {e.patch_id}: {e.rule}: {e.reason}"
+        case schema.TimingMeasured() if e.kind == "noise":
+            return f"  timed stock against itself (noise {e.noise * 100:.1f}%): {len(e.incumbent_s)} trials"
         case schema.TimingMeasured():
-            return f"  timed {e.kind} {e.patch_id}: {len(e.incumbent_s)} trials"
+            return f"  timed {e.patch_id}: {len(e.incumbent_s)} trials"
         case schema.VerdictIssued():
             color = "green" if e.decision == "promote" else "yellow"
             return (f"  [{color}]{e.decision}[/{color}] {e.patch_id}: gain {e.gain * 100:+.1f}% "

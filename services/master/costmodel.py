@@ -22,7 +22,7 @@ Nothing here measures or imports torch: `services.master.measure` does the measu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.9
@@ -161,26 +161,29 @@ PREDICTABLE = ("block_size", "verify", "tree_nodes")
 @dataclass(frozen=True)
 class StepModel:
     """The current system's step as the planner sees it: a step verifying ``1 + n`` tokens costs
-    ``t_AR · (1 + slope · n)`` (slope from the profiled step), and commits ``tau_best(n)`` tokens
-    (exact replay: optimistic for a chain, which keeps only the drafter's first candidate)."""
+    ``t_AR · (1 + slope · n)`` (slope from the profiled step), and commits the replayed tau at ``n``:
+    of the best tree in hindsight for a tree, of the drafter's first candidate for a chain
+    (``chain_replay``; the tree's replay when it is missing, which flatters chains)."""
 
     t_ar_s: float
     step_s: float
     n_tokens: int
     tau: float
     replay: dict[int, float]
+    chain_replay: dict[int, float] = field(default_factory=dict)
 
     @property
     def slope(self) -> float:
         return max(0.0, (self.step_s / self.t_ar_s - 1.0) / max(1, self.n_tokens - 1))
 
-    def replay_tau(self, n: int) -> float:
-        budgets = [b for b in self.replay if b <= n]
-        return self.replay[max(budgets)] if budgets else 1.0
+    def replay_tau(self, n: int, chain: bool = False) -> float:
+        table = self.chain_replay if chain and self.chain_replay else self.replay
+        budgets = [b for b in table if b <= n]
+        return table[max(budgets)] if budgets else 1.0
 
-    def speedup(self, n: int) -> float:
-        """Predicted speedup over AR with ``n`` draft tokens (or tree nodes) per step."""
-        return self.replay_tau(n) / (1.0 + self.slope * n)
+    def speedup(self, n: int, chain: bool = False) -> float:
+        """Predicted speedup over AR with ``n`` draft tokens (chain) or tree nodes per step."""
+        return self.replay_tau(n, chain) / (1.0 + self.slope * n)
 
     @property
     def current(self) -> float:
@@ -200,4 +203,4 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
         return None
     tree = new.get("verify") == "tree"
     n = int(new.get("tree_nodes", 16)) if tree else int(new.get("block_size", 4))
-    return model.speedup(n) / model.current
+    return model.speedup(n, chain=not tree) / model.current

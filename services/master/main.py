@@ -332,10 +332,11 @@ def check_providers(planner_name: str, coder: str) -> None:
     parse_provider(coder)
 
 
-def replay(prof: schema.ProfileMeasured) -> dict[int, float]:
-    """Replayed tau per node budget, pooled over the profiled requests (steps weighted)."""
+def replay(prof: schema.ProfileMeasured, chain: bool = False) -> dict[int, float]:
+    """Replayed tau per node budget, pooled over the profiled requests (steps weighted): the best tree
+    in hindsight, or (``chain``) the drafter's first candidate cut to the budget."""
     totals: dict[int, tuple[float, float]] = {}
-    for depths in prof.replay_depths:
+    for depths in (prof.chain_depths if chain else prof.replay_depths):
         n = len(depths) - 1
         if n <= 0:
             continue
@@ -347,7 +348,7 @@ def replay(prof: schema.ProfileMeasured) -> dict[int, float]:
 
 def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
-                               replay=replay(prof))
+                               replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {})
 
 
 def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> costmodel.Ceiling:

@@ -53,4 +53,6 @@ def test_measure_through_the_worker_protocol():
 def test_measure_in_process(tiny):
     prompt = _tiny_prompts(4, n=1)[0]
     m = measure(make_engine(tiny, drafter="ngram"), prompt, 20)
-    assert m["context"] >= len(prompt) and len(m["depths"]) == len(m["tokens"]) == 20
+    assert m["context"] >= len(prompt) and len(m["depths"]) == len(m["tokens"]) == len(m["chain_depths"]) == 20
+    # the first candidate never matches deeper than the best of all candidates
+    assert all(c <= t for c, t in zip(m["chain_depths"], m["depths"], strict=True))

@@ -96,3 +96,11 @@ def test_predicted_gain_by_hand():
     assert cm.predicted_gain(model, "block_size", 6, {}, stock) == pytest.approx((2.0 / 1.6) / (2.0 / 1.4))
     assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None
     assert cm.predicted_gain(model, "cuda_graphs", True, {}, stock) is None
+
+
+def test_chains_are_predicted_from_the_first_candidate():
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={2: 1.8, 4: 2.0},
+                         chain_replay={2: 1.5, 4: 1.9})
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
+    assert cm.predicted_gain(model, "block_size", 2, {}, stock) == pytest.approx((1.5 / 1.2) / (2.0 / 1.4))
+    assert cm.predicted_gain(model, "tree_nodes", 4, {"verify": "tree"}, stock) == pytest.approx((2.0 / 1.4) / (2.0 / 1.4))
