@@ -95,6 +95,11 @@ class DeadLetter:
     deliveries: int
 
 
+def sql_literal(text: str) -> str:
+    """``text`` as a quoted SQL string literal (quotes doubled), for queries sent to the read-only endpoint."""
+    return "'" + str(text).replace("'", "''") + "'"
+
+
 def chain(prev_hash: str, payload: bytes) -> str:
     return hashlib.sha256(bytes.fromhex(prev_hash) + payload).hexdigest()
 

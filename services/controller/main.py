@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from services.controller import policy, stats
 from services.controller.evaluate import Evaluator, System
 from services.controller.sandbox import Limits
 from specpilot import bus, schema, service, subjects
+from specpilot.ledger import sql_literal
 
 NAME = "controller"
 DESCRIPTION = "Isolated: checks, applies, tests and times patches; the only service that promotes."
@@ -167,10 +169,10 @@ class Controller:
     async def already_decided(self, patch_id: str) -> bool:
         return await self._ledger_count(
             "type IN ('verdict.issued', 'patch.refused') AND "
-            f"json_extract_string(payload, '$.patch_id') = '{_quote(patch_id)}'") > 0
+            f"json_extract_string(payload, '$.patch_id') = {sql_literal(patch_id)}") > 0
 
     async def _already_reported(self, tag: str, round_id: str) -> bool:
-        return await self._ledger_count(f"type = '{tag}' AND round_id = '{_quote(round_id)}'") > 0
+        return await self._ledger_count(f"type = {sql_literal(tag)} AND round_id = {sql_literal(round_id)}") > 0
 
     async def _register(self, ev: Evaluator, dep: str, cause: schema.Event) -> None:
         stock = await asyncio.to_thread(ev.prepare)
@@ -263,6 +265,7 @@ class Controller:
         from engine.deployment import load_deployment
         from engine.model import CONFIGS
         from services.controller import hardware
+        from services.master.costmodel import Shape
 
         if await self._already_reported("profile.measured", event.round_id):
             return
@@ -279,7 +282,7 @@ class Controller:
         tree = opts.get("verify") == "tree" and opts.get("drafter") != "none"
         n_tokens = 1 + (int(opts.get("tree_nodes", 16)) if tree else int(opts.get("block_size", 0)))
         cfg = CONFIGS[deployment.target]
-        shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate")}
+        shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Shape)}
         await self.emit(schema.ProfileMeasured(
             device=hw["device"], system_commit=best.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
             block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens, context=m["context"],
@@ -381,10 +384,6 @@ def _default_deployment() -> str:
     from engine.deployment import DEFAULT_DEPLOYMENT  # imports torch: only when a deployment is needed
 
     return DEFAULT_DEPLOYMENT
-
-
-def _quote(text: str) -> str:
-    return text.replace("'", "")
 
 
 async def _keep_alive(delivery: bus.Delivery, every_s: float = 15.0) -> None:

@@ -24,6 +24,7 @@ from services.master import plots
 from services.master.main import RPC_ROUND, round_defaults
 from specpilot import bus, cli, schema, subjects
 from specpilot.errors import UserError
+from specpilot.ledger import sql_literal
 from specpilot.service import add_connection_flags
 
 console = Console(stderr=True)
@@ -114,7 +115,7 @@ async def follow(args: argparse.Namespace, round_id: str) -> schema.RoundFinishe
             while True:
                 try:
                     rows = (await b.request(subjects.RPC_SQL, {"query": (
-                        "SELECT payload FROM events WHERE round_id = '" + round_id.replace("'", "") + "' "
+                        f"SELECT payload FROM events WHERE round_id = {sql_literal(round_id)} "
                         f"ORDER BY pos OFFSET {seen}")}, timeout=30))["rows"]
                 except bus.BusError:
                     rows = []

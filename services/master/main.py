@@ -33,6 +33,7 @@ from typing import Any
 
 from services.master import costmodel, planner, plots
 from specpilot import bus, schema, service, subjects
+from specpilot.ledger import sql_literal
 
 NAME = "master"
 DESCRIPTION = "Plans directions from the cost model, integrates winners, starts the sealed final."
@@ -71,7 +72,7 @@ class Ledger:
         return [schema.decode(r[0].encode()) for r in rows]
 
     async def round_events(self, round_id: str, tag: str) -> list[schema.Event]:
-        return await self.events(f"round_id = '{_q(round_id)}' AND type = '{_q(tag)}'")
+        return await self.events(f"round_id = {sql_literal(round_id)} AND type = {sql_literal(tag)}")
 
 
 class Master:
@@ -155,16 +156,20 @@ class RoundDriver:
         published, _ = await self.master.bus.publish(stamped)
         return published
 
-    async def wait_for(self, tag: str, timeout: float, where: str = "") -> list[schema.Event]:
+    async def wait_for(self, tag: str, timeout: float) -> list[schema.Event]:
+        """This round's events of type ``tag``, waiting up to ``timeout`` for the first."""
         deadline = time.monotonic() + timeout
         while True:
-            found = await self.ledger.events(f"round_id = '{_q(self.round_id)}' AND type = '{tag}'"
-                                             + (f" AND {where}" if where else ""))
+            found = await self.ledger.round_events(self.round_id, tag)
             if found or time.monotonic() > deadline:
                 return found
-            self.master.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.master.wake.wait(), POLL_S)
+            await self.nap(POLL_S)
+
+    async def nap(self, seconds: float) -> None:
+        """Sleep until a new event arrives on the master's consumer, or ``seconds``."""
+        self.master.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.master.wake.wait(), seconds)
 
     async def drive(self) -> None:
         log.info("round %s on %s: %d waves, coder %s", self.round_id, self.deployment, self.started.rounds,
@@ -225,11 +230,11 @@ class RoundDriver:
         from engine.options import EngineOptions
 
         facts = load_deployment(self.deployment).facts()
-        best = await self.ledger.events(f"type = 'best.advanced' AND deployment = '{_q(self.deployment)}'")
+        best = await self.ledger.events(f"type = 'best.advanced' AND deployment = {sql_literal(self.deployment)}")
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
         tried: set[tuple[str, str]] = set()
         applied: set[str] = set()
-        for d in await self.ledger.events(f"type = 'direction.planned' AND deployment = '{_q(self.deployment)}'"):
+        for d in await self.ledger.events(f"type = 'direction.planned' AND deployment = {sql_literal(self.deployment)}"):
             if d.provider == "sweep":  # type: ignore[attr-defined]
                 tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
             if d.memory_entry_id:  # type: ignore[attr-defined]
@@ -270,24 +275,23 @@ class RoundDriver:
                             coder=self.started.coder, devices=devices, predict=predict)
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
-        did = _q(direction.direction_id)
+        did = sql_literal(direction.direction_id)
         t0 = time.monotonic()
         while True:
             patches = await self.ledger.rows(
                 "SELECT json_extract_string(payload, '$.patch_id') FROM events WHERE type = 'patch.proposed' AND "
-                f"json_extract_string(payload, '$.direction_id') = '{did}'")
+                f"json_extract_string(payload, '$.direction_id') = {did}")
             ids = [r[0] for r in patches]
             decided = await self.ledger.rows(
                 "SELECT count(DISTINCT json_extract_string(payload, '$.patch_id')) FROM events WHERE type IN "
                 "('verdict.issued', 'patch.refused') AND json_extract_string(payload, '$.patch_id') IN "
-                f"(SELECT json_extract_string(payload, '$.patch_id') FROM events WHERE type = 'patch.proposed' AND "
-                f"json_extract_string(payload, '$.direction_id') = '{did}')") if ids else [[0]]
+                f"({', '.join(map(sql_literal, ids))})") if ids else [[0]]
             elapsed = time.monotonic() - t0
             if ids and decided[0][0] >= len(ids):  # a subagent stores a direction's patches in one atomic batch
                 return
             if not ids and (await self.ledger.rows(
                     "SELECT count(*) FROM events WHERE type = 'direction.failed' AND "
-                    f"json_extract_string(payload, '$.direction_id') = '{did}'"))[0][0]:
+                    f"json_extract_string(payload, '$.direction_id') = {did}"))[0][0]:
                 log.warning("direction %s failed in the subagent (see the ledger)", direction.direction_id)
                 return
             if not ids and elapsed > NO_PATCH_TIMEOUT_S:
@@ -296,9 +300,7 @@ class RoundDriver:
             if elapsed > DIRECTION_TIMEOUT_S:
                 log.warning("direction %s: verdicts still missing after %.0f s", direction.direction_id, elapsed)
                 return
-            self.master.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.master.wake.wait(), POLL_S * 4)
+            await self.nap(POLL_S * 4)
 
     # --- phase 4 -------------------------------------------------------------------------------------
 
@@ -388,10 +390,6 @@ def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingC
     return {"headline": headline, "sealed": results, "candidates": candidates,
             "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors)} if ceiling else {},
             "final_commit": final.final_commit if final else ""}
-
-
-def _q(text: str) -> str:
-    return str(text).replace("'", "")
 
 
 def make(cfg: service.ServiceConfig):

@@ -39,6 +39,7 @@ from services.subagent.offline import Proposal
 from services.subagent.workspace import DEFAULT_TEST_TIMEOUT_S, Tools, Workspace, build_workspace
 from specpilot import bus, schema, service, subjects
 from specpilot.errors import UserError
+from specpilot.ledger import sql_literal
 from specpilot.paths import REPO_ROOT
 
 NAME = "subagent"
@@ -66,15 +67,11 @@ class Settings:
     work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
 
 
-def _quote(text: str) -> str:
-    return "'" + str(text).replace("'", "''") + "'"
-
-
 async def current_best(b: bus.Bus, deployment: str) -> Best:
     """Promotions of ``deployment`` and the diffs of their patches, from memory's read-only SQL."""
     rows = (await b.request(subjects.RPC_SQL, {"query": (
         "SELECT payload FROM events WHERE type = 'best.advanced' AND coalesce(deployment, '') = "
-        f"{_quote(deployment)} ORDER BY pos")}, timeout=SQL_TIMEOUT_S))["rows"]
+        f"{sql_literal(deployment)} ORDER BY pos")}, timeout=SQL_TIMEOUT_S))["rows"]
     promotions: list[tuple[str, str]] = []
     commit, options = "", {}
     for (payload,) in rows:
@@ -82,7 +79,7 @@ async def current_best(b: bus.Bus, deployment: str) -> Best:
         assert isinstance(adv, schema.BestAdvanced)
         found = (await b.request(subjects.RPC_SQL, {"query": (
             "SELECT payload FROM events WHERE type = 'patch.proposed' AND "
-            f"json_extract_string(payload, '$.patch_id') = {_quote(adv.patch_id)} ORDER BY pos LIMIT 1")},
+            f"json_extract_string(payload, '$.patch_id') = {sql_literal(adv.patch_id)} ORDER BY pos LIMIT 1")},
             timeout=SQL_TIMEOUT_S))["rows"]
         if not found:
             raise providers.ProviderError(f"cannot rebuild the best of {deployment!r}: promoted patch "
@@ -174,7 +171,7 @@ class Subagent:
         with contextlib.suppress(bus.BusError):
             rows = (await self.bus.request(subjects.RPC_SQL, {"query": (
                 "SELECT count(*) FROM events WHERE type = 'patch.proposed' AND "
-                f"json_extract_string(payload, '$.direction_id') = {_quote(direction_id)}")}, timeout=10))["rows"]
+                f"json_extract_string(payload, '$.direction_id') = {sql_literal(direction_id)}")}, timeout=10))["rows"]
             return rows[0][0] > 0
         return False
 
