@@ -157,6 +157,35 @@ def _kernel_class(name: str, module: torch.nn.Module) -> str | None:
     return None
 
 
+def _decode_hooks(model: torch.nn.Module, enter, leave) -> list:
+    """Hooks calling ``enter(cls, module)`` / ``leave(cls, module)`` around every kernel-class module
+    in the decode steps of one generation (its first forward, the prefill, is skipped)."""
+    in_prefill = [True]
+    calls = [0]
+
+    def count(mod, args):
+        calls[0] += 1
+        in_prefill[0] = calls[0] == 1
+
+    def pre(cls):
+        def hook(mod, args):  # returns None: a pre-hook's result would replace the module's inputs
+            if not in_prefill[0]:
+                enter(cls, mod)
+        return hook
+
+    def post(cls):
+        def hook(mod, args, out):  # returns None: a hook's result would replace the module's output
+            if not in_prefill[0]:
+                leave(cls, mod)
+        return hook
+
+    handles = [model.register_forward_pre_hook(count)]
+    for name, mod in model.named_modules():
+        if cls := _kernel_class(name, mod):
+            handles += [mod.register_forward_pre_hook(pre(cls)), mod.register_forward_hook(post(cls))]
+    return handles
+
+
 def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
     """Mean milliseconds per decode step spent in each kernel class, the drafter and the host."""
     device = engine.device
@@ -164,44 +193,23 @@ def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
     totals: dict[str, float] = defaultdict(float)
     pending: list[tuple[str, object, object]] = []
     starts: dict[int, object] = {}
-    handles = []
-    in_prefill = [True]
 
-    def pre(cls):
-        def hook(mod, args):
-            if in_prefill[0]:
-                return
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                starts[id(mod)] = ev
-            else:
-                starts[id(mod)] = time.perf_counter()
-        return hook
+    def enter(cls, mod):
+        if cuda:
+            starts[id(mod)] = torch.cuda.Event(enable_timing=True)
+            starts[id(mod)].record()
+        else:
+            starts[id(mod)] = time.perf_counter()
 
-    def post(cls):
-        def hook(mod, args, out):
-            if in_prefill[0]:
-                return
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                pending.append((cls, starts.pop(id(mod)), ev))
-            else:
-                totals[cls] += time.perf_counter() - starts.pop(id(mod))
-        return hook
+    def leave(cls, mod):
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            pending.append((cls, starts.pop(id(mod)), ev))
+        else:
+            totals[cls] += time.perf_counter() - starts.pop(id(mod))
 
-    for name, mod in engine.model.named_modules():
-        cls = _kernel_class(name, mod)
-        if cls:
-            handles += [mod.register_forward_pre_hook(pre(cls)), mod.register_forward_hook(post(cls))]
-    calls = [0]
-
-    def count(mod, args):  # the first forward of a generation is the prefill: not profiled
-        calls[0] += 1
-        in_prefill[0] = calls[0] == 1
-
-    handles.append(engine.model.register_forward_pre_hook(count))
+    handles = _decode_hooks(engine.model, enter, leave)
     try:
         r = engine.generate(prompt, max_new)
         _sync(device)
@@ -217,6 +225,36 @@ def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
     out["host_overhead"] = max(0.0, 1e3 * step_s - sum(out.values()))
     out["step_total"] = 1e3 * step_s
     return out
+
+
+def launches(engine: Engine, prompt: list[int], max_new: int = 16) -> dict[str, float]:
+    """Mean operator launches per decode step in each kernel class.
+
+    Every aten operator that is not a view is one launch: on a GPU at least one kernel the host must
+    issue, on a CPU one dispatch. The cost model charges ``launches x launch time`` of a class to
+    *overhead* rather than *kernel*: a launch-bound class is fixed by fewer launches (graphs, fusion),
+    not by faster kernels. Steps replayed as CUDA graphs bypass the modules and count nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    metadata_only = {aten._unsafe_view.default, aten.detach.default, aten.lift_fresh.default}  # not tagged views
+    current: list[str] = []
+    counts: dict[str, int] = defaultdict(int)
+
+    class CountLaunches(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if current and not func.is_view and func not in metadata_only:
+                counts[current[-1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    handles = _decode_hooks(engine.model, lambda cls, mod: current.append(cls), lambda cls, mod: current.pop())
+    try:
+        with CountLaunches():
+            r = engine.generate(prompt, max_new)
+    finally:
+        for h in handles:
+            h.remove()
+    return {cls: n / max(1, r.steps) for cls, n in sorted(counts.items())}
 
 
 def peer(model, dep, opts: EngineOptions, prompts, max_new, reference: list[list[int]] | None = None) -> dict:

@@ -6,7 +6,8 @@
   the best tree at any node budget ("exact replay").
 - `measure`: one request through the engine with the kernel-class profile of `engine.bench`, and
   the matched depths of its output twice: over all the drafter's candidates (``depths``: the best
-  tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies).
+  tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies),
+  and the operator launches per step of each kernel class (`engine.bench.launches`).
 
 The timing worker serves `measure` (``engine.worker``); nothing here decides anything.
 """
@@ -58,13 +59,14 @@ def matched_depths(engine: Engine, prompt: list[int], output: list[int], depth: 
 
 def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int = 16, nodes: int = 64) -> dict:
     """Profile one request and replay its output (see the module docstring)."""
-    from engine.bench import profile
+    from engine.bench import launches, profile
 
     result = engine.generate(prompt, max_new_tokens)
     prof = profile(engine, prompt, max_new_tokens)
     return {
         "tokens": result.tokens, "steps": result.steps,
         "profile_ms": prof,
+        "launches": launches(engine, prompt, min(16, max_new_tokens)),
         "depths": matched_depths(engine, prompt, result.tokens, depth, nodes),
         "chain_depths": matched_depths(engine, prompt, result.tokens, depth, 1),
         "context": len(prompt) + len(result.tokens) // 2,

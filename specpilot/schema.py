@@ -91,6 +91,7 @@ class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"
     device: str
     bandwidth_bytes_s: float
     flops_s: float
+    launch_s: float = 0.0  # host time of one eager operator launch (0: not measured)
     method: str = ""
 
 
@@ -111,6 +112,7 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     shape: dict[str, int] = {}  # the target's dimensions (engine.model.ModelConfig)
     replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
     chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
+    launches: dict[str, float] = {}  # operator launches per step by kernel class (engine.bench.launches)
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):

@@ -192,7 +192,13 @@ class Evaluator:
     def incomplete(self, outputs: list[list[int]], reference: list[list[int]]) -> str:
         """Why some output is not a whole answer ('' if all are): an answer runs to ``max_new_tokens`` or
         ends on a stop token. Returning less (lazily, truncated) would be less work, not more speed."""
-        stops = {r[-1] for r in reference if r and len(r) < self.max_new_tokens}
+        from engine.deployment import load_deployment
+        from engine.model import get_config
+
+        # The target's own stop tokens (trusted stock code), plus any a reference itself ended on: a
+        # candidate whose outputs differ may stop early on a token no reference happened to end with.
+        stops = set(get_config(load_deployment(self.deployment).target).stop_ids)
+        stops |= {r[-1] for r in reference if r and len(r) < self.max_new_tokens}
         for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
             if len(out) != self.max_new_tokens and not (out and out[-1] in stops) and out != ref:
                 return (f"output {i} is incomplete: {len(out)} tokens, not {self.max_new_tokens} and no stop token "
@@ -283,15 +289,19 @@ class Evaluator:
         steps = sum(int(r["steps"]) for r in replies)
         new_tokens = sum(len(r["tokens"]) for r in replies)
         classes: dict[str, float] = {}
+        launches: dict[str, float] = {}
         for r in replies:
             for k, v in r["profile_ms"].items():
                 classes[k] = classes.get(k, 0.0) + float(v) / 1e3 / n
+            for k, v in r.get("launches", {}).items():
+                launches[k] = launches.get(k, 0.0) + float(v) / n
         # The prefill counts as one step on both sides, so the two step times stay comparable.
         return {
             "step_s": sum(system_s) / (steps + n),
             "t_ar_s": sum(ar_s) / sum(len(t) for t in ar_outputs),
             "tau": (new_tokens - n) / max(1, steps),
             "classes_s": classes,
+            "launches": launches,
             "context": round(sum(int(r["context"]) for r in replies) / n),
             "replay_depths": [[int(d) for d in r["depths"]] for r in replies],
             "chain_depths": [[int(d) for d in r.get("chain_depths", [])] for r in replies],
@@ -299,7 +309,7 @@ class Evaluator:
 
     def sealed_final(self, systems: dict[str, System], n_requests: int = 0, trials: int = 3,
                      ) -> tuple[dict, dict[str, list[list[int]]]]:
-        """Phase 4: every system answers the sealed requests ``trials`` times in rotating order.
+        """Phase 4: every system answers the sealed requests ``trials`` times (order: `sealed_order`).
 
         Returns per system its tokens/s and, per other system, the speedup over the one named "ar"
         and over "stock" (geometric mean of per-trial time ratios, two-sided 95% t-interval), plus
@@ -309,7 +319,7 @@ class Evaluator:
         seconds: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, list[list[int]]] = {}
         for t in range(trials):
-            for name in names[t % len(names):] + names[: t % len(names)]:
+            for name in sealed_order(names, t):
                 outs, secs = self.run(systems[name], prompts)
                 if name in outputs and outs != outputs[name]:
                     raise WorkerFailed(f"{name} changed its tokens between trials")
@@ -327,3 +337,13 @@ class Evaluator:
                     row[f"over_{base}_ci95"] = [math.exp(est.lower_bound), math.exp(est.upper_bound)]
             results[name] = row
         return results, outputs
+
+
+def sealed_order(names: list[str], trial: int) -> list[str]:
+    """The order of the systems in one sealed trial: a rotation that moves every second trial, reversed
+    on odd trials, so each pair of systems runs in both orders within every two trials (a plain
+    rotation of three systems put "stock" before "final" in both of two trials, and a run's position
+    in the trial can be worth several percent on a GPU)."""
+    k = (trial // 2) % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if trial % 2 else order

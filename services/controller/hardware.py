@@ -1,8 +1,10 @@
-"""Peak memory bandwidth and matmul FLOP/s of the timing device (`HardwareMeasured`).
+"""Peak memory bandwidth, matmul FLOP/s and launch time of the timing device (`HardwareMeasured`).
 
 Trusted code in the controller's process: a large device-to-device copy (bytes read + written
-over the best of several repeats) and a square matmul in the deployment's dtype. The cost model
-divides by these, so they are measured, never looked up.
+over the best of several repeats), a square matmul in the deployment's dtype, and a run of tiny
+in-place additions issued back to back (the host's cost of one eager operator launch: on a GPU the
+floor of a kernel the host must issue, on a CPU one dispatch). The cost model divides by these, so
+they are measured, never looked up.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None
     a = torch.randn(size, size, device=dev).to(dt)
     b = torch.randn(size, size, device=dev).to(dt)
     mm_s = best_of(lambda: a @ b)
+    tiny = torch.zeros(1, device=dev)
+    n_launches = 2000
+
+    def launch_run():
+        for _ in range(n_launches):
+            tiny.add_(1.0)
+
+    launch_s = best_of(launch_run) / n_launches
     name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({torch.get_num_threads()} threads)"
     return {"device": name, "bandwidth_bytes_s": 2 * n_bytes / copy_s, "flops_s": 2 * size**3 / mm_s,
-            "method": f"best of {repeats}: copy of {n_bytes >> 20} MiB (read + write), {size}^3 matmul in {dtype}"}
+            "launch_s": launch_s,
+            "method": f"best of {repeats}: copy of {n_bytes >> 20} MiB (read + write), {size}^3 matmul in {dtype}, "
+                      f"{n_launches} one-element additions"}

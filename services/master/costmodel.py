@@ -11,10 +11,14 @@ Definitions:
   kernel class at its floor: ``S* = max_N tau_best(N) · t_AR / (draft_floor + floor(N + 1))``,
   a speedup over the measured AR step ``t_AR``.
 - **Factors** of the current system (``tau`` per step, ``step`` seconds, kernel-class profile):
-  *tau* = ``tau_best(N*) / tau``; *kernel* = profiled kernel time / the summed floors of the
-  current step; *overhead* = step time / profiled kernel time. Their product is the gap between
-  the current speedup and the ceiling, up to the difference between the current step's floors
-  and the best tree's; the largest names what to attack.
+  *tau* = ``tau_best(N*) / tau``; *kernel* = kernel time / the summed floors of the current step;
+  *overhead* = step time / kernel time. Their product is the gap between the current speedup and
+  the ceiling, up to the difference between the current step's floors and the best tree's; the
+  largest names what to attack.
+- **Kernel time** of a class is its profiled time less what its launches cost the host
+  (``launches · launch_s``, both measured), but never below its floor: a class whose time is
+  launches (an eager step on a GPU, where the device waits for the host) counts as *overhead*,
+  which graphs and fusion remove, not as *kernel*, which faster kernels remove.
 
 Nothing here measures or imports torch: `services.master.measure` does the measuring.
 """
@@ -128,12 +132,14 @@ class Ceiling:
 
 def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float, context: int,
             t_ar_s: float, step_s: float, tau: float, n_tokens: int, profile_s: dict[str, float],
-            replay: dict[int, float], draft_floor_s: float = 0.0) -> Ceiling:
+            replay: dict[int, float], draft_floor_s: float = 0.0, launches: dict[str, float] | None = None,
+            launch_s: float = 0.0) -> Ceiling:
     """The ceiling and the factors of the current system.
 
     ``step_s``/``tau``/``n_tokens``: the current system's mean step time, tokens per step and
     tokens per verification (root included); ``profile_s``: seconds per step by kernel class (the
-    keys of `KERNEL_CLASSES` that were measured; others are ignored); ``replay``: `replay_tau`."""
+    keys of `KERNEL_CLASSES` that were measured; others are ignored); ``replay``: `replay_tau`;
+    ``launches``: operator launches per step by class, ``launch_s``: the host time of one launch."""
     if t_ar_s <= 0 or step_s <= 0 or tau <= 0:
         raise ValueError("t_ar_s, step_s and tau must be positive")
     options = {}
@@ -143,7 +149,8 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     budget = max(options, key=lambda b: options[b][0])
     speedup, tau_best = options[budget]
     current_floors = floors_s(step_work(shape, n_tokens, context, weight_bytes, act_bytes), hw)
-    kernel_s = sum(v for k, v in profile_s.items() if k in KERNEL_CLASSES)
+    kernel_s = sum(kernel_time_s(t, current_floors.get(k, 0.0), (launches or {}).get(k, 0.0) * launch_s)
+                   for k, t in profile_s.items() if k in KERNEL_CLASSES)
     factors = {
         "tau": max(tau_best, tau) / tau,
         "kernel": kernel_s / sum(current_floors.values()) if kernel_s > 0 else 1.0,
@@ -151,6 +158,11 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     }
     return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
                    current_speedup=tau * t_ar_s / step_s)
+
+
+def kernel_time_s(measured_s: float, floor_s: float, launch_cost_s: float) -> float:
+    """A class's kernel time: measured less its launch cost, within [floor, measured]."""
+    return min(measured_s, max(floor_s, measured_s - launch_cost_s))
 
 
 # --- predictions for planning ---------------------------------------------------------------------

@@ -359,7 +359,8 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -
     return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
                              weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
-                             profile_s=dict(prof.classes_s), replay=replay(prof))
+                             profile_s=dict(prof.classes_s), replay=replay(prof), launches=dict(prof.launches),
+                             launch_s=hw.launch_s)
 
 
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,

@@ -72,6 +72,33 @@ def test_ceiling_and_factors_by_hand():
     assert c.factors["tau"] * c.factors["kernel"] * c.factors["overhead"] == pytest.approx(c.speedup / c.current_speedup)
 
 
+def test_kernel_time_is_measured_less_launches_within_floor_and_measured():
+    assert cm.kernel_time_s(10.0, 1.0, 8.0) == pytest.approx(2.0)
+    assert cm.kernel_time_s(10.0, 1.0, 20.0) == 1.0  # never below the floor
+    assert cm.kernel_time_s(10.0, 1.0, 0.0) == 10.0  # launches not measured: all of it is kernel
+    assert cm.kernel_time_s(0.5, 1.0, 0.0) == 0.5  # faster than the floor stays as measured
+
+
+def test_launch_bound_classes_count_as_overhead():
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
+    floors = cm.floors_s(cm.step_work(shape, 1, 10, 2, 2), HW)
+    # An eager GPU step: each class takes 50x its floor, almost all of it waiting for 40 launches.
+    launch_s = floors["q_proj"]
+    profile = {k: 50 * f for k, f in floors.items()}
+    launches = {k: 49 * f / launch_s for k, f in floors.items()}
+    step_s = 1.2 * sum(profile.values())
+    args = dict(shape=shape, hw=HW, weight_bytes=2, act_bytes=2, context=10, t_ar_s=step_s, step_s=step_s,
+                tau=1.0, n_tokens=1, profile_s=profile, replay={1: 1.0})
+    blind = cm.ceiling(**args)
+    seen = cm.ceiling(**args, launches=launches, launch_s=launch_s)
+    assert blind.largest_factor == "kernel" and blind.factors["kernel"] == pytest.approx(50.0)
+    assert seen.largest_factor == "overhead"
+    assert seen.factors["kernel"] == pytest.approx(1.0)
+    assert seen.factors["overhead"] == pytest.approx(60.0)
+    product = lambda c: c.factors["kernel"] * c.factors["overhead"]  # noqa: E731
+    assert product(seen) == pytest.approx(product(blind))  # the same gap, attributed differently
+
+
 def test_ceiling_picks_the_best_budget_and_refuses_nonsense():
     shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
     kw = dict(shape=shape, hw=HW, weight_bytes=4, act_bytes=4, context=10, t_ar_s=1e-3, step_s=1e-3, tau=1.0,

