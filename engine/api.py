@@ -135,6 +135,10 @@ def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
         quantize_model_linears(model, include_lm_head=False)
     if opts.lm_head == "fp32":
         model.use_fp32_head()
+    if opts.linear_backend == "onednn":
+        from engine.packed import pack_linears
+
+        pack_linears(model)
     if opts.compile:
         # dynamic=True: block sizes and cache lengths vary step to step; one graph serves them all.
         model.forward = torch.compile(model.forward, dynamic=True)

@@ -40,6 +40,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
     ],
     "kernel": [
         ("weight_format", ["w12"], ("cuda",)),
+        ("linear_backend", ["onednn"], ("cpu",)),
     ],
 }
 # Options that only mean something when another one is set.

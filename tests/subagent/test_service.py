@@ -1,124 +1,151 @@
-"""The subagent's handling of one direction, against an in-memory bus and ledger (no NATS)."""
+"""The subagent's handling of one direction over a real nats-server and memory service.
+
+Each test publishes a direction as the master would, fetches it from the subagent's own durable
+consumer, hands it to `Subagent.handle`, and reads what it published back from the ledger; acks are
+read from the consumer's state on the server.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import re
+import json
+
+import pytest
 
 from services.subagent.main import Settings, Subagent, patch_event_id
-from specpilot import bus, schema
+from specpilot import natsd, schema, subjects
+from tests.backbone.helpers import sql, wait_for_rows
+from tests.conftest import _provision, connect_as, spawn_service, wait_for_services
 from tests.subagent import scripts
+
+pytestmark = pytest.mark.timeout(180)
 
 DEMO_INT = scripts.option_diff("    demo_int: int = 0  # added by a promotion")
 
-
-class FakeBus:
-    """Answers the subagent's SQL from a list of events; records publishes (stamped as the real bus does)."""
-
-    user = "subagent"
-
-    def __init__(self, ledger: list[schema.Event]):
-        self.ledger = ledger
-        self.log: list[tuple[str, object]] = []
-
-    stamp = bus.Bus.stamp
-
-    async def request(self, subject: str, payload: dict, timeout: float = 30.0) -> dict:
-        q = payload["query"]
-        if "'best.advanced'" in q:
-            dep = re.search(r"= '([^']*)' ORDER", q).group(1)
-            rows = [[schema.encode(e).decode()] for e in self.ledger
-                    if isinstance(e, schema.BestAdvanced) and e.deployment == dep]
-        elif "$.patch_id" in q:
-            pid = re.search(r"\$\.patch_id'\) = '([^']*)'", q).group(1)
-            rows = [[schema.encode(e).decode()] for e in self.ledger
-                    if isinstance(e, schema.PatchProposed) and e.patch_id == pid][:1]
-        elif "$.direction_id" in q:
-            did = re.search(r"\$\.direction_id'\) = '([^']*)'", q).group(1)
-            rows = [[sum(isinstance(e, schema.PatchProposed) and e.direction_id == did for e in self.ledger)]]
-        else:
-            raise AssertionError(q)
-        return {"columns": [], "rows": rows}
-
-    async def publish(self, event, cause=None, deadline_s: float = 60.0):
-        stamped = self.stamp(event, cause)
-        self.log.append(("publish", [stamped]))
-        return stamped, 0
-
-    async def publish_many(self, events, cause=None, deadline_s: float = 60.0):
-        stamped = [self.stamp(e, cause) for e in events]
-        self.log.append(("publish", stamped))
-        return stamped
-
-
-class FakeDelivery:
-    def __init__(self, log: list, num_delivered: int = 1):
-        self.log, self.num_delivered = log, num_delivered
-
-    async def ack(self) -> None:
-        self.log.append(("ack", None))
-
-    async def in_progress(self) -> None:
-        self.log.append(("in_progress", None))
-
-
-LEDGER = [
-    schema.PatchProposed(direction_id="d0", patch_id="d0-p0", diff=DEMO_INT, options={"demo_int": 1},
-                         deployment="tiny-cpu", source="subagent"),
-    schema.BestAdvanced(commit="c1", patch_id="d0-p0", options={"demo_int": 1}, deployment="tiny-cpu",
-                        source="controller"),
-    schema.BestAdvanced(commit="other", patch_id="x", deployment="smollm2-cpu", source="controller"),
+LEDGER = [  # (publisher, event): a promoted patch on tiny-cpu, and a best on another deployment
+    ("subagent", schema.PatchProposed(direction_id="d0", patch_id="d0-p0", diff=DEMO_INT, options={"demo_int": 1},
+                                      deployment="tiny-cpu")),
+    ("controller", schema.BestAdvanced(commit="c1", patch_id="d0-p0", options={"demo_int": 1}, deployment="tiny-cpu")),
+    ("controller", schema.BestAdvanced(commit="other", patch_id="x", deployment="smollm2-cpu")),
 ]
 
 
-def _handle(ledger, direction, tmp_path, env=None, num_delivered=1):
-    b = FakeBus(ledger)
-    delivery = FakeDelivery(b.log, num_delivered)
-    agent = Subagent(b, Settings(work_dir=tmp_path / "work"), env={} if env is None else env)
-    asyncio.run(agent.handle(direction, delivery))
-    return b.log
+@pytest.fixture(scope="module")
+def ledger_server(tmp_path_factory):
+    """One provisioned nats-server with the memory service, holding `LEDGER`, for the whole module."""
+    data = tmp_path_factory.mktemp("data")
+    srv = natsd.start(data)
+    asyncio.run(_provision(srv))
+    memory = spawn_service(srv, "memory")
+    try:
+        wait_for_services(srv, {"memory"}, timeout=60)
+
+        async def seed() -> None:
+            for user, event in LEDGER:
+                b = await connect_as(srv, user)
+                try:
+                    await b.publish(event)
+                finally:
+                    await b.close()
+
+        asyncio.run(seed())
+        asyncio.run(wait_for_rows(srv, "SELECT count(*) FROM events", len(LEDGER)))
+        yield srv
+    finally:
+        memory.terminate()
+        memory.wait(timeout=30)
+        srv.stop()
 
 
-def test_sweep_direction_publishes_patches_then_acks(tmp_path):
+def _handle(srv, direction: schema.Event, tmp_path, env=None, redeliver: bool = False) -> dict:
+    """Publish ``direction`` as the master, let the subagent handle its delivery; returns the consumer's
+    state afterwards and the events published in reply (read back from the ledger)."""
+
+    async def go() -> dict:
+        master = await connect_as(srv, "master")
+        try:
+            sent, _ = await master.publish(direction)
+        finally:
+            await master.close()
+        b = await connect_as(srv, "subagent")
+        try:
+            (delivery,) = await b.fetch(batch=1, timeout=10)
+            if redeliver:  # a crash before the ack: the server delivers the direction again
+                await delivery.nak()
+                (delivery,) = await b.fetch(batch=1, timeout=10)
+            agent = Subagent(b, Settings(work_dir=tmp_path / "work"), env={} if env is None else env)
+            await agent.handle(schema.decode(delivery.data), delivery)
+            await b.flush()
+            for _ in range(50):  # the server applies an ack asynchronously: give it a moment
+                info = await b.nc.request(subjects.js_consumer_info("subagent"), b"", timeout=5)
+                state = json.loads(info.data)
+                if state["num_ack_pending"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await b.close()
+        return {"sent": sent, "delivered": delivery.num_delivered, "pending_acks": state["num_ack_pending"],
+                "unread": state["num_pending"]}
+
+    return asyncio.run(go())
+
+
+def _replies(srv, sent: schema.Event) -> list[schema.Event]:
+    """The events caused by ``sent``, once the memory service has recorded them."""
+    rows = asyncio.run(sql(srv, f"SELECT payload FROM events WHERE causation_id = '{sent.event_id}' ORDER BY pos"))
+    return [schema.decode(p.encode()) for (p,) in rows]
+
+
+def _wait_replies(srv, sent: schema.Event, n: int) -> list[schema.Event]:
+    asyncio.run(wait_for_rows(srv, f"SELECT count(*) FROM events WHERE causation_id = '{sent.event_id}'", n))
+    return _replies(srv, sent)
+
+
+def test_sweep_direction_publishes_patches_then_acks(ledger_server, tmp_path):
     d = schema.DirectionPlanned(direction_id="d1", title="sweep demo_int", provider="sweep", deployment="tiny-cpu",
-                                round_id="r1", source="master",
-                                hints={"option": "demo_int", "values": [2, 3, -1], "base": {"block_size": 6}})
-    log = _handle(LEDGER, d, tmp_path)
-    assert [k for k, _ in log] == ["publish", "ack"]
-    patches = log[0][1]
-    assert [p.patch_id for p in patches] == ["d1-p0", "d1-p1"]
+                                round_id="r1", hints={"option": "demo_int", "values": [2, 3, -1], "base": {"block_size": 6}})
+    state = _handle(ledger_server, d, tmp_path)
+    assert state["pending_acks"] == 0 and state["unread"] == 0
+    sent = state["sent"]
+    patches = _wait_replies(ledger_server, sent, 2)
+    assert [p.patch_id for p in patches] == ["d1-p0", "d1-p1"]  # -1 is not a valid value: skipped
     assert [p.options for p in patches] == [{"block_size": 6, "demo_int": 2}, {"block_size": 6, "demo_int": 3}]
     for i, p in enumerate(patches):
-        assert p.event_id == patch_event_id(d.event_id, i) and p.event_id[:13] == d.event_id[:13]
+        assert p.event_id == patch_event_id(sent.event_id, i) and p.event_id[:13] == sent.event_id[:13]
         assert (p.deployment, p.round_id, p.source) == ("tiny-cpu", "r1", "subagent")
-        assert p.causation_id == p.correlation_id == d.event_id
+        assert p.causation_id == p.correlation_id == sent.event_id
         assert p.base_commit == "c1" and p.provider == "sweep" and p.diff == "" and p.direction_id == "d1"
     assert not list((tmp_path / "work").iterdir())  # the workspace is removed
 
 
-def test_memory_direction_on_stock_has_empty_base_commit(tmp_path):
+def test_memory_direction_on_stock_has_empty_base_commit(ledger_server, tmp_path):
     entry = {"entry_id": "m1", "delta": scripts.option_diff(), "options": {"demo_flag": True}}
     d = schema.DirectionPlanned(direction_id="d2", title="reuse m1", provider="memory", deployment="smollm2-h200",
                                 memory_entry_id="m1", hints={"entry": entry})
-    (publish, patches), ack = _handle(LEDGER, d, tmp_path)
-    (p,) = patches
+    state = _handle(ledger_server, d, tmp_path)
+    assert state["pending_acks"] == 0
+    (p,) = _wait_replies(ledger_server, state["sent"], 1)
     assert p.base_commit == "" and p.options == {"demo_flag": True} and "+" + scripts.DEMO_FIELD in p.diff
-    assert ack[0] == "ack"
 
 
-def test_provider_failure_is_reported_then_acked(tmp_path):
-    for provider, why in (("anthropic", "ANTHROPIC_API_KEY"), ("gemini", "gemini"), ("sweep", "option")):
-        d = schema.DirectionPlanned(direction_id="d3", title="t", provider=provider, deployment="tiny-cpu")
-        log = _handle(LEDGER, d, tmp_path)
-        assert [kind for kind, _ in log] == ["publish", "ack"]
-        (failed,) = log[0][1]
-        assert isinstance(failed, schema.DirectionFailed) and failed.direction_id == "d3"
-        assert why in failed.reason and failed.causation_id == d.event_id
+@pytest.mark.parametrize(("provider", "why"), [("anthropic", "ANTHROPIC_API_KEY"), ("gemini", "gemini"),
+                                               ("sweep", "option")])
+def test_provider_failure_is_reported_then_acked(ledger_server, tmp_path, provider, why):
+    d = schema.DirectionPlanned(direction_id=f"d3-{provider}", title="t", provider=provider, deployment="tiny-cpu")
+    state = _handle(ledger_server, d, tmp_path)
+    assert state["pending_acks"] == 0
+    (failed,) = _wait_replies(ledger_server, state["sent"], 1)
+    assert isinstance(failed, schema.DirectionFailed) and failed.direction_id == d.direction_id
+    assert why in failed.reason and failed.source == "subagent"
 
 
-def test_redelivered_direction_with_patches_is_not_redone(tmp_path):
+def test_redelivered_direction_with_patches_is_not_redone(ledger_server, tmp_path):
+    # d0 already has its patch in the ledger (LEDGER): a redelivery is acked without new patches.
     d = schema.DirectionPlanned(direction_id="d0", title="t", provider="sweep", deployment="tiny-cpu",
                                 hints={"option": "block_size", "values": [2]})
-    assert _handle(LEDGER, d, tmp_path, num_delivered=2) == [("ack", None)]
+    state = _handle(ledger_server, d, tmp_path, redeliver=True)
+    assert state["delivered"] == 2 and state["pending_acks"] == 0
+    assert _replies(ledger_server, state["sent"]) == []
     # other master events are acked and ignored
-    assert _handle(LEDGER, schema.RoundStarted(), tmp_path) == [("ack", None)]
+    state = _handle(ledger_server, schema.RoundStarted(), tmp_path)
+    assert state["pending_acks"] == 0 and _replies(ledger_server, state["sent"]) == []

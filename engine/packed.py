@@ -1,0 +1,59 @@
+"""CPU linears through oneDNN with weights packed once at load (the ``linear_backend = "onednn"`` option).
+
+Why: on a CPU, PyTorch's default fp32 ``F.linear`` (MKL) is good for one row but slow for the few
+rows of a verification block: on the 2-core AVX2 machine of the embedded default a 5-token SmolLM2
+forward costs ~1.9x a 1-token one, while the weights it reads are the same. oneDNN's matmul over a
+weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) avoids
+re-packing the weight on every call and runs those blocks ~15-40% faster (measurements in
+engine/README.md). One-row calls keep the default path, which is faster there and bit-identical to
+stock.
+
+Contract: `PackedLinear` computes ``x @ W.T`` like the ``nn.Linear`` it replaces, for any leading
+shape, in fp32 or bf16. Multi-row results may differ from the default path in the last bits
+(another reduction order), so a system with this option can emit other tokens at near-ties and
+must pass token forcing. It holds a second copy of every weight (the packed one). No-op off CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PACK_ROWS_HINT = 16  # oneDNN picks the packed layout for about this many rows (verification blocks)
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.weight = weight  # the original (possibly tied) weight: the one-row path reads it
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:
+            return F.linear(x, self.weight)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a `PackedLinear`; returns how many."""
+    if next(model.parameters()).device.type != "cpu":
+        return 0
+    if not available():
+        raise RuntimeError("linear_backend='onednn' needs a PyTorch build with oneDNN (mkldnn); "
+                           "this one has none: use linear_backend='default'")
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None:
+                setattr(module, name, PackedLinear(child))
+                swapped += 1
+    return swapped
