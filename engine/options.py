@@ -29,13 +29,14 @@ OptionValue = str | int | float | bool
 class EngineOptions:
     """Stock configuration of the engine; see the comment beside each field."""
 
-    drafter: Literal["ngram", "parallel", "none"] = "ngram"  # "none" is plain AR decoding
+    drafter: Literal["ngram", "parallel", "eagle", "none"] = "ngram"  # "none" is plain AR decoding
     block_size: int = 4  # draft tokens per step (chain length, or tree depth when verify == "tree")
     verify: Literal["chain", "tree"] = "chain"  # stock verifies a single chain
     tree_nodes: int = 16  # draft-node budget of one tree (root excluded) when verify == "tree"
     dtype: Literal["fp32", "bf16"] | None = None  # None: the deployment's dtype
     weight_format: Literal["bf16", "w12"] = "bf16"  # "w12": kernels.w12 replaces the linears
     lm_head: Literal["default", "fp32"] = "default"  # "fp32": the head computes in fp32 whatever dtype
+    linear_backend: Literal["default", "onednn"] = "default"  # "onednn": packed CPU GEMMs (engine.packed)
     compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (engine.graphs); no-op off CUDA
     ngram_max_match: int = 4  # longest context suffix the n-gram drafter tries to match
