@@ -37,7 +37,7 @@ def test_unknown_key_lists_allowed():
 
 @pytest.mark.parametrize("d, fragment", [
     ({"verify": "graph"}, "unknown value 'graph' for option 'verify'; allowed: chain, tree"),
-    ({"drafter": "eagle"}, "allowed: ngram, parallel, eagle, none"),
+    ({"drafter": "medusa"}, "allowed: ngram, parallel, eagle, none"),
     ({"dtype": "fp16"}, "allowed: fp32, bf16"),
     ({"block_size": 0}, "must be >= 1"),
     ({"block_size": "four"}, "must be an integer"),
