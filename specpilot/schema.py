@@ -113,6 +113,9 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
     chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
     launches: dict[str, float] = {}  # operator launches per step by kernel class (engine.bench.launches)
+    # Every other drafter of the target, replayed on the same outputs: {"chain_depths": [[...]] per
+    # request, "draft_s": seconds per chain proposal} (engine.replay.alternative_drafters)
+    drafters: dict[str, dict[str, Any]] = {}
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):

@@ -305,6 +305,7 @@ class Evaluator:
             "context": round(sum(int(r["context"]) for r in replies) / n),
             "replay_depths": [[int(d) for d in r["depths"]] for r in replies],
             "chain_depths": [[int(d) for d in r.get("chain_depths", [])] for r in replies],
+            "drafters": _alternative_drafters(replies),
         }
 
     def sealed_final(self, systems: dict[str, System], n_requests: int = 0, trials: int = 3,
@@ -337,6 +338,14 @@ class Evaluator:
                     row[f"over_{base}_ci95"] = [math.exp(est.lower_bound), math.exp(est.upper_bound)]
             results[name] = row
         return results, outputs
+
+
+def _alternative_drafters(replies: list[dict]) -> dict[str, dict]:
+    """Per other drafter replayed in every reply: its chain depths per request and mean draft seconds."""
+    per = [r.get("drafters", {}) for r in replies]
+    names = set.intersection(*(set(k for k, v in d.items() if "chain_depths" in v) for d in per)) if per else set()
+    return {name: {"chain_depths": [[int(x) for x in d[name]["chain_depths"]] for d in per],
+                   "draft_s": sum(float(d[name]["draft_s"]) for d in per) / len(per)} for name in sorted(names)}
 
 
 def sealed_order(names: list[str], trial: int) -> list[str]:

@@ -287,7 +287,7 @@ class Controller:
             device=hw["device"], system_commit=best.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
             block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens, context=m["context"],
             dtype=dtype, shape=shape, replay_depths=m["replay_depths"], chain_depths=m["chain_depths"],
-            launches=m["launches"]), event)
+            launches=m["launches"], drafters=m["drafters"]), event)
 
     def peer(self, ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
         """transformers' prompt-lookup assisted generation on the same sealed prompts, in this process.

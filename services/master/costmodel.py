@@ -167,7 +167,7 @@ def kernel_time_s(measured_s: float, floor_s: float, launch_cost_s: float) -> fl
 
 # --- predictions for planning ---------------------------------------------------------------------
 
-PREDICTABLE = ("block_size", "verify", "tree_nodes")
+PREDICTABLE = ("block_size", "verify", "tree_nodes", "drafter")
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,9 @@ class StepModel:
     """The current system's step as the planner sees it: a step verifying ``1 + n`` tokens costs
     ``t_AR · (1 + slope · n)`` (slope from the profiled step), and commits the replayed tau at ``n``:
     of the best tree in hindsight for a tree, of the drafter's first candidate for a chain
-    (``chain_replay``; the tree's replay when it is missing, which flatters chains)."""
+    (``chain_replay``; the tree's replay when it is missing, which flatters chains). Another drafter
+    (``drafters``: its chain replay on the same outputs and its seconds per proposal) commits its own
+    replayed tau and adds its draft time to the step."""
 
     t_ar_s: float
     step_s: float
@@ -183,19 +185,23 @@ class StepModel:
     tau: float
     replay: dict[int, float]
     chain_replay: dict[int, float] = field(default_factory=dict)
+    drafters: dict[str, tuple[dict[int, float], float]] = field(default_factory=dict)
 
     @property
     def slope(self) -> float:
         return max(0.0, (self.step_s / self.t_ar_s - 1.0) / max(1, self.n_tokens - 1))
 
     def replay_tau(self, n: int, chain: bool = False) -> float:
-        table = self.chain_replay if chain and self.chain_replay else self.replay
-        budgets = [b for b in table if b <= n]
-        return table[max(budgets)] if budgets else 1.0
+        return _at_budget(self.chain_replay if chain and self.chain_replay else self.replay, n)
 
     def speedup(self, n: int, chain: bool = False) -> float:
         """Predicted speedup over AR with ``n`` draft tokens (chain) or tree nodes per step."""
         return self.replay_tau(n, chain) / (1.0 + self.slope * n)
+
+    def drafter_speedup(self, drafter: str, n: int) -> float:
+        """Predicted speedup over AR of a chain of ``n`` tokens from another replayed drafter."""
+        table, draft_s = self.drafters[drafter]
+        return _at_budget(table, n) / (1.0 + self.slope * n + draft_s / self.t_ar_s)
 
     @property
     def current(self) -> float:
@@ -208,11 +214,20 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
     ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults)."""
-    if option not in PREDICTABLE:
+    if option not in PREDICTABLE or model.t_ar_s <= 0 or model.step_s <= 0:
         return None
-    new = {**stock, **options, option: value}
-    if new.get("drafter", "ngram") != stock.get("drafter", "ngram") or model.t_ar_s <= 0 or model.step_s <= 0:
-        return None
+    profiled = {**stock, **options}
+    new = {**profiled, option: value}
     tree = new.get("verify") == "tree"
     n = int(new.get("tree_nodes", 16)) if tree else int(new.get("block_size", 4))
+    if new.get("drafter") != profiled.get("drafter"):
+        if tree or new.get("drafter") not in model.drafters:
+            return None  # only chains of replayed drafters are predicted
+        return model.drafter_speedup(new["drafter"], n) / model.current
     return model.speedup(n, chain=not tree) / model.current
+
+
+def _at_budget(table: dict[int, float], n: int) -> float:
+    """A replay table's tau at the largest budget not above ``n`` (1.0, AR, when there is none)."""
+    budgets = [b for b in table if b <= n]
+    return table[max(budgets)] if budgets else 1.0

@@ -32,7 +32,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
         ("tree_nodes", [8, 32], ("cpu", "cuda")),
         ("block_size", [2, 6, 8], ("cpu", "cuda")),
         ("ngram_min_match", [1, 3], ("cpu", "cuda")),
-        ("drafter", ["parallel"], ("cpu", "cuda")),
+        ("drafter", ["eagle", "parallel"], ("cpu", "cuda")),
     ],
     "overhead": [
         ("cuda_graphs", [True], ("cuda",)),

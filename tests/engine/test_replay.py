@@ -56,3 +56,19 @@ def test_measure_in_process(tiny):
     assert m["context"] >= len(prompt) and len(m["depths"]) == len(m["tokens"]) == len(m["chain_depths"]) == 20
     # the first candidate never matches deeper than the best of all candidates
     assert all(c <= t for c, t in zip(m["chain_depths"], m["depths"], strict=True))
+
+
+def test_other_drafters_are_replayed_on_the_same_output(tiny):
+    from engine.replay import alternative_drafters
+
+    prompt = _tiny_prompts(1, n=1)[0]
+    ar = make_engine(tiny, drafter="none")
+    output = ar.generate(prompt, 48).tokens
+    others = alternative_drafters(ar, prompt, output, depth=4)
+    ngram = make_engine(tiny, drafter="ngram", block_size=4)
+    assert others["ngram"]["chain_depths"] == matched_depths(ngram, prompt, output, depth=4, nodes=1)
+    assert others["ngram"]["draft_s"] > 0
+    # the tiny target has no trained neural drafters: said, not hidden
+    assert "no parallel drafter weights" in others["parallel"]["error"]
+    assert set(others) == {"ngram", "parallel", "eagle"}
+    assert "ngram" not in alternative_drafters(ngram, prompt, output, depth=4)

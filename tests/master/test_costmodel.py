@@ -121,8 +121,25 @@ def test_predicted_gain_by_hand():
     assert cm.predicted_gain(model, "verify", "tree", {}, stock) == pytest.approx(1.0 / (2.0 / 1.4))
     # 6 drafts use the replay at the largest budget not above 6 (4)
     assert cm.predicted_gain(model, "block_size", 6, {}, stock) == pytest.approx((2.0 / 1.6) / (2.0 / 1.4))
-    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None
+    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None  # not replayed
     assert cm.predicted_gain(model, "cuda_graphs", True, {}, stock) is None
+
+
+def test_another_drafter_is_predicted_from_its_replay_and_draft_time():
+    # Same step as above; an "eagle" chain matches deeper (3.0 at 4 drafts) but drafting takes 2 ms.
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={1: 1.5, 4: 2.0},
+                         drafters={"eagle": ({1: 1.8, 2: 2.4, 4: 3.0}, 0.002)})
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
+    # 3.0 tokens per (10 ms x 1.4 + 2 ms) against 2.0 per 14 ms
+    assert cm.predicted_gain(model, "drafter", "eagle", {}, stock) == pytest.approx((3.0 / 1.6) / (2.0 / 1.4))
+    # with 2 drafts (the candidate's other settings): 2.4 / (1.2 + 0.2)
+    assert cm.predicted_gain(model, "drafter", "eagle", {"block_size": 2}, stock) == pytest.approx(
+        (2.4 / 1.4) / (2.0 / 1.4))
+    # trees of another drafter are not predicted, nor drafters that were not replayed
+    assert cm.predicted_gain(model, "drafter", "eagle", {"verify": "tree"}, stock) is None
+    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None
+    # once eagle is the best (profiled), block sizes are predicted from its own replay
+    assert cm.predicted_gain(model, "block_size", 2, {"drafter": "eagle"}, stock) is not None
 
 
 def test_chains_are_predicted_from_the_first_candidate():
