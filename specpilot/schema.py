@@ -82,6 +82,7 @@ class RoundStarted(Event, frozen=True, kw_only=True, tag="round.started"):
     devices: list[str] = []
     sealed_requests: int = 0  # Phase 4: sealed requests to run (0: all)
     sealed_trials: int = 3
+    minutes: float = 0.0  # wall-clock budget: no candidate starts that would end after the sealed final would (0: none)
 
 
 class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"):
@@ -201,6 +202,8 @@ class TimingMeasured(Event, frozen=True, kw_only=True, tag="timing.measured"):
     order: list[str] = []
     load: list[float] = []
     noise: float = 0.0
+    requests: int = 0  # requests per run (each trial is two runs)
+    wall_s: float = 0.0  # wall-clock seconds of the whole timing, worker starts included
 
 
 class VerdictIssued(Event, frozen=True, kw_only=True, tag="verdict.issued"):

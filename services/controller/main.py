@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,11 +208,13 @@ class Controller:
                                                  noise=noise), patch)
             return
 
+        t0 = time.monotonic()
         trial = await asyncio.to_thread(ev.time, best, candidate)
         timing = await self.emit(schema.TimingMeasured(
             patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
             candidate_commit=candidate.commit, incumbent_s=trial.incumbent_s, candidate_s=trial.candidate_s,
-            order=trial.order, load=trial.load, noise=noise), patch)
+            order=trial.order, load=trial.load, noise=noise, requests=ev.n_requests,
+            wall_s=time.monotonic() - t0), patch)
         if trial.problem:
             await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
                                                  noise=noise, timing_event_id=timing.event_id), patch)
@@ -345,14 +348,16 @@ class Controller:
         """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
         key = f"{ev.deployment}@{self.device}"
         if key not in self.state.noise:
+            t0 = time.monotonic()
             trial = await asyncio.to_thread(ev.time, best, best)
+            wall_s = time.monotonic() - t0
             if trial.problem:
                 raise RuntimeError(f"noise measurement failed: {trial.problem}")
             value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
             await self.emit(schema.TimingMeasured(kind="noise", device=self.device, incumbent_commit=best.commit,
                                                   candidate_commit=best.commit, incumbent_s=trial.incumbent_s,
                                                   candidate_s=trial.candidate_s, order=trial.order, load=trial.load,
-                                                  noise=value), cause)
+                                                  noise=value, requests=ev.n_requests, wall_s=wall_s), cause)
             self.state.noise[key] = value
             self.state.save(self.state_path)
         return self.state.noise[key]

@@ -32,6 +32,7 @@ out = Console()
 # Timing settings the round gives the controller it starts: a round on 2 CPU cores must end in
 # about 15 minutes, so fewer trials than a verdict on a GPU would take (see docs/FIGURES.md).
 CONTROLLER_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 1}
+ROUND_MINUTES = 15.0  # the default round's wall-clock budget (the master stops trying candidates in time)
 
 
 def add_commands(sub) -> None:
@@ -47,6 +48,9 @@ def add_commands(sub) -> None:
     p.add_argument("--rounds", type=int, default=d["rounds"], help="waves of directions")
     p.add_argument("--sealed-requests", type=int, default=d["sealed_requests"], help="sealed requests in phase 4 (0: all)")
     p.add_argument("--sealed-trials", type=int, default=d["sealed_trials"])
+    p.add_argument("--minutes", type=float, default=ROUND_MINUTES,
+                   help="wall-clock budget: once earlier timings show that another candidate would not end "
+                        "before the sealed final must start, no more are tried (0: no budget)")
     for name, value in CONTROLLER_DEFAULTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                        help=f"controller timing: {name} (only when this command starts the controller)")
@@ -68,7 +72,7 @@ def cmd_round(args: argparse.Namespace) -> int:
     if not args.nats:
         cli.ensure_up(args, extra_flags={"controller": controller_flags(args)}, timeout=120.0)
     request = {"deployment": args.deployment, "planner": args.planner, "coder": args.coder, "rounds": args.rounds,
-               "sealed_requests": args.sealed_requests, "sealed_trials": args.sealed_trials}
+               "sealed_requests": args.sealed_requests, "sealed_trials": args.sealed_trials, "minutes": args.minutes}
     reply = asyncio.run(_call(args, RPC_ROUND, request))
     round_id = reply["round_id"]
     console.print(f"[bold]{'resuming' if reply.get('resumed') else 'started'} {round_id}[/bold] on {args.deployment}")

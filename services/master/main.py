@@ -18,7 +18,7 @@ by the ledger's primary key. Steps:
    the summary the CLI prints.
 
 Endpoint ``sp.rpc.master.round`` starts (or resumes) a round: ``{deployment, planner, coder, rounds,
-sealed_requests, sealed_trials}`` → ``{round_id, resumed}``. Unfinished rounds resume at start-up.
+sealed_requests, sealed_trials, minutes}`` → ``{round_id, resumed}``. Unfinished rounds resume at start-up.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def round_defaults() -> dict[str, Any]:
     from engine.deployment import DEFAULT_DEPLOYMENT
 
     return {"deployment": DEFAULT_DEPLOYMENT, "planner": "rules", "coder": "sweep", "rounds": 3,
-            "sealed_requests": 4, "sealed_trials": 3, "devices": 1}
+            "sealed_requests": 4, "sealed_trials": 3, "devices": 1, "minutes": 0.0}
 
 
 class Ledger:
@@ -100,7 +100,8 @@ class Master:
                                       planner=str(params["planner"]), coder=str(params["coder"]),
                                       devices=[str(i) for i in range(int(params["devices"]))],
                                       sealed_requests=int(params["sealed_requests"]),
-                                      sealed_trials=int(params["sealed_trials"]))
+                                      sealed_trials=int(params["sealed_trials"]),
+                                      minutes=float(params["minutes"]))
         started, _ = await self.bus.publish(started)
         self._spawn(started)  # type: ignore[arg-type]
         return {"round_id": round_id, "resumed": False}
@@ -212,9 +213,9 @@ class RoundDriver:
         directions = [d for d in await self.ledger.round_events(self.round_id, "direction.planned")
                       if d.event_id.startswith(prefix)]
         if not directions:
-            planned = await self.plan(ceiling)
+            planned = await self.within_budget(await self.plan(ceiling))
             if not planned:
-                log.info("round %s: nothing left to try after %d waves", self.round_id, wave)
+                log.info("round %s: nothing left to try (or no time) after %d waves", self.round_id, wave)
                 return False
             for i, d in enumerate(planned):
                 directions.append(await self.emit(schema.DirectionPlanned(
@@ -224,6 +225,25 @@ class RoundDriver:
         for d in directions:
             await self.wait_direction(d)  # type: ignore[arg-type]
         return True
+
+    async def within_budget(self, planned: list[planner.Direction]) -> list[planner.Direction]:
+        """``planned`` cut to what fits the round's ``minutes`` before the sealed final, judged by the
+        earlier timings on this deployment (the first wave, with none yet, runs whole)."""
+        if self.started.minutes <= 0 or not planned:
+            return planned
+        rows = await self.ledger.events(f"type = 'timing.measured' AND deployment = {sql_literal(self.deployment)}")
+        samples = [planner.TimingSample(t.wall_s, len(t.incumbent_s), t.requests) for t in rows[-8:]]  # type: ignore[attr-defined]
+        estimates = planner.budget_estimates(samples, self.started.sealed_requests, self.started.sealed_trials)
+        if estimates is None:
+            return planned
+        candidate_s, sealed_s = estimates
+        remaining_s = self.started.minutes * 60 - (time.time() - self.started.ts_ns / 1e9) - sealed_s
+        fitted = planner.fit_to_budget(planned, remaining_s, candidate_s)
+        if fitted != planned:
+            log.info("round %s: %.0f s left before the sealed final (~%.0f s), ~%.0f s a candidate: %s",
+                     self.round_id, remaining_s, sealed_s, candidate_s,
+                     "no time for another wave" if not fitted else "fewer candidates")
+        return fitted
 
     async def plan(self, ceiling: schema.CeilingComputed | None) -> list[planner.Direction]:
         from engine.deployment import load_deployment

@@ -17,7 +17,7 @@ One direction per free device per wave. A direction is a `Direction` (the master
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # A value the cost model predicts to lose more than this is not timed. The step model is crude (linear in
@@ -127,3 +127,45 @@ def _why(factor: str, factors: dict[str, float]) -> str:
         return "no cost-model factors yet"
     ranked = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(factors.items(), key=lambda kv: -kv[1]))
     return f"factor {factor} ({ranked})"
+
+
+# --- the round's time budget -------------------------------------------------------------------------
+
+CANDIDATE_OVERHEAD = 1.25  # a candidate's wall time over its timing's: the default check and a test run
+SEALED_REQUESTS_IF_ALL = 8  # assumed when the sealed final runs every sealed request (count unknown here)
+
+
+@dataclass(frozen=True)
+class TimingSample:
+    wall_s: float  # the whole timing experiment (TimingMeasured.wall_s)
+    trials: int
+    requests: int  # per run
+
+
+def budget_estimates(samples: list[TimingSample], sealed_requests: int, sealed_trials: int,
+                     ) -> tuple[float, float] | None:
+    """(seconds per candidate, seconds of the sealed final) from earlier timings on this deployment and
+    device; None before any. The sealed final runs final, stock and AR ``sealed_trials`` times and the
+    transformers peer twice (greedy and prompt lookup), each over ``sealed_requests`` requests."""
+    usable = [t for t in samples if t.wall_s > 0 and t.trials > 0 and t.requests > 0]
+    if not usable:
+        return None
+    candidate_s = CANDIDATE_OVERHEAD * sum(t.wall_s for t in usable) / len(usable)
+    per_request_run_s = sum(t.wall_s / (2 * t.trials * t.requests) for t in usable) / len(usable)
+    sealed_s = per_request_run_s * (sealed_requests or SEALED_REQUESTS_IF_ALL) * (3 * sealed_trials + 2)
+    return candidate_s, sealed_s
+
+
+def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: float) -> list[Direction]:
+    """The directions cut to the candidates that fit in ``remaining_s`` (each direction runs on its own
+    device, so each may take that many); [] when not even one fits."""
+    fits = int(remaining_s // candidate_s) if candidate_s > 0 else len(directions)
+    if fits < 1:
+        return []
+    out = []
+    for d in directions:
+        if d.provider == "sweep" and len(d.hints.get("values", [])) > fits:
+            values = d.hints["values"][:fits]
+            d = replace(d, title=f"sweep {d.hints['option']} over {values}", hints={**d.hints, "values": values})
+        out.append(d)
+    return out

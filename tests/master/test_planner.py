@@ -1,5 +1,7 @@
 """The rules planner: memory entries first, then sweeps by factor, nothing twice, regime-aware."""
 
+import pytest
+
 from services.master import planner
 from services.master.planner import History
 
@@ -80,3 +82,24 @@ def test_values_the_cost_model_predicts_to_lose_are_not_timed_and_the_best_predi
     assert ("tree_nodes", "tree") in seen and ("block_size", None) in seen
     # directions ordered by their best predicted value; unknowns count as 1.0
     assert [d.hints["option"] for d in ds] == ["block_size", "ngram_min_match", "drafter", "tree_nodes"]
+
+
+def test_budget_estimates_from_earlier_timings():
+    # 6 trials x 2 runs x 3 requests in 120 s: 3.33 s per request-run
+    est = planner.budget_estimates([planner.TimingSample(wall_s=120.0, trials=6, requests=3)], 4, 3)
+    candidate_s, sealed_s = est
+    assert candidate_s == pytest.approx(120.0 * planner.CANDIDATE_OVERHEAD)
+    assert sealed_s == pytest.approx(120.0 / 36 * 4 * (3 * 3 + 2))
+    assert planner.budget_estimates([], 4, 3) is None
+    assert planner.budget_estimates([planner.TimingSample(0.0, 6, 3)], 4, 3) is None  # old events: no wall time
+
+
+def test_fit_to_budget_cuts_sweeps_to_what_fits():
+    sweep = planner.Direction(title="sweep block_size over [2, 6, 8]", factor="tau", provider="sweep",
+                              hints={"option": "block_size", "values": [2, 6, 8]})
+    llm = planner.Direction(title="tau: ...", factor="tau", provider="anthropic")
+    assert planner.fit_to_budget([sweep], remaining_s=1000, candidate_s=100) == [sweep]
+    (cut,) = planner.fit_to_budget([sweep], remaining_s=250, candidate_s=100)
+    assert cut.hints["values"] == [2, 6] and cut.title == "sweep block_size over [2, 6]"
+    assert planner.fit_to_budget([sweep, llm], remaining_s=99, candidate_s=100) == []
+    assert planner.fit_to_budget([llm], remaining_s=150, candidate_s=100) == [llm]
