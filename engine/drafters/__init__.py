@@ -44,4 +44,8 @@ def make_drafter(opts, model) -> Drafter | None:
         from engine.drafters.parallel import load_parallel_drafter
 
         return load_parallel_drafter(model, opts.drafter_weights or None)
+    if opts.drafter == "eagle":
+        from engine.drafters.eagle import load_eagle_drafter
+
+        return load_eagle_drafter(model, opts.drafter_weights or None)
     raise ValueError(f"unknown drafter {opts.drafter!r}")

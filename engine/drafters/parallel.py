@@ -147,19 +147,36 @@ def save_drafter(path: Path, net: ParallelDrafterNet, meta: dict) -> None:
     tmp.replace(path)
 
 
-def load_parallel_drafter(model, path: Path | str | None = None) -> ParallelDrafter:
-    """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file."""
+def load_net(model, path: Path | str | None, kind: str, default_weights: dict[str, Path], config_cls, build):
+    """A drafter net of ``kind`` for ``model`` from ``path`` (or ``default_weights[target]``).
+
+    ``build(cfg, vocab_ids)`` makes the untrained net from the file's config; its fp16 state is
+    loaded and the net cast to the target's device and dtype. Shared by every trained drafter so
+    the file format, the target check and the error messages stay one.
+    """
     name = model.cfg.name
-    path = Path(path) if path else DEFAULT_WEIGHTS.get(name)
+    path = Path(path) if path else default_weights.get(name)
     if path is None or not path.is_file():
-        raise FileNotFoundError(f"no parallel drafter weights for target {name!r} (looked for {path}); "
-                                f"train them with `specpilot drafter train --deployment <a deployment of {name}> --out <file>`")
+        flag = "" if kind == "parallel" else f" --kind {kind}"
+        raise FileNotFoundError(f"no {kind} drafter weights for target {name!r} (looked for {path}); "
+                                f"train them with `specpilot drafter train{flag} --deployment <a deployment of {name}> "
+                                f"--out <file>`")
     blob = torch.load(path, map_location="cpu", weights_only=True)
-    cfg = ParallelConfig(**blob["config"])
+    # Files written before drafters had kinds hold parallel drafters.
+    if (found := blob["config"].get("kind", "parallel")) != kind:
+        raise ValueError(f"{path} holds a {found!r} drafter, not a {kind!r} one")
+    cfg = config_cls(**blob["config"])
     if cfg.target != name or cfg.dim != model.cfg.dim:
         raise ValueError(f"{path} was trained for {cfg.target!r} (dim {cfg.dim}), not {name!r}")
     embed = model.embed.weight.detach()
-    net = ParallelDrafterNet(cfg, blob["vocab_ids"].to(embed.device), embed)
+    net = build(cfg, blob["vocab_ids"].to(embed.device))
     net.load_state_dict({k: v.float() for k, v in blob["state"].items()})
-    net = net.to(device=embed.device, dtype=embed.dtype)
+    return net.to(device=embed.device, dtype=embed.dtype)
+
+
+def load_parallel_drafter(model, path: Path | str | None = None) -> ParallelDrafter:
+    """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file."""
+    embed = model.embed.weight.detach()
+    net = load_net(model, path, "parallel", DEFAULT_WEIGHTS, ParallelConfig,
+                   lambda cfg, vocab_ids: ParallelDrafterNet(cfg, vocab_ids, embed))
     return ParallelDrafter(net)

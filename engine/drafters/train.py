@@ -1,15 +1,23 @@
-"""`specpilot drafter train`: train the parallel drafter by self-distillation, on the CPU, in minutes.
+"""`specpilot drafter train`: train a drafter by self-distillation, on the CPU, in minutes.
 
-1. Prompts from text on the machine: the deployment's *dev* requests (never the sealed ones),
-   code from Python's standard library (the lines before a ``def``), and chat prompts made from
-   standard-library module docstrings. All choices are seeded.
+``--kind parallel`` (default) trains `engine.drafters.parallel`, ``--kind eagle`` the recurrent
+`engine.drafters.eagle`. Both share steps 1-3 and 5 and the optimisation loop (`fit`).
+
+1. Prompts from text on the machine: code from Python's standard library (the lines before a
+   ``def``) and chat prompts made from standard-library docstrings and functions; the parallel
+   drafter also uses the deployment's *dev* requests (never the sealed ones), the eagle drafter
+   uses standard-library prompts only. All choices are seeded.
 2. Self-distillation data: the target greedily continues every prompt (batched, left-padded,
-   lockstep); each generated position t gives (hidden state that chose x_{t+1}, last tokens,
-   the target's next K tokens). Training on the target's *own* outputs is what makes drafts
-   match its argmax.
+   lockstep), recording the hidden state behind each token. Training on the target's *own*
+   outputs is what makes drafts match its argmax. Parallel: each generated position t gives
+   (hidden state that chose x_{t+1}, last tokens, the target's next K tokens). Eagle: the rows are
+   kept as sequences, and the prompt positions count too wherever the prompt text happens to be
+   the target's greedy continuation (see `eagle_streams`).
 3. Draft vocabulary: the most frequent tokens of that data.
 4. Training: AdamW, cross-entropy per drafted position (earlier positions weigh more), until the
-   time budget; 5% of the sequences are held out.
+   time budget; 5% of the sequences are held out. Eagle unrolls its recurrent step K times on the
+   target's greedy tokens from its own state, plus a regression of that state onto the target's
+   hidden states.
 5. Figures: held-out accuracy per position, the chain tau they imply, and tau measured by the
    engine (chain, block 4) on a few dev requests. They are saved in the weights file with the
    SHA-256 of the training data and the command line.
@@ -34,10 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.deployment import DEFAULT_DEPLOYMENT
+from engine.drafters import eagle
 from engine.drafters.parallel import DEFAULT_WEIGHTS, ParallelConfig, ParallelDrafterNet, save_drafter
+
+KINDS = {"parallel": DEFAULT_WEIGHTS, "eagle": eagle.DEFAULT_WEIGHTS}  # kind -> shipped file per target
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kind", choices=sorted(KINDS), default="parallel", help="which drafter to train")
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="its target and dev requests are used")
     ap.add_argument("--out", type=Path, default=None, help="weights file (default: the shipped file for the target)")
     ap.add_argument("--minutes", type=float, default=18.0, help="total time budget (generation + training)")
@@ -47,10 +59,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=192)
     ap.add_argument("--prompts", type=int, default=2000, help="standard-library prompts of each kind (code, chat)")
     ap.add_argument("--device", default="cpu", help="where the target generates and the drafter trains")
-    ap.add_argument("--k", type=int, default=4, help="positions drafted per pass")
+    ap.add_argument("--k", type=int, default=None,
+                    help="positions drafted per pass (parallel, default 4) / steps unrolled (eagle, default 6)")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--width", type=int, default=None, help="drafter width (default: the target's hidden size)")
-    ap.add_argument("--n-context", type=int, default=3)
+    ap.add_argument("--n-context", type=int, default=3, help="parallel: committed tokens embedded")
+    ap.add_argument("--blocks", type=int, default=1, help="eagle: residual blocks per recurrent step")
+    ap.add_argument("--reg-weight", type=float, default=0.5,
+                    help="eagle: weight of the state-to-target-hidden regression beside the cross-entropy")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--train-batch", type=int, default=256)
     ap.add_argument("--eval-requests", type=int, default=8,
@@ -144,15 +160,51 @@ def stdlib_chat_prompts(rng: random.Random, n: int) -> list[str]:
     return out[:n]
 
 
+_PROSE_TEMPLATES = [
+    "Summarize this paragraph in two sentences:\n{p}",
+    "Explain this to a beginner:\n{p}",
+    "Rewrite this paragraph in plain English:\n{p}",
+    "Translate to French: {s}",
+    "What are the key points of this text?\n{p}",
+    "Write a short paragraph about {t} in Python.",
+    "Give three tips about {t}.",
+]
+
+
+def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
+    """Chat prompts over English prose: paragraphs of the Python reference shipped with the
+    standard library (`pydoc_data.topics`), so the drafter also sees the target writing prose."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for para in topics[name].split("\n\n"):
+            para = " ".join(para.split())
+            if 120 < len(para) < 700 and not para.startswith(("*", "|", ">>>")):
+                paragraphs.append((name, para))
+    rng.shuffle(paragraphs)
+    out = []
+    for name, para in paragraphs[:n]:
+        sentence = para.split(". ")[0].rstrip(".") + "."
+        out.append(rng.choice(_PROSE_TEMPLATES).format(p=para, s=sentence, t=name.replace("-", " ")))
+    return out
+
+
 def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each: int,
-                    skip_dev: int = 0) -> list[list[int]]:
-    """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them."""
+                    skip_dev: int = 0, include_dev: bool = True, prose: bool = False) -> list[list[int]]:
+    """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them.
+    With ``include_dev`` False no request of the deployment is used at all (standard library only);
+    ``prose`` adds `stdlib_prose_prompts`."""
     from engine.requests import encode_requests, load_requests
 
-    dev = load_requests(dep, "dev")[skip_dev:]  # never the sealed split: it is the final, unseen evaluation
-    prompts = encode_requests(dev, tokenizer)
+    prompts = []
+    if include_dev:
+        dev = load_requests(dep, "dev")[skip_dev:]  # never the sealed split: it is the final, unseen evaluation
+        prompts = encode_requests(dev, tokenizer)
     prompts += [tokenizer.encode(t) for t in stdlib_code_prompts(rng, n_each)]
     prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_chat_prompts(rng, n_each)]
+    if prose:
+        prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_prose_prompts(rng, n_each)]
     prompts = [p[-max_tokens:] for p in prompts if p]
     rng.shuffle(prompts)
     return prompts
@@ -163,11 +215,14 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids) -> dict:
+def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids, keep_prompt: bool = False) -> dict:
     """Greedy continuations of left-padded prompts in lockstep, with the hidden state behind each token.
 
     Returns tokens [B, G], hidden [B, G, d] (hidden[:, g] chose tokens[:, g]), alive [B, G] (False
-    after a stop token) and the prompts' last n tokens for context.
+    after a stop token) and the prompts' last n tokens for context. With ``keep_prompt`` also the
+    prefill's view of the prompts: prompt_tokens [B, P] (left-padded), prompt_keys [B, P] (False on
+    padding), prompt_hidden [B, P, d] and prompt_argmax [B, P] (the target's greedy next token
+    after each prompt position).
     """
     B, P, G = len(prompts), max(map(len, prompts)), new_tokens
     dev = model.device
@@ -183,6 +238,10 @@ def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids) -
     mask |= torch.eye(P, dtype=torch.bool, device=dev)[None, None]
     logits, hidden = model(toks, pos, cache, 0, mask, last_only=True)
     nxt, h = logits[:, -1].argmax(-1), hidden[:, -1]
+    prompt_view = {}
+    if keep_prompt:  # one row at a time: B x P x vocab logits would not fit in memory
+        prompt_view = {"prompt_tokens": toks.cpu(), "prompt_keys": keys[:, :P].cpu(), "prompt_hidden": hidden.float().cpu(),
+                       "prompt_argmax": torch.stack([model.lm_head(row).argmax(-1) for row in hidden]).cpu()}
     cur = pos[:, -1:] + 1
     stops = torch.tensor(list(stop_ids) or [-1], device=dev)
     out_t, out_h, alive = [], [], []
@@ -199,7 +258,7 @@ def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids) -
         nxt, h = logits[:, 0].argmax(-1), hidden[:, 0]
         cur = cur + 1
     return {"tokens": torch.stack(out_t, 1).cpu(), "hidden": torch.stack(out_h, 1).cpu(),
-            "alive": torch.stack(alive, 1).cpu(), "prompt_tail": [p[-8:] for p in prompts]}
+            "alive": torch.stack(alive, 1).cpu(), "prompt_tail": [p[-8:] for p in prompts], **prompt_view}
 
 
 def make_examples(batches: list[dict], n_context: int, k: int) -> dict:
@@ -234,6 +293,14 @@ def draft_vocabulary(targets: torch.Tensor, ctx: torch.Tensor, size: int) -> tor
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
 
 
+def fill_vocabulary(vocab_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """``vocab_ids`` topped up to ``size`` with the lowest token ids not in it (BPE ids grow with merge
+    order, so low ids are common tokens): requests use tokens the training data never showed."""
+    have = set(vocab_ids.tolist())
+    extra = [t for t in range(size + len(have)) if t not in have][: max(0, size - len(have))]
+    return torch.tensor(sorted(have | set(extra)))
+
+
 def to_draft_ids(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Target token ids -> draft-vocabulary indices; unknown or missing -> -100 (ignored)."""
     lookup = torch.full((vocab_size,), -100, dtype=torch.long)
@@ -260,14 +327,32 @@ def evaluate(net, data: dict, batch: int = 1024) -> dict:
 
 
 def train(net, data: dict, val: dict, seconds: float, lr: float, batch: int, seed: int, weight_decay: float) -> dict:
-    """AdamW with warm-up and cosine decay until ``seconds``; ends with the best held-out state."""
-    g = torch.Generator().manual_seed(seed)
+    """Train the parallel drafter on `make_examples` data (with draft ids ``y``) until ``seconds``."""
     device = data["hidden"].device
+    weights = torch.tensor([0.8**j for j in range(net.cfg.k)], device=device)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        idx = idx.to(device)
+        logits = net(data["hidden"][idx], data["ctx"][idx])
+        y = data["y"][idx]
+        return sum(weights[j] * F.cross_entropy(logits[:, j], y[:, j], ignore_index=-100)
+                   for j in range(net.cfg.k)) / weights.sum()
+
+    return fit(net, len(data["hidden"]), batch_loss, lambda: evaluate(net, val), seconds, lr, batch, seed,
+               weight_decay)
+
+
+def fit(net, n_examples: int, batch_loss, score, seconds: float, lr: float, batch: int, seed: int,
+        weight_decay: float) -> dict:
+    """AdamW with warm-up and cosine decay until ``seconds``; ends with the best held-out state.
+
+    ``batch_loss(indices)`` is the loss of a batch of example indices; ``score()`` evaluates on
+    held-out data and returns a dict with ``tau_chain_est`` (higher is better).
+    """
+    g = torch.Generator().manual_seed(seed)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     best = (-1.0, None, 0)  # (held-out tau estimate, state, step)
-    n = len(data["hidden"])
-    weights = torch.tensor([0.8**j for j in range(net.cfg.k)], device=device)
     t0, step, losses = time.perf_counter(), 0, []
     # Estimate steps from the first ones so the cosine schedule ends with the budget.
     total = None
@@ -280,25 +365,103 @@ def train(net, data: dict, val: dict, seconds: float, lr: float, batch: int, see
         frac = step / total if total else 0.0
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-        idx = torch.randint(0, n, (batch,), generator=g).to(device)
-        logits = net(data["hidden"][idx], data["ctx"][idx])
-        y = data["y"][idx]
-        loss = sum(weights[j] * F.cross_entropy(logits[:, j], y[:, j], ignore_index=-100)
-                   for j in range(net.cfg.k)) / weights.sum()
+        loss = batch_loss(torch.randint(0, n_examples, (batch,), generator=g))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
         step += 1
         if step % 200 == 0:
-            ev = evaluate(net, val)
+            ev = score()
             if ev["tau_chain_est"] > best[0]:
                 best = (ev["tau_chain_est"], {k: v.detach().clone() for k, v in net.state_dict().items()}, step)
             _log(f"step {step} loss {statistics_mean(losses[-200:]):.3f} {ev}")
-    if best[1] is not None and evaluate(net, val)["tau_chain_est"] < best[0]:
+    if best[1] is not None and score()["tau_chain_est"] < best[0]:
         net.load_state_dict(best[1])  # training ran past its best held-out point: keep the best
     return {"steps": step, "best_step": best[2], "final_loss": round(statistics_mean(losses[-100:]), 4),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-4 (eagle). Sequences, unrolled training
+
+
+def eagle_streams(batches: list[dict], k: int, use_prompt: bool) -> dict:
+    """Generated rows (and, with ``use_prompt``, the prompts before them) as flat sequences.
+
+    Position i of a row holds a token ``s_i``, the target's hidden state ``H_i`` computed at the
+    token before it, the target's greedy choice ``a_i = argmax(H_i)`` and ``ok_i`` (H_i is real:
+    not padding, not past a stop). Generated tokens are greedy by construction (a_i == s_i); in a
+    prompt, s_i is the text and may differ. ``greedy_i = ok_i and a_i == s_i``. Every row ends with
+    k padding positions, so an unroll from any position stays inside the flat arrays.
+    """
+    S, H, A, OK = [], [], [], []
+    for b in batches:
+        parts = [(b["tokens"], b["hidden"], b["tokens"], b["alive"])]
+        if use_prompt and "prompt_tokens" in b:
+            # Prompt position p's hidden state predicts prompt token p+1 (the last one predicts tokens[:, 0]).
+            parts.insert(0, (b["prompt_tokens"][:, 1:], b["prompt_hidden"][:, :-1], b["prompt_argmax"][:, :-1],
+                             b["prompt_keys"][:, :-1]))
+        B, d = b["tokens"].shape[0], b["hidden"].shape[-1]
+        parts.append((torch.zeros(B, k, dtype=torch.long), torch.zeros(B, k, d), torch.zeros(B, k, dtype=torch.long),
+                      torch.zeros(B, k, dtype=torch.bool)))
+        for out, i in ((S, 0), (H, 1), (A, 2), (OK, 3)):
+            out.append(torch.cat([part[i] for part in parts], dim=1).flatten(0, 1))
+    s, a, ok = torch.cat(S), torch.cat(A), torch.cat(OK)
+    greedy = ok & (a == s)
+    return {"tokens": s, "hidden": torch.cat(H), "greedy_next": a, "ok": ok, "greedy": greedy,
+            # Roots: the engine's root is always the target's greedy token.
+            "roots": greedy.nonzero().squeeze(1)}
+
+
+def eagle_batch(streams: dict, roots: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """(hidden [B, d], input tokens [B, k], draft-id targets [B, k] (-100: ignored), target hidden [B, k, d]).
+
+    Step j (1-based) is fed s_{i+j-1} and must predict a_{i+j}; it counts only where s_{i+1..i+j-1}
+    were the target's greedy tokens (otherwise the chain never gets there) and H_{i+j} is real.
+    """
+    pos = roots[:, None] + torch.arange(k + 1)  # [B, k+1]: root .. root + k
+    reachable = streams["greedy"][pos[:, 1:]].int().cumprod(1)  # reachable[:, j-1]: s_{i+1..i+j} greedy
+    counts = torch.cat([torch.ones_like(reachable[:, :1]), reachable[:, :-1]], dim=1).bool() & streams["ok"][pos[:, 1:]]
+    y = streams["y"][pos[:, 1:]].masked_fill(~counts, -100)
+    return streams["hidden"][roots], streams["tokens"][pos[:, :-1]], y, streams["hidden"][pos[:, 1:]]
+
+
+def evaluate_eagle(net, streams: dict, batch: int = 1024) -> dict:
+    """Held-out top-1 accuracy per unrolled step (given a greedy prefix) and the implied chain tau."""
+    net.eval()
+    k, hits, counted, accepted = net.cfg.k, torch.zeros(net.cfg.k), torch.zeros(net.cfg.k), 0.0
+    roots = streams["roots"]
+    with torch.no_grad():
+        for s in range(0, len(roots), batch):
+            hidden, tokens, y, _ = eagle_batch(streams, roots[s: s + batch], k)
+            _, logits = net.unroll(hidden, tokens)
+            hit = (logits.argmax(-1) == y) & (y >= 0)
+            hits += hit.sum(0).float()
+            counted += (y >= 0).sum(0).float()
+            accepted += hit.int().cumprod(1).sum().item()
+    net.train()
+    return {"acc_per_pos": [round(h / max(1.0, c), 4) for h, c in zip(hits.tolist(), counted.tolist(), strict=True)],
+            "tau_chain_est": round(1 + accepted / max(1, len(roots)), 3)}
+
+
+def train_eagle(net, data: dict, val: dict, seconds: float, lr: float, batch: int, seed: int, weight_decay: float,
+                reg_weight: float) -> dict:
+    """Unroll the recurrent step k times from the target's hidden state, fed the target's greedy tokens."""
+    k = net.cfg.k
+    weights = torch.tensor([0.8**j for j in range(k)])
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        hidden, tokens, y, target_hidden = eagle_batch(data, data["roots"][idx], k)
+        states, logits = net.unroll(hidden, tokens)
+        ce = torch.stack([F.cross_entropy(logits[:, j], y[:, j], ignore_index=-100) if (y[:, j] >= 0).any()
+                          else logits.sum() * 0 for j in range(k)])
+        counts = (y >= 0).float()
+        reg = (F.smooth_l1_loss(states, target_hidden, reduction="none").mean(-1) * counts).sum(0) / counts.sum(0).clamp(min=1)
+        return (weights * (ce + reg_weight * reg)).sum() / weights.sum()
+
+    return fit(net, len(data["roots"]), batch_loss, lambda: evaluate_eagle(net, val), seconds, lr, batch, seed,
+               weight_decay)
 
 
 def statistics_mean(xs: list[float]) -> float:
@@ -309,14 +472,14 @@ def statistics_mean(xs: list[float]) -> float:
 # 5. Measured tau with the engine
 
 
-def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new: int = 64) -> dict:
+def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new: int = 64, kind: str = "parallel") -> dict:
     from engine.api import Engine
     from engine.options import EngineOptions
     from engine.requests import encode_requests, load_requests
 
     prompts = encode_requests(load_requests(dep, "dev")[:n_requests], tokenizer)
     out = {}
-    for name, opts in (("parallel_chain4", EngineOptions(drafter="parallel", drafter_weights=str(weights))),
+    for name, opts in ((f"{kind}_chain4", EngineOptions(drafter=kind, drafter_weights=str(weights))),
                        ("ngram_chain4", EngineOptions(drafter="ngram"))):
         engine = Engine(model, tokenizer, opts.resolved(dtype="fp32"))
         committed = [c for p in prompts for c in engine.generate(p, max_new).accepted_per_step]
@@ -326,6 +489,61 @@ def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k: int, seconds: float):
+    """(net, fit figures, data figures) of the parallel drafter trained for ``seconds``."""
+    cfg, device = model.cfg, model.device
+    train_data = make_examples(batches, args.n_context, k)
+    val_data = make_examples(val_batches, args.n_context, k)
+    vocab_ids = draft_vocabulary(train_data["targets"], train_data["ctx"], args.draft_vocab)
+    for d in (train_data, val_data):
+        d["y"] = to_draft_ids(d["targets"], vocab_ids, cfg.vocab_size)
+    coverage = (train_data["y"] >= 0).sum().item() / max(1, (train_data["targets"] >= 0).sum().item())
+    for d in (train_data, val_data):
+        for key in ("hidden", "ctx", "y"):
+            d[key] = d[key].to(device)
+    _log(f"{len(train_data['hidden'])} train / {len(val_data['hidden'])} held-out examples; "
+         f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
+    pcfg = ParallelConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, k=k,
+                          n_context=args.n_context, draft_vocab=len(vocab_ids))
+    net = ParallelDrafterNet(pcfg, vocab_ids.to(device), model.embed.weight.detach()).to(device)
+    fit_figs = train(net, train_data, val_data, max(10.0, seconds), args.lr, args.train_batch, args.seed,
+                     args.weight_decay)
+    held_out = evaluate(net, val_data)
+    _log(f"trained: {fit_figs}; held-out {held_out}")
+    return net, {**fit_figs, "heldout": held_out}, {
+        "train_examples": len(train_data["hidden"]), "heldout_examples": len(val_data["hidden"]),
+        "draft_vocab_coverage": round(coverage, 4)}
+
+
+def _train_eagle(model, batches: list[dict], val_batches: list[dict], args, k: int, seconds: float):
+    """(net, fit figures, data figures) of the eagle drafter trained for ``seconds`` (on the CPU)."""
+    cfg = model.cfg
+    train_data = eagle_streams(batches, k, use_prompt=True)
+    val_data = eagle_streams(val_batches, k, use_prompt=False)  # judged on generated text, like the engine
+    targets = train_data["greedy_next"][train_data["ok"]]
+    vocab_ids = draft_vocabulary(targets, torch.empty(0, 1, dtype=torch.long), args.draft_vocab)
+    # Tokens the data never showed still get a fair guess: the state is regressed onto the target's
+    # hidden states and scored against the target's own head rows.
+    vocab_ids = fill_vocabulary(vocab_ids, min(args.draft_vocab, cfg.vocab_size))
+    for d in (train_data, val_data):
+        d["y"] = to_draft_ids(d["greedy_next"].masked_fill(~d["ok"], -1), vocab_ids, cfg.vocab_size)
+    coverage = (train_data["y"] >= 0).sum().item() / max(1, len(targets))
+    from_prompts = len(train_data["roots"]) - int(sum(b["alive"].sum() for b in batches))
+    _log(f"{len(train_data['roots'])} train roots ({from_prompts} in prompts) / {len(val_data['roots'])} held-out; "
+         f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
+    ecfg = eagle.EagleConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, blocks=args.blocks, k=k,
+                             draft_vocab=len(vocab_ids))
+    # The streams live on the CPU, so the (small) net trains there whatever device generated the data.
+    net = eagle.build_net(model, ecfg, vocab_ids.to(model.device)).float().cpu()
+    fit_figs = train_eagle(net, train_data, val_data, max(10.0, seconds), args.lr, args.train_batch, args.seed,
+                           args.weight_decay, args.reg_weight)
+    held_out = evaluate_eagle(net, val_data)
+    _log(f"trained: {fit_figs}; held-out {held_out}")
+    return net, {**fit_figs, "heldout": held_out}, {
+        "train_examples": len(train_data["roots"]), "train_examples_from_prompts": from_prompts,
+        "heldout_examples": len(val_data["roots"]), "draft_vocab_coverage": round(coverage, 4)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -339,14 +557,18 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dep = load_deployment(args.deployment)
-    out_path = args.out or DEFAULT_WEIGHTS.get(dep.target)
+    out_path = args.out or KINDS[args.kind].get(dep.target)
+    is_eagle = args.kind == "eagle"
+    k = args.k or (6 if is_eagle else 4)
     if out_path is None:
         raise SystemExit(f"no default weights path for target {dep.target!r}: pass --out")
     device = torch.device(args.device)
     model, tok = load_model(dep.target, dtype="fp32", device=device, data_dir=args.data_dir)
     cfg = model.cfg
 
-    prompts = collect_prompts(dep, tok, rng, args.max_prompt_tokens, args.prompts, skip_dev=args.eval_requests)
+    # The eagle drafter never sees a request of the deployment, dev or sealed: standard library only.
+    prompts = collect_prompts(dep, tok, rng, args.max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
+                              include_dev=not is_eagle, prose=is_eagle)
     _log(f"{len(prompts)} prompts; generating for up to {args.gen_share * budget:.0f} s")
     batches, used = [], []
     gen_deadline = t_start + args.gen_share * budget
@@ -359,7 +581,7 @@ def run(args: argparse.Namespace) -> int:
         if time.perf_counter() > gen_deadline:
             break
         ps = [prompts[i] for i in grp]
-        batches.append(generate_batch(model, ps, args.new_tokens, cfg.stop_ids))
+        batches.append(generate_batch(model, ps, args.new_tokens, cfg.stop_ids, keep_prompt=is_eagle))
         used += ps
         n_tok = sum(int(b["alive"].sum()) for b in batches)
         _log(f"generated {len(used)} prompts, {n_tok} tokens ({n_tok / (time.perf_counter() - t_gen):.0f} tok/s)")
@@ -369,26 +591,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Hold out whole batches (sequences), so held-out examples share no sequence with training ones.
     n_val = max(1, len(batches) // 20)
-    train_data = make_examples(batches[n_val:], args.n_context, args.k)
-    val_data = make_examples(batches[:n_val], args.n_context, args.k)
-    vocab_ids = draft_vocabulary(train_data["targets"], train_data["ctx"], args.draft_vocab)
-    for d in (train_data, val_data):
-        d["y"] = to_draft_ids(d["targets"], vocab_ids, cfg.vocab_size)
-    coverage = (train_data["y"] >= 0).sum().item() / max(1, (train_data["targets"] >= 0).sum().item())
-    for d in (train_data, val_data):
-        for key in ("hidden", "ctx", "y"):
-            d[key] = d[key].to(device)
-    _log(f"{len(train_data['hidden'])} train / {len(val_data['hidden'])} held-out examples; "
-         f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
-
-    pcfg = ParallelConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, k=args.k,
-                          n_context=args.n_context, draft_vocab=len(vocab_ids))
-    net = ParallelDrafterNet(pcfg, vocab_ids.to(device), model.embed.weight.detach()).to(device)
     eval_reserve = 60.0 if args.eval_requests else 5.0
-    train_seconds = max(10.0, budget - (time.perf_counter() - t_start) - eval_reserve)
-    fit = train(net, train_data, val_data, train_seconds, args.lr, args.train_batch, args.seed, args.weight_decay)
-    held_out = evaluate(net, val_data)
-    _log(f"trained: {fit}; held-out {held_out}")
+    if is_eagle:
+        net, fit_figs, data_figs = _train_eagle(model, batches[n_val:], batches[:n_val], args, k,
+                                                budget - (time.perf_counter() - t_start) - eval_reserve)
+    else:
+        net, fit_figs, data_figs = _train_parallel(model, batches[n_val:], batches[:n_val], args, k,
+                                                   budget - (time.perf_counter() - t_start) - eval_reserve)
 
     meta = {
         "training_data_sha256": data_hash,
@@ -397,14 +606,12 @@ def run(args: argparse.Namespace) -> int:
         "trained_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "figures": {
             "prompts": len(used), "generated_tokens": sum(int(b["alive"].sum()) for b in batches),
-            "generation_seconds": round(gen_seconds, 1), "train_examples": len(train_data["hidden"]),
-            "heldout_examples": len(val_data["hidden"]), "draft_vocab_coverage": round(coverage, 4),
-            **fit, "heldout": held_out,
+            "generation_seconds": round(gen_seconds, 1), **data_figs, **fit_figs,
         },
     }
     save_drafter(out_path, net, meta)
     if args.eval_requests:
-        meta["figures"]["measured_tau"] = measured_tau(model, tok, dep, out_path, args.eval_requests)
+        meta["figures"]["measured_tau"] = measured_tau(model, tok, dep, out_path, args.eval_requests, kind=args.kind)
         save_drafter(out_path, net, meta)
     meta["figures"]["total_seconds"] = round(time.perf_counter() - t_start, 1)
     save_drafter(out_path, net, meta)
