@@ -80,8 +80,22 @@ def test_values_the_cost_model_predicts_to_lose_are_not_timed_and_the_best_predi
     seen = []
     _plan({"tau": 2.0}, devices=10, predict=lambda o, v, base: seen.append((o, base.get("verify"))))
     assert ("tree_nodes", "tree") in seen and ("block_size", None) in seen
-    # directions ordered by their best predicted value; unknowns count as 1.0
+    # directions ordered by their best predicted value; unknowns count as a share of their factor
     assert [d.hints["option"] for d in ds] == ["block_size", "ngram_min_match", "drafter", "tree_nodes"]
+
+
+def test_predictions_and_factor_priors_are_ranked_together_across_factors():
+    known = KNOWN | {"linear_backend"}
+    # CPU: a drafter predicted at +22% goes before the kernel option (1.88 ** 0.25 = 1.17)
+    guesses = {("drafter", "parallel"): 1.22, ("drafter", "eagle"): 0.93}
+    ds = _plan({"tau": 1.01, "kernel": 1.88, "overhead": 1.3}, devices=10, known=known,
+               predict=lambda o, v, base: guesses.get((o, v)))
+    assert [d.hints["option"] for d in ds][:2] == ["drafter", "linear_backend"]
+    assert ds[0].hints["values"] == ["parallel", "eagle"]
+    # GPU: graphs (6 ** 0.25 = 1.57) before a tree predicted at +20%
+    ds = _plan({"tau": 1.2, "kernel": 1.5, "overhead": 6.0}, facts=GPU, devices=10,
+               predict=lambda o, v, base: 1.2 if o == "verify" else None)
+    assert [d.hints["option"] for d in ds][:2] == ["cuda_graphs", "compile"]
 
 
 def test_budget_estimates_from_earlier_timings():
