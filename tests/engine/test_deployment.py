@@ -37,8 +37,8 @@ def test_bad_deployment_files(tmp_path):
     p.write_text('target = "gpt5"\n')
     with pytest.raises(ValueError, match="unknown target 'gpt5'"):
         load_deployment(p)
-    p.write_text('target = "tiny"\ndrafter = "eagle"\n')
-    with pytest.raises(ValueError, match="unknown value 'eagle' for option 'drafter'"):
+    p.write_text('target = "tiny"\ndrafter = "medusa"\n')
+    with pytest.raises(ValueError, match="unknown value 'medusa' for option 'drafter'"):
         load_deployment(p)
     p.write_text('target = "tiny"\nrequest_sets = ["mmlu"]\n')
     with pytest.raises(ValueError, match="unknown request sets"):
