@@ -1,8 +1,8 @@
 """What the cost model needs from a system, measured inside that system's own process.
 
-- `matched_depths`: walking a request's greedy output, how deep the drafter's candidates at each
-  position match what the target actually emitted next (the deepest matching node of the trie of
-  its candidates). `services.master.costmodel.replay_tau` turns these into the tokens per step of
+- `Replay` (and `matched_depths`): walking a request's greedy output, how deep a drafter's
+  candidates at each position match what the target actually emitted next (the deepest matching
+  node of the trie of its candidates); one `Replay` serves every drafter of one output. `services.master.costmodel.replay_tau` turns these into the tokens per step of
   the best tree at any node budget ("exact replay").
 - `measure`: one request through the engine with the kernel-class profile of `engine.bench`, and
   the matched depths of its output twice: over all the drafter's candidates (``depths``: the best
@@ -40,69 +40,89 @@ HIDDEN_READERS = ("parallel", "eagle")  # drafters that read the target's hidden
 ALTERNATIVE_DRAFTERS = ("ngram", "parallel", "eagle")  # replayed beside the system's own (`measure`)
 
 
-@torch.no_grad()
+class Replay:
+    """One request's greedy output, replayed for any drafter of the engine's target. The target's
+    hidden states over prompt + output (what hidden-state drafters read) are computed once, on first
+    use, and each drafter is built once."""
+
+    def __init__(self, engine: Engine, prompt: list[int], output: list[int]):
+        self.engine, self.prompt, self.output = engine, prompt, output
+        self._hidden: torch.Tensor | None = None
+        self._drafters: dict[str, object] = {}
+
+    def drafter(self, name: str):
+        """The named drafter (with the engine's other options), reset; None for "none"."""
+        from engine.drafters import make_drafter
+
+        if name not in self._drafters:
+            self._drafters[name] = make_drafter(self.engine.options.replace(drafter=name), self.engine.model)
+        proposer = self._drafters[name]
+        if proposer is not None:
+            proposer.reset()
+        return proposer
+
+    @torch.no_grad()
+    def last_hidden(self, name: str, p: int) -> torch.Tensor | None:
+        """What drafter ``name`` is given at output position ``p``: the hidden state before the root."""
+        if name not in HIDDEN_READERS:
+            return None
+        if self._hidden is None:
+            engine, seq = self.engine, [*self.prompt, *self.output]
+            cache = engine._cache_for(len(seq) + 1)
+            ids = torch.tensor([seq], dtype=torch.int64, device=engine.device)
+            self._hidden = engine.model(ids, torch.arange(len(seq), device=engine.device), cache, 0)[1][0]
+        return self._hidden[len(self.prompt) + p - 2]
+
+    def proposals(self, name: str, k: int, n: int, positions: int | None = None):
+        """(position, candidates) of drafter ``name`` at output positions 1.. (the first ``positions``)."""
+        proposer = self.drafter(name)
+        if proposer is None:
+            return
+        for p in range(1, min(len(self.output), (positions or len(self.output)) + 1)):
+            yield p, proposer.propose([*self.prompt, *self.output[:p]], self.last_hidden(name, p), k, n)
+
+    @torch.no_grad()
+    def depths(self, name: str, depth: int = 16, nodes: int = 64) -> list[int]:
+        """``depths[p]``: how deep the drafter's candidates at position p match the output (p = 0, the
+        prefill's token, is always 0)."""
+        if len(self.output) < 2 or self.drafter(name) is None:
+            return [0] * len(self.output)
+        return [0] + [matched_depth([c.tokens for c in cands], self.output[p:])
+                      for p, cands in self.proposals(name, depth, nodes)]
+
+    @torch.no_grad()
+    def draft_seconds(self, name: str, k: int, positions: int = 16) -> float:
+        """Mean host seconds of one chain proposal of ``k`` tokens, over the first positions."""
+        self.last_hidden(name, 1)  # the target's forward is not the drafter's time
+        t0, calls = time.perf_counter(), 0
+        for _ in self.proposals(name, k, 1, positions):
+            calls += 1
+        return (time.perf_counter() - t0) / calls if calls else 0.0
+
+    def alternative_drafters(self, depth: int = 16) -> dict[str, dict]:
+        """For every other drafter this target has: its chain's matched depths on the same output and its
+        draft time at the engine's block size (what the planner needs to predict switching to it)."""
+        out: dict[str, dict] = {}
+        for name in ALTERNATIVE_DRAFTERS:
+            if name == self.engine.options.drafter:
+                continue
+            try:
+                out[name] = {"chain_depths": self.depths(name, depth, 1),
+                             "draft_s": self.draft_seconds(name, max(1, self.engine.options.block_size))}
+            except (FileNotFoundError, ValueError) as exc:  # no weights for this target, another target's file
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        return out
+
+
 def matched_depths(engine: Engine, prompt: list[int], output: list[int], depth: int = 16, nodes: int = 64,
                    drafter: str | None = None) -> list[int]:
-    """``depths[p]``: the match at output position p (p = 0, the prefill's token, is always 0), for the
-    engine's drafter or the one named ``drafter`` (with the engine's other options)."""
-    proposer, hidden = _replay_drafter(engine, prompt, output, drafter)
-    if proposer is None or len(output) < 2:
-        return [0] * len(output)
-    depths = [0]
-    for p in range(1, len(output)):
-        context = [*prompt, *output[:p]]
-        cands = proposer.propose(context, hidden[len(context) - 2] if hidden is not None else None, depth, nodes)
-        depths.append(matched_depth([c.tokens for c in cands], output[p:]))
-    return depths
-
-
-@torch.no_grad()
-def draft_seconds(engine: Engine, prompt: list[int], output: list[int], drafter: str, k: int,
-                  positions: int = 16) -> float:
-    """Mean host seconds of one chain proposal of ``k`` tokens by ``drafter``, over the first positions."""
-    proposer, hidden = _replay_drafter(engine, prompt, output, drafter)
-    if proposer is None or len(output) < 2:
-        return 0.0
-    ps = range(1, min(len(output), positions + 1))
-    t0 = time.perf_counter()
-    for p in ps:
-        context = [*prompt, *output[:p]]
-        proposer.propose(context, hidden[len(context) - 2] if hidden is not None else None, k, 1)
-    return (time.perf_counter() - t0) / len(ps)
-
-
-def _replay_drafter(engine: Engine, prompt: list[int], output: list[int], name: str | None):
-    """(a fresh drafter, the target's hidden states over prompt + output if it reads them)."""
-    from engine.drafters import make_drafter
-
-    name = name or engine.options.drafter
-    proposer = make_drafter(engine.options.replace(drafter=name), engine.model)
-    if proposer is None:
-        return None, None
-    proposer.reset()
-    hidden = None
-    if name in HIDDEN_READERS:
-        seq = [*prompt, *output]
-        cache = engine._cache_for(len(seq) + 1)
-        ids = torch.tensor([seq], dtype=torch.int64, device=engine.device)
-        _, hidden = engine.model(ids, torch.arange(len(seq), device=engine.device), cache, 0)
-        hidden = hidden[0]
-    return proposer, hidden
+    """`Replay.depths` for the engine's drafter or the one named ``drafter``."""
+    return Replay(engine, prompt, output).depths(drafter or engine.options.drafter, depth, nodes)
 
 
 def alternative_drafters(engine: Engine, prompt: list[int], output: list[int], depth: int = 16) -> dict[str, dict]:
-    """For every other drafter this target has: its chain's matched depths on the same output and its
-    draft time at the engine's block size (what the planner needs to predict switching to it)."""
-    out: dict[str, dict] = {}
-    for name in ALTERNATIVE_DRAFTERS:
-        if name == engine.options.drafter:
-            continue
-        try:
-            out[name] = {"chain_depths": matched_depths(engine, prompt, output, depth, 1, drafter=name),
-                         "draft_s": draft_seconds(engine, prompt, output, name, max(1, engine.options.block_size))}
-        except (FileNotFoundError, ValueError) as exc:  # no weights for this target, another target's file
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return out
+    """`Replay.alternative_drafters` of one output."""
+    return Replay(engine, prompt, output).alternative_drafters(depth)
 
 
 def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int = 16, nodes: int = 64) -> dict:
@@ -111,12 +131,13 @@ def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int =
 
     result = engine.generate(prompt, max_new_tokens)
     prof = profile(engine, prompt, max_new_tokens)
+    replay, own = Replay(engine, prompt, result.tokens), engine.options.drafter
     return {
         "tokens": result.tokens, "steps": result.steps,
         "profile_ms": prof,
         "launches": launches(engine, prompt, min(16, max_new_tokens)),
-        "depths": matched_depths(engine, prompt, result.tokens, depth, nodes),
-        "chain_depths": matched_depths(engine, prompt, result.tokens, depth, 1),
-        "drafters": alternative_drafters(engine, prompt, result.tokens, depth),
+        "depths": replay.depths(own, depth, nodes),
+        "chain_depths": replay.depths(own, depth, 1),
+        "drafters": replay.alternative_drafters(depth),
         "context": len(prompt) + len(result.tokens) // 2,
     }

@@ -122,10 +122,14 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
                 fresh.sort(key=lambda v: -guesses.get(repr(v), 1.0))
             prior = max(1.0, factors.get(factor, 1.0)) ** UNPREDICTED_SHARE
             sweeps.append((max(guesses.values(), default=prior), Direction(
-                title=f"sweep {option} over {fresh}", factor=factor, provider="sweep",
+                title=_sweep_title(option, fresh), factor=factor, provider="sweep",
                 rationale=_why(factor, factors), hints=hints)))
     out += [d for _, d in sorted(sweeps, key=lambda sd: -sd[0])]  # stable: factor, then SWEEPS order among equals
     return out[:devices]
+
+
+def _sweep_title(option: str, values: list[Any]) -> str:
+    return f"sweep {option} over {values}"
 
 
 def _why(factor: str, factors: dict[str, float]) -> str:
@@ -172,6 +176,6 @@ def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: 
     for d in directions:
         if d.provider == "sweep" and len(d.hints.get("values", [])) > fits:
             values = d.hints["values"][:fits]
-            d = replace(d, title=f"sweep {d.hints['option']} over {values}", hints={**d.hints, "values": values})
+            d = replace(d, title=_sweep_title(d.hints["option"], values), hints={**d.hints, "values": values})
         out.append(d)
     return out
