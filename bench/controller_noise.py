@@ -9,6 +9,9 @@ stock system on both sides, ``--runs`` times, and reports:
 Prints a table and, last, one JSON line.
 
     python bench/controller_noise.py --deployment smollm2-cpu --trials 8 --runs 2
+    python bench/controller_noise.py --deployment smollm2-h200 --device cuda --options '{"cuda_graphs": true}'
+
+``--options`` (engine options as JSON) times that system against itself instead of stock.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.deployment import DEFAULT_DEPLOYMENT  # noqa: E402
+from engine.options import options_from_dict  # noqa: E402
 from services.controller import stats  # noqa: E402
 from services.controller.evaluate import Evaluator, System  # noqa: E402
 
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (rounds on CPU use 1)")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='engine options of the system timed against itself, as JSON (default: stock)')
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
     args = ap.parse_args()
     data = args.data or Path(tempfile.mkdtemp(prefix="sp-noise-"))
@@ -47,7 +53,7 @@ def main() -> None:
     ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
                    max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads)
     with console.status("preparing stock"):
-        stock = System(ev.prepare())
+        stock = System(ev.prepare(), options_from_dict(args.options).changed())
         ev.reference(stock)
     runs, seconds = [], []
     for i in range(args.runs):
@@ -62,13 +68,14 @@ def main() -> None:
     decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
     gains = [stats.paired_gain(a, b).gain for a, b in runs]
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
+              "options": stock.options,
               "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),
               "seconds_per_trial": sum(seconds) / (args.runs * args.trials),
               "seconds_per_verdict": sum(seconds) / args.runs}
-    table = Table(title=f"stock vs stock on {args.deployment} ({args.device})")
+    table = Table(title=f"same system vs itself on {args.deployment} ({args.device}, options {stock.options or 'stock'})")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("per-trial SD of log r", f"{noise.per_trial_sd:.4f}")

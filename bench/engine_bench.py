@@ -2,6 +2,7 @@
 
     python bench/engine_bench.py --model llama3-8b --device cuda --dtype bf16 --context 1024
     python bench/engine_bench.py --model llama3-8b --cuda-graphs --with-eager   # both, side by side
+    python bench/engine_bench.py --model llama3-8b --cuda-graphs --fused        # fused_kernels option
 
 Times one target forward of 1 + N tokens (root + N chain drafts) at a given cache length, the way
 `engine.decode.verify` runs it (chain: causal; tree: explicit mask) -- eagerly, or with
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.decode import DecodeConfig, generate  # noqa: E402
 from engine.drafters.ngram import NgramDrafter  # noqa: E402
+from engine.fused import fuse_model  # noqa: E402
 from engine.graphs import GraphRunner, graphs_supported  # noqa: E402
 from engine.model import DTYPES, build_random, get_config  # noqa: E402
 from engine.tree import DraftTree  # noqa: E402
@@ -142,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cuda-graphs", action="store_true", help="time steps as CUDA graph replays (engine.graphs)")
     ap.add_argument("--with-eager", action="store_true", help="with --cuda-graphs: time eager steps too, side by side")
+    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (engine.fused) on the timed model")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.cuda_graphs and not graphs_supported(device):
         ap.error("--cuda-graphs needs a CUDA device")
     check = exactness_check(args.device)
     model = build_random(get_config(args.model), device=device, dtype=DTYPES[args.dtype])
+    if args.fused:
+        fuse_model(model)
     ns = [int(x) for x in args.ns.split(",")]
     modes = (["eager"] if not args.cuda_graphs or args.with_eager else []) + (["graphs"] if args.cuda_graphs else [])
     result: dict = {"bench": "engine_verify_cost", "model": args.model, "dtype": args.dtype, "context": args.context,
-                    "tree": args.tree, "date": time.strftime("%Y-%m-%d"),
+                    "tree": args.tree, "fused_kernels": args.fused, "date": time.strftime("%Y-%m-%d"),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **check}
     if device.type == "cuda":
         bw = copy_bandwidth(device)

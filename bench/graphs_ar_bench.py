@@ -15,6 +15,9 @@ machine, or random ones of HumanEval-like lengths.
   run's first tokens (greedy outputs are prefixes of longer ones when nothing stops them).
 - peer: transformers' ``generate`` (greedy, and prompt lookup) on the same weights
   (`engine.bench.peer`), on ``--peer-prompts`` prompts, when transformers is installed.
+- ``--fused``: the ``fused_kernels`` option (`engine.fused`) on the model for every run above;
+  ``--outputs FILE`` saves the graph run's tokens and ``--reference FILE`` compares them with
+  another run's (how many requests are identical, and the mean length of the common prefix).
 - profile (``--profile``): the kernels of one static decode forward (torch.profiler): count and
   GPU time per class, beside the graph replay time of that step.
 
@@ -36,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.api import Engine  # noqa: E402
+from engine.fused import fuse_model  # noqa: E402
 from engine.graphs import GraphRunner  # noqa: E402
 from engine.model import build_random, get_config  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
@@ -76,6 +80,16 @@ def _kernel_class(name: str) -> str:
     if any(k in n for k in ("fmha", "attention", "flash", "attn")):
         return "attention"
     return "elementwise/other"
+
+
+def compare_outputs(outs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How many outputs equal the reference's, and the mean common prefix (tokens)."""
+    prefixes = []
+    for a, b in zip(outs, reference, strict=False):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefixes.append(n)
+    same = sum(a == b for a, b in zip(outs, reference, strict=False))
+    return {"identical": same, "of": len(prefixes), "mean_common_prefix": round(statistics.mean(prefixes), 1)}
 
 
 def kernel_profile(model, T: int = 1, context: int = 200) -> dict:
@@ -132,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-prompts", type=int, default=3)
     ap.add_argument("--peer-max-new-tokens", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (engine.fused)")
+    ap.add_argument("--outputs", type=Path, default=None, help="write the graph run's tokens here (JSON)")
+    ap.add_argument("--reference", type=Path, default=None, help="compare the graph run's tokens with this --outputs file")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the kernel profile (any model config)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tok, weights = _load(args.model, args.random)
+    if args.fused:
+        fuse_model(model)
     result: dict = {"bench": "graphs_ar", "model": args.model, "weights": weights, "dtype": "bf16",
+                    "fused_kernels": args.fused,
                     "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if args.profile or args.profile_only:
         result["profile"] = [kernel_profile(model, T) for T in (1, 5)]
@@ -162,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     result["graphs_captured"] = len(graphs._runner.shapes) if graphs._runner else 0
     g_tps, g_outs, g_step = _tok_s(graphs, prompts, args.max_new_tokens)
     result["graphs"] = {"tok_s": round(g_tps, 1), "step_ms": round(g_step, 4)}
+    if args.outputs:
+        args.outputs.write_text(json.dumps({"outputs": g_outs}))
+    if args.reference:
+        result["vs_reference"] = compare_outputs(g_outs, json.loads(args.reference.read_text())["outputs"])
     few = prompts[: args.eager_prompts]
     eager.generate(few[0], 8)
     e_tps, e_outs, e_step = _tok_s(eager, few, args.eager_max_new_tokens)

@@ -127,6 +127,10 @@ def _note_graphs_off_cuda(device: torch.device) -> None:
 
 def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
     """Options that change the target model itself (not the decoding loop)."""
+    if opts.fused_kernels:  # first: it rebuilds the blocks, and later options swap their linears
+        from engine.fused import fuse_model
+
+        fuse_model(model)
     if opts.weight_format == "w12":
         try:
             from kernels.w12 import quantize_model_linears

@@ -146,7 +146,8 @@ def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: 
 
 def _kernel_class(name: str, module: torch.nn.Module) -> str | None:
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"):
+    if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+                "qkv_proj", "gate_up_proj"):  # the last two: fused_kernels (engine.fused)
         return leaf
     if leaf == "core":
         return "attention"

@@ -39,6 +39,7 @@ class EngineOptions:
     linear_backend: Literal["default", "onednn"] = "default"  # "onednn": packed CPU GEMMs (engine.packed)
     compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (engine.graphs); no-op off CUDA
+    fused_kernels: bool = False  # fused norm/RoPE/SiLU kernels + concatenated QKV, gate/up GEMMs (engine.fused)
     ngram_max_match: int = 4  # longest context suffix the n-gram drafter tries to match
     ngram_min_match: int = 2  # shortest; below it the n-gram drafter proposes nothing
     drafter_weights: str = ""  # parallel drafter weights file; "": the one shipped for the target

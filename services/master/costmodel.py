@@ -32,7 +32,9 @@ FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.9
 NODE_BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 LINEAR_CLASSES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KERNEL_CLASSES = (*LINEAR_CLASSES, "lm_head", "attention", "norms", "embedding")
+# Classes of a fused_kernels step (engine.fused): one GEMM over concatenated weights; floor = parts' sum.
+FUSED_CLASSES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+KERNEL_CLASSES = (*LINEAR_CLASSES, *FUSED_CLASSES, "lm_head", "attention", "norms", "embedding")
 FACTORS = ("tau", "kernel", "overhead")
 
 
@@ -149,7 +151,7 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     budget = max(options, key=lambda b: options[b][0])
     speedup, tau_best = options[budget]
     current_floors = floors_s(step_work(shape, n_tokens, context, weight_bytes, act_bytes), hw)
-    kernel_s = sum(kernel_time_s(t, current_floors.get(k, 0.0), (launches or {}).get(k, 0.0) * launch_s)
+    kernel_s = sum(kernel_time_s(t, class_floor_s(current_floors, k), (launches or {}).get(k, 0.0) * launch_s)
                    for k, t in profile_s.items() if k in KERNEL_CLASSES)
     factors = {
         "tau": max(tau_best, tau) / tau,
@@ -158,6 +160,11 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     }
     return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
                    current_speedup=tau * t_ar_s / step_s)
+
+
+def class_floor_s(floors: dict[str, float], cls: str) -> float:
+    """The floor of a profiled kernel class (a fused class's is the sum of its parts')."""
+    return sum(floors.get(part, 0.0) for part in FUSED_CLASSES.get(cls, (cls,)))
 
 
 def kernel_time_s(measured_s: float, floor_s: float, launch_cost_s: float) -> float:

@@ -41,6 +41,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
     ],
     "overhead": [
         ("cuda_graphs", [True], ("cuda",)),
+        ("fused_kernels", [True], ("cuda",)),  # fewer kernels per step: what a graph replay costs
         ("compile", [True], ("cuda",)),
     ],
     "kernel": [

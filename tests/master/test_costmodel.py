@@ -79,6 +79,15 @@ def test_kernel_time_is_measured_less_launches_within_floor_and_measured():
     assert cm.kernel_time_s(0.5, 1.0, 0.0) == 0.5  # faster than the floor stays as measured
 
 
+def test_fused_classes_floor_is_the_sum_of_their_parts():
+    floors = {"q_proj": 1.0, "k_proj": 0.25, "v_proj": 0.25, "gate_proj": 2.0, "up_proj": 2.0, "o_proj": 1.0}
+    assert cm.class_floor_s(floors, "qkv_proj") == 1.5
+    assert cm.class_floor_s(floors, "gate_up_proj") == 4.0
+    assert cm.class_floor_s(floors, "o_proj") == 1.0
+    assert cm.class_floor_s(floors, "unknown") == 0.0
+    assert {"qkv_proj", "gate_up_proj"} <= set(cm.KERNEL_CLASSES)
+
+
 def test_launch_bound_classes_count_as_overhead():
     shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
     floors = cm.floors_s(cm.step_work(shape, 1, 10, 2, 2), HW)

@@ -1,0 +1,138 @@
+"""The ``fused_kernels`` option: a decoder step with ~9 kernels per layer instead of ~40.
+
+Why: under CUDA graphs a small model's step costs what its kernel count costs (~2-3 us each on an
+H200): SmolLM2's unfused block issues ~42 kernels, 34 of them elementwise (norm, RoPE, cache
+writes, SiLU, residual adds). `fuse_model` rebuilds every block around `kernels.fused`:
+
+    input_norm   residual add (the previous block's MLP output) + RMSNorm   1 kernel
+    qkv_proj     one GEMM over the concatenated q/k/v weights                1
+    rope         RoPE of q and k + k/v written to the cache                  1
+    core         attention (SDPA, as stock)                                  1-2
+    o_proj                                                                   1
+    post_attn_norm  residual add (attention output) + RMSNorm                1
+    gate_up_proj one GEMM over the concatenated gate/up weights              1
+    silu_mul                                                                 1
+    down_proj                                                                1
+
+The residual add of a block's MLP output is deferred into the next block's input norm (and the
+last one into the final norm), so a block passes ``(h, delta)`` on instead of ``h + delta``.
+
+Contract: the fused model computes the stock model's function. Off CUDA the ops run their PyTorch
+references (same values as stock up to the concatenated GEMMs' reduction order); on CUDA the
+Triton kernels round every intermediate as stock does, except the norm's reduction order and
+``exp`` (kernels/fused/README.md), so outputs may differ at near-ties and a system with this
+option must pass token forcing. Eager and graph-safe (`StaticStep`) forwards are both supported,
+chains and trees alike. Linear modules stay ``nn.Linear`` (named ``qkv_proj``, ``gate_up_proj``,
+``o_proj``, ``down_proj``), so weight formats and backends that swap linears apply after fusion.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from engine.model import SDPA, Block, KVCache, RMSNorm, StaticStep, Transformer
+from kernels import fused as ops
+
+Stream = Tensor | tuple[Tensor, Tensor | None]  # h, or (h, a delta still to be added to it)
+
+
+def _concat_linear(*linears: nn.Linear) -> nn.Linear:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    return out
+
+
+class AddRMSNorm(nn.Module):
+    """``(RMSNorm(h + delta), h + delta)`` in one kernel; the weight is the stock norm's."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, h: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        return ops.add_rms_norm(h, delta, self.weight, self.eps)
+
+
+class FinalNorm(AddRMSNorm):
+    """The model's last norm over the stream of the last block: returns the hidden states only."""
+
+    def forward(self, stream: Stream) -> Tensor:  # type: ignore[override]
+        h, delta = stream if isinstance(stream, tuple) else (stream, None)
+        return super().forward(h, delta)[0]
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, block: Block):
+        super().__init__()
+        attn = block.attn
+        self.layer, self.n_heads, self.n_kv, self.hd = attn.layer, attn.n_heads, attn.n_kv, attn.hd
+        self.qkv_proj = _concat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.core: SDPA = attn.core
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
+                mask: Tensor | None, causal: bool) -> Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.n_heads, self.n_kv, self.hd
+        static = isinstance(start, StaticStep)
+        slots = start.slots if static else torch.arange(start, start + T, device=x.device)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        q = ops.rope_qkv(self.qkv_proj(x), cos, sin, H, KV, k_cache, v_cache, slots)
+        if static:  # every query of a KV head's group as one batch of G*T rows (as Attention does)
+            G = H // KV
+            n = start.length
+            y = self.core(q.view(B, KV, G * T, hd), k_cache[:, :, :n], v_cache[:, :, :n], start.bias, False, gqa=False)
+            y = y.view(B, KV, G, T, hd).permute(0, 3, 1, 2, 4)
+        else:
+            end = start + T
+            y = self.core(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, H * hd))
+
+
+class FusedMLP(nn.Module):
+    def __init__(self, block: Block):
+        super().__init__()
+        mlp = block.mlp
+        self.gate_up_proj = _concat_linear(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class FusedBlock(nn.Module):
+    """A `Block` that takes and returns the residual stream as ``(h, delta)`` (see module doc)."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.input_norm = AddRMSNorm(block.input_norm)
+        self.attn = FusedAttention(block)
+        self.post_attn_norm = AddRMSNorm(block.post_attn_norm)
+        self.mlp = FusedMLP(block)
+
+    def forward(self, stream: Stream, cos, sin, cache, start, mask, causal) -> tuple[Tensor, Tensor]:
+        h, delta = stream if isinstance(stream, tuple) else (stream, None)
+        normed, h = self.input_norm(h, delta)
+        normed, h = self.post_attn_norm(h, self.attn(normed, cos, sin, cache, start, mask, causal))
+        return h, self.mlp(normed)
+
+
+def fuse_model(model: Transformer) -> Transformer:
+    """Replace every block and the final norm by their fused forms (in place); returns the model.
+
+    The q/k/v and gate/up weights move into concatenated copies; the stock modules are dropped.
+    """
+    if isinstance(model.norm, FinalNorm):
+        return model
+    for i, block in enumerate(model.layers):
+        if not isinstance(block, Block):
+            raise TypeError(f"layer {i} is a {type(block).__name__}, not a stock Block: fuse before swapping modules")
+        model.layers[i] = FusedBlock(block)
+    model.norm = FinalNorm(model.norm)
+    return model
+
+
+def is_fused(model: Transformer) -> bool:
+    return isinstance(model.norm, FinalNorm)

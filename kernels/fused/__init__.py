@@ -1,0 +1,49 @@
+"""Fused decode-step kernels: residual add + RMSNorm, RoPE + KV-cache write, SiLU·mul.
+
+Each op runs its Triton kernel (`kernel`) on CUDA tensors, or anywhere under
+``TRITON_INTERPRET=1``, and its PyTorch reference (`reference`, the normative semantics) otherwise.
+The engine uses them when ``fused_kernels`` is on (`engine.fused`). README.md: why, what each
+kernel does, where it can differ from the reference, tests and figures.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from . import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def uses_triton(t: Tensor) -> bool:
+    return t.is_cuda or INTERPRET
+
+
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(h + delta) * weight, h + delta); see `reference.add_rms_norm`."""
+    if uses_triton(h):
+        from .kernel import add_rms_norm as fused
+        return fused(h, delta, weight, eps)
+    return reference.add_rms_norm(h, delta, weight, eps)
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+             v_cache: Tensor, slots: Tensor) -> Tensor:
+    """RoPE'd q [B, H, T, hd]; RoPE'd k and v written to the caches at ``slots``; see `reference.rope_qkv`."""
+    if uses_triton(qkv):
+        from .kernel import rope_qkv as fused
+        return fused(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)
+    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a fused [..., 2 I] projection; see `reference.silu_mul`."""
+    if uses_triton(gate_up):
+        from .kernel import silu_mul as fused
+        return fused(gate_up)
+    return reference.silu_mul(gate_up)
+
+
+__all__ = ["INTERPRET", "add_rms_norm", "reference", "rope_qkv", "silu_mul", "uses_triton"]

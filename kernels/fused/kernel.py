@@ -1,0 +1,130 @@
+"""Triton kernels of the fused decode step (semantics: `kernels.fused.reference`).
+
+One program per row for the norm, per (row, head) for RoPE + cache write, per (row, block of
+columns) for SiLU·mul. Every intermediate the reference rounds to the model's dtype is rounded
+here too (``.to(dtype)``), so the kernels differ from the reference only where README.md says.
+Under ``TRITON_INTERPRET=1`` (CPU) only fp32 is exact: the interpreter's bf16 arithmetic is not
+(kernels/w12 found the same).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, y_ptr, D, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < D
+    dtype = y_ptr.dtype.element_ty
+    h = tl.load(h_ptr + row * D + cols, mask=live, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * D + cols, mask=live, other=0.0)
+        h = (h.to(tl.float32) + d.to(tl.float32)).to(dtype)
+        tl.store(h_out_ptr + row * D + cols, h, mask=live)
+    x = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * inv).to(dtype)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0)
+    tl.store(y_ptr + row * D + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=live)
+
+
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    D = h.shape[-1]
+    h = h.contiguous()
+    y = torch.empty_like(h)
+    h_out = torch.empty_like(h) if delta is not None else h
+    block = triton.next_power_of_2(D)
+    _add_rms_norm_kernel[(h.numel() // D,)](
+        h, delta.contiguous() if delta is not None else h, weight, h_out, y, D, eps,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return y, h_out
+
+
+@triton.jit
+def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
+                     T, n_heads, n_kv, cos_sb, cos_st, cache_sb, cache_sh, cache_ss,
+                     HALF: tl.constexpr):
+    row = tl.program_id(0)  # b * T + t
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    b = row // T
+    t = row % T
+    dtype = q_ptr.dtype.element_ty
+    hd = 2 * HALF
+    i = tl.arange(0, HALF)
+    src = qkv_ptr + row.to(tl.int64) * ((n_heads + 2 * n_kv) * hd) + head * hd
+    x1 = tl.load(src + i)
+    x2 = tl.load(src + HALF + i)
+    if head < n_heads + n_kv:
+        trig = b.to(tl.int64) * cos_sb + t * cos_st
+        c1 = tl.load(cos_ptr + trig + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + trig + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + trig + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + trig + HALF + i).to(tl.float32)
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded as the reference does
+        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    else:
+        o1 = x1
+        o2 = x2
+    if head < n_heads:
+        dst = q_ptr + ((b * n_heads + head) * T + t).to(tl.int64) * hd
+    else:
+        slot = tl.load(slots_ptr + t)
+        kv_head = (head - n_heads) % n_kv
+        offset = b.to(tl.int64) * cache_sb + kv_head * cache_sh + slot * cache_ss
+        if head < n_heads + n_kv:
+            dst = k_ptr + offset
+        else:
+            dst = v_ptr + offset
+    tl.store(dst + i, o1)
+    tl.store(dst + HALF + i, o2)
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+             v_cache: Tensor, slots: Tensor) -> Tensor:
+    B, T, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv)
+    if hd % 2 or hd & (hd - 1):
+        raise ValueError(f"the fused RoPE kernel needs a power-of-two head_dim, got {hd}")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides and be contiguous in head_dim")
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("cos and sin must share strides and be contiguous in head_dim")
+    cos_sb, cos_st = (0, cos.stride(0)) if cos.ndim == 2 else (cos.stride(0), cos.stride(-2))
+    q = torch.empty(B, n_heads, T, hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_qkv_kernel[(B * T, n_heads + 2 * n_kv)](
+        qkv.contiguous(), cos, sin, q, k_cache, v_cache, slots, T, n_heads, n_kv, cos_sb, cos_st,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=hd // 2, num_warps=1)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < inner
+    dtype = y_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * 2 * inner + cols, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * inner + inner + cols, mask=live, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    tl.store(y_ptr + row * inner + cols, (act.to(tl.float32) * u).to(dtype), mask=live)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    inner = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    y = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // (2 * inner)
+    _silu_mul_kernel[(rows, triton.cdiv(inner, SILU_BLOCK))](gate_up, y, inner, BLOCK=SILU_BLOCK, num_warps=4)
+    return y

@@ -1,0 +1,54 @@
+"""PyTorch references of the fused decode-step kernels: the normative semantics.
+
+Each function computes, op for op and rounding for rounding, what the unfused engine
+(`engine.model`) computes for the same step, so a fused model emits the stock model's values
+wherever the Triton kernel reproduces the reference's arithmetic (see README.md for where it
+cannot: reduction order of the norm, ``exp``).
+
+- `add_rms_norm(h, delta, weight, eps)`: ``h' = h + delta`` (rounded to h's dtype; ``delta`` may
+  be None), then the engine's RMSNorm of ``h'``: normalise in fp32, round to the dtype, scale by
+  the weight in the dtype. Returns ``(normed, h')``.
+- `rope_qkv(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)`: split a fused QKV projection
+  ``[B, T, (H + 2 KV) * hd]`` into heads, rotate q and k ("rotate half" RoPE, products and sum
+  each rounded to the dtype), write k and v into the cache at ``slots`` and return q
+  ``[B, H, T, hd]`` (contiguous).
+- `silu_mul(gate_up)`: ``silu(gate) * up`` over a fused gate/up projection ``[..., 2 I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if delta is not None:
+        h = h + delta
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype), h
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """"Rotate half" RoPE of x [..., T, hd] by cos/sin broadcastable to it (the engine's apply_rope)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+             v_cache: Tensor, slots: Tensor) -> Tensor:
+    """qkv [B, T, (H+2KV)*hd]; cos/sin [T, hd] or [B, 1, T, hd] in qkv's dtype; k_cache/v_cache
+    [B, KV, max_len, hd] (one layer's); slots [T] int64. Returns q [B, H, T, hd]."""
+    B, T, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv)
+    heads = qkv.view(B, T, n_heads + 2 * n_kv, hd).transpose(1, 2)
+    q, k, v = heads.split([n_heads, n_kv, n_kv], dim=1)
+    k_cache.index_copy_(2, slots, rotate(k, cos, sin))
+    v_cache.index_copy_(2, slots, v)
+    return rotate(q, cos, sin).contiguous()
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

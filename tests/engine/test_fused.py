@@ -1,0 +1,55 @@
+"""The ``fused_kernels`` option (`engine.fused`) on the CPU: the stock model's tokens, bit for bit.
+
+Off CUDA the fused blocks run the PyTorch references (`kernels.fused.reference`); in fp32 they
+must reproduce stock exactly, with every drafter shape (AR, chain, tree) and through the
+graph-safe static forward. The Triton kernels themselves are tested in tests/kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import load_engine
+from engine.fused import FusedBlock, fuse_model, is_fused
+from engine.model import build_random, get_config
+
+
+@pytest.mark.parametrize("opts", [{}, {"drafter": "none"}, {"verify": "tree", "tree_nodes": 8}])
+def test_tiny_tokens_equal_stock(opts):
+    prompt = list(range(40, 90))
+    stock = load_engine("tiny", opts).generate(prompt, 32)
+    fused = load_engine("tiny", {**opts, "fused_kernels": True})
+    assert is_fused(fused.model) and isinstance(fused.model.layers[0], FusedBlock)
+    assert fused.generate(prompt, 32).tokens == stock.tokens
+
+
+def test_smollm2_tokens_and_logits_equal_stock(smollm2):
+    model, tok = smollm2
+    fused = load_engine("smollm2-cpu", {"fused_kernels": True})
+    prompt = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))
+    with torch.no_grad():
+        a, _ = model(ids, pos, model.new_cache(128), 0)
+        b, _ = fused.model(ids, pos, fused.model.new_cache(128), 0)
+    assert torch.equal(a, b)
+    stock = load_engine("smollm2-cpu").generate(prompt, 24)
+    assert fused.generate(prompt, 24).tokens == stock.tokens
+
+
+def test_fusing_moves_weights_not_copies_them():
+    model = build_random(get_config("tiny"))
+    q = model.layers[0].attn.q_proj.weight.detach().clone()
+    before = sum(p.numel() for p in model.parameters())
+    fuse_model(model)
+    assert sum(p.numel() for p in model.parameters()) == before
+    assert torch.equal(model.layers[0].attn.qkv_proj.weight[: q.shape[0]], q)
+    assert fuse_model(model) is model  # idempotent
+
+
+def test_fused_with_w12_reference_path():
+    """Weight formats swap the fused linears (the W12 reference runs on the CPU)."""
+    prompt = list(range(40, 70))
+    a = load_engine("tiny", {"weight_format": "w12"}).generate(prompt, 16).tokens
+    b = load_engine("tiny", {"weight_format": "w12", "fused_kernels": True}).generate(prompt, 16).tokens
+    assert a == b

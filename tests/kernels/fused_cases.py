@@ -1,0 +1,76 @@
+"""Cases for the fused-kernel tests, run in a fresh process under ``TRITON_INTERPRET=1``.
+
+Not a test module. ``python -m tests.kernels.fused_cases OUT`` runs every Triton kernel of
+`kernels.fused` and a fused tiny-model forward (eager and graph-safe) and saves the results with
+the inputs, so ``TRITON_INTERPRET=1`` is set before triton's ``@jit`` decorators run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def kernel_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    B, T, H, KV, hd = 2, 3, 4, 2, 16
+    return {
+        "h": rand(3, 5, 577), "delta": rand(3, 5, 577), "norm_w": rand(577),
+        "qkv": rand(B, T, (H + 2 * KV) * hd), "cos": rand(T, hd), "sin": rand(T, hd),
+        "cos_rows": rand(B, 1, T, hd), "sin_rows": rand(B, 1, T, hd), "slots": torch.tensor([7, 9, 8]),
+        "cache": torch.zeros(B, KV, 16, hd), "gate_up": rand(2, 3, 2 * 1500),
+    }
+
+
+HEADS = (4, 2)  # n_heads, n_kv of kernel_inputs' qkv
+
+
+def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
+    """Every op of ``ops`` (the Triton kernels or the reference) on the inputs."""
+    out = {}
+    out["norm"], out["h"] = ops.add_rms_norm(x["h"], x["delta"], x["norm_w"], 1e-5)
+    out["norm_no_delta"], _ = ops.add_rms_norm(x["h"], None, x["norm_w"], 1e-5)
+    for suffix in ("", "_rows"):
+        k, v = x["cache"].clone(), x["cache"].clone()
+        out["q" + suffix] = ops.rope_qkv(x["qkv"], x["cos" + suffix], x["sin" + suffix], *HEADS, k, v, x["slots"])
+        out["k" + suffix], out["v" + suffix] = k, v
+    out["silu"] = ops.silu_mul(x["gate_up"])
+    return out
+
+
+def model_forwards(fused: bool) -> dict[str, torch.Tensor]:
+    """Logits of the tiny model (fp32), stock or fused: a prefill, a chain step and a graph-safe tree step."""
+    from engine.fused import fuse_model
+    from engine.graphs import GraphRunner
+    from engine.model import build_random, get_config
+    from engine.tree import DraftTree
+
+    model = build_random(get_config("tiny"), seed=3)
+    if fused:
+        fuse_model(model)
+    out = {}
+    cache = model.new_cache(64)
+    with torch.no_grad():
+        prompt = torch.arange(10, 30).view(1, -1)
+        out["prefill"], _ = model(prompt, torch.arange(20), cache, 0)
+        out["chain"], _ = model(torch.tensor([[5, 6, 7]]), torch.arange(20, 23), cache, 20)
+        tree = DraftTree([9, 4, 5, 6], [-1, 0, 0, 1])
+        runner = GraphRunner(model, cache, bucket=16, capture=False)
+        out["tree_argmax"], out["tree_hidden"] = runner.run(tree, 23)
+    return out
+
+
+def main(path: str) -> None:
+    from kernels.fused import kernel
+
+    x = kernel_inputs()
+    torch.save({"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True)}, path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,127 @@
+"""Fused decode-step kernels (`kernels.fused`) against their PyTorch references.
+
+CPU (always): the Triton kernels under ``TRITON_INTERPRET=1`` in a subprocess (fp32: the
+interpreter's bf16 arithmetic is not exact): residual add and RoPE + cache write bit for bit, norm
+and SiLU·mul within fp32 rounding; a fused tiny model running those kernels gives the stock
+model's logits for a prefill, a chain step and a graph-safe tree step.
+CUDA (``gpu`` marker): the kernels in bf16 and fp32 against the references, bit for bit where the
+arithmetic is the same (add, RoPE, cache writes) and within one bf16 rounding elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.fused import reference
+
+from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
+
+REPO = Path(__file__).resolve().parents[2]
+EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows")
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fused_interp") / "out.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.fused_cases", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_interpreted_kernels_match_reference(interpreted):
+    x = interpreted["inputs"]
+    ref = run_kernels(x, reference)
+    got = interpreted["kernels"]
+    assert set(got) == set(ref)
+    for name in EXACT:
+        assert torch.equal(got[name], ref[name]), name
+    for name in ("norm", "norm_no_delta", "silu"):
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6)
+    # the cache rows the slots name were written, the others not
+    written = got["k"].abs().sum(-1) != 0
+    assert written[:, :, [7, 8, 9]].all() and not written[:, :, :7].any() and not written[:, :, 10:].any()
+
+
+def test_interpreted_fused_model_matches_stock(interpreted):
+    stock = model_forwards(fused=False)
+    got = interpreted["model"]
+    for name in ("prefill", "chain", "tree_hidden"):
+        torch.testing.assert_close(got[name], stock[name], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["tree_argmax"], stock["tree_argmax"])
+
+
+def test_reference_fused_model_is_stock_bit_for_bit():
+    """Off CUDA the fused model runs the references: the stock model's values exactly (fp32)."""
+    fused, stock = model_forwards(fused=True), model_forwards(fused=False)
+    for name, value in stock.items():
+        assert torch.equal(fused[name], value), name
+
+
+def test_rope_kernel_refuses_odd_head_dim():
+    from kernels.fused.kernel import rope_qkv
+
+    qkv = torch.zeros(1, 1, 8 * 12)
+    cache = torch.zeros(1, 2, 4, 12)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        rope_qkv(qkv, torch.zeros(1, 12), torch.zeros(1, 12), *HEADS, cache, cache.clone(), torch.tensor([0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_match_reference(dtype):
+    from kernels.fused import kernel
+
+    x = {k: (v.to(dtype) if v.is_floating_point() else v).cuda() for k, v in kernel_inputs(1).items()}
+    got, ref = run_kernels(x, kernel), run_kernels(x, reference)
+    for name in EXACT:
+        assert torch.equal(got[name], ref[name]), name
+    for name in ("norm", "norm_no_delta", "silu"):
+        if dtype == torch.bfloat16:
+            assert _ulps_bf16(got[name], ref[name]) <= 1, name
+        else:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fused_smollm2_shape_step():
+    """SmolLM2-shaped random bf16 model: fused and stock static steps agree to bf16 rounding."""
+    from dataclasses import replace
+
+    from engine.fused import fuse_model
+    from engine.graphs import GraphRunner
+    from engine.model import build_random, get_config
+    from engine.tree import DraftTree
+
+    cfg = replace(get_config("smollm2-135m"), n_layers=4, max_seq_len=512)
+    outs = []
+    for fused in (False, True):
+        model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=1)
+        if fused:
+            fuse_model(model)
+        cache = model.new_cache(512)
+        with torch.no_grad():
+            model(torch.arange(100, 140, device="cuda").view(1, -1), torch.arange(40, device="cuda"), cache, 0)
+            runner = GraphRunner(model, cache)
+            outs.append(runner.run(DraftTree.chain(7, [8, 9, 10]), 40)[1].float().clone())
+    torch.testing.assert_close(outs[1], outs[0], rtol=5e-2, atol=5e-2)
