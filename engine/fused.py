@@ -1,13 +1,14 @@
 """The ``fused_kernels`` option: a decoder step with ~9 kernels per layer instead of ~40.
 
-Why: under CUDA graphs a small model's step costs what its kernel count costs (~2-3 us each on an
-H200): SmolLM2's unfused block issues ~42 kernels, 34 of them elementwise (norm, RoPE, cache
-writes, SiLU, residual adds). `fuse_model` rebuilds every block around `kernels.fused`:
+Why: under CUDA graphs a small model's step costs what its kernel count costs (~3-4 us each on an
+H200, gaps included): SmolLM2's unfused block issues ~42 kernels, 34 of them elementwise (norm,
+RoPE, cache writes, SiLU, residual adds). `fuse_model` rebuilds every block around `kernels.fused`:
 
     input_norm   residual add (the previous block's MLP output) + RMSNorm   1 kernel
     qkv_proj     one GEMM over the concatenated q/k/v weights                1
     rope         RoPE of q and k + k/v written to the cache                  1
     core         attention (SDPA, as stock)                                  1-2
+                 (graph-safe steps over <= 1024 slots: RoPE + cache write + attention, 1 kernel)
     o_proj                                                                   1
     post_attn_norm  residual add (attention output) + RMSNorm                1
     gate_up_proj one GEMM over the concatenated gate/up weights              1
@@ -79,15 +80,13 @@ class FusedAttention(nn.Module):
         static = isinstance(start, StaticStep)
         slots = start.slots if static else torch.arange(start, start + T, device=x.device)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        q = ops.rope_qkv(self.qkv_proj(x), cos, sin, H, KV, k_cache, v_cache, slots)
-        if static:  # every query of a KV head's group as one batch of G*T rows (as Attention does)
-            G = H // KV
-            n = start.length
-            y = self.core(q.view(B, KV, G * T, hd), k_cache[:, :, :n], v_cache[:, :, :n], start.bias, False, gqa=False)
-            y = y.view(B, KV, G, T, hd).permute(0, 3, 1, 2, 4)
-        else:
-            end = start + T
-            y = self.core(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal).transpose(1, 2)
+        qkv = self.qkv_proj(x)
+        if static:  # graph-safe step: RoPE, cache write and attention in one kernel where it pays
+            y = ops.rope_attention(qkv, cos, sin, H, KV, k_cache, v_cache, slots, start.bias, start.length)
+            return self.o_proj(y)
+        q = ops.rope_qkv(qkv, cos, sin, H, KV, k_cache, v_cache, slots)
+        end = start + T
+        y = self.core(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal).transpose(1, 2)
         return self.o_proj(y.reshape(B, T, H * hd))
 
 

@@ -10,6 +10,7 @@
 #   here:   three parts .gl/part.00..02 of 20, 37 and 37 MiB (the first travels with the wheels)
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
+#           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 set -euo pipefail
 
 SITE=/tmp/site     # wheels installed with --target (no registry on the device)
@@ -63,5 +64,29 @@ case "${1:-}" in
     dev=$2 trials=$3 runs=$4; shift 4
     python3 bench/controller_noise.py --deployment smollm2-h200 --device "$dev" --trials "$trials" \
       --runs "$runs" --data "$DATA-noise-$dev" "$@" 2>&1 | tee -a "/tmp/noise-${dev//:/}.txt" ;;
+  fused)  # CUDA tests of the fused kernels and graphs; stock vs fused_kernels, results under $OUT
+    shift
+    P=bench/results/cuda_graphs_2026-11-29/humaneval10_prompt_ids.json
+    python3 -m pytest -q --noconftest -m gpu tests/kernels/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
+      2>&1 | tail -4 | tee "$OUT/pytest.txt" || true
+    python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --outputs /tmp/stock_out.json "$@" \
+      > "$OUT/smol_stock.json" 2> "$OUT/smol_stock.err"
+    python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --no-peer --fused \
+      --reference /tmp/stock_out.json "$@" > "$OUT/smol_fused.json" 2> "$OUT/smol_fused.err"
+    for v in stock fused; do
+      python3 bench/engine_bench.py --model llama3-8b --cuda-graphs --ns 0,1,2,4,8,16 $([ $v = fused ] && echo --fused) \
+        > "$OUT/b8_$v.json" 2> "$OUT/b8_$v.err"
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for v in ("stock", "fused"):
+    s = json.loads((out / f"smol_{v}.json").read_text().splitlines()[-1])
+    prof = {p["T"]: (p["kernels"], p["graph_replay_us"]) for p in s.get("profile", [])}
+    b = json.loads((out / f"b8_{v}.json").read_text().splitlines()[-1])
+    print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
+          f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
+PY
+    ;;
   *) echo "usage: bash scripts/h200.sh stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS" >&2; exit 2 ;;
 esac

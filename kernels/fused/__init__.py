@@ -1,4 +1,4 @@
-"""Fused decode-step kernels: residual add + RMSNorm, RoPE + KV-cache write, SiLU·mul.
+"""Fused decode-step kernels: residual add + RMSNorm, RoPE + KV-cache write (+ attention), SiLU·mul.
 
 Each op runs its Triton kernel (`kernel`) on CUDA tensors, or anywhere under
 ``TRITON_INTERPRET=1``, and its PyTorch reference (`reference`, the normative semantics) otherwise.
@@ -38,6 +38,24 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
     return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)
 
 
+# One program per KV head walks the whole context in `rope_attention`'s kernel: good for a short
+# context and few heads (SmolLM2's decode steps); beyond this many slots SDPA does the attention.
+ATTENTION_KERNEL_MAX_SLOTS = 1024
+
+
+def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+                   v_cache: Tensor, slots: Tensor, bias: Tensor, length: int) -> Tensor:
+    """RoPE + cache write + a decode step's attention, [B, T, H*hd]; see `reference.rope_attention`."""
+    if uses_triton(qkv) and length <= ATTENTION_KERNEL_MAX_SLOTS and cos.ndim == 2:
+        from .kernel import rope_attention as fused
+        return fused(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length)
+    if uses_triton(qkv):  # the RoPE kernel, then SDPA
+        from .kernel import rope_qkv as fused_rope
+        return reference.rope_attention(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length,
+                                        rope=fused_rope)
+    return reference.rope_attention(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of a fused [..., 2 I] projection; see `reference.silu_mul`."""
     if uses_triton(gate_up):
@@ -46,4 +64,5 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return reference.silu_mul(gate_up)
 
 
-__all__ = ["INTERPRET", "add_rms_norm", "reference", "rope_qkv", "silu_mul", "uses_triton"]
+__all__ = ["ATTENTION_KERNEL_MAX_SLOTS", "INTERPRET", "add_rms_norm", "reference", "rope_attention", "rope_qkv",
+           "silu_mul", "uses_triton"]

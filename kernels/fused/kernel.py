@@ -128,3 +128,102 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     rows = gate_up.numel() // (2 * inner)
     _silu_mul_kernel[(rows, triton.cdiv(inner, SILU_BLOCK))](gate_up, y, inner, BLOCK=SILU_BLOCK, num_warps=4)
     return y
+
+
+@triton.jit
+def _rotated(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
+    """RoPE ("rotate half") of the head vector at x_ptr by the cos/sin rows at cos_ptr/sin_ptr, at
+    the indices ``d`` (any shape broadcast against them), rounded as the reference rounds."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + d).to(tl.float32)
+    partner = tl.load(x_ptr + (d + HALF) % (2 * HALF)).to(tl.float32)
+    partner = tl.where(d < HALF, -partner, partner)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    s = tl.load(sin_ptr + d).to(tl.float32)
+    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, bias_ptr, y_ptr,
+                           T, n_heads, n_kv, length, cache_sb, cache_sh, cache_ss, bias_sr, scale,
+                           G: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IEEE: tl.constexpr):
+    pid = tl.program_id(0)  # b * n_kv + kv: one program per KV head walks the whole context
+    b = pid // n_kv
+    kv = pid % n_kv
+    HD: tl.constexpr = 2 * HALF
+    dtype = y_ptr.dtype.element_ty
+    width = (n_heads + 2 * n_kv) * HD
+    d = tl.arange(0, HD)
+    cache = b.to(tl.int64) * cache_sb + kv * cache_sh
+    # 1. this head's new keys (rotated) and values into the cache
+    for t in range(T):
+        row = qkv_ptr + (b * T + t).to(tl.int64) * width
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        k = _rotated(row + (n_heads + kv) * HD, cos_ptr + t * HD, sin_ptr + t * HD, d, HALF)
+        tl.store(k_ptr + cache + slot * cache_ss + d, k)
+        tl.store(v_ptr + cache + slot * cache_ss + d, tl.load(row + (n_heads + n_kv + kv) * HD + d))
+    tl.debug_barrier()  # the block's own slots are read back below, by other threads of this program
+    # 2. the G*T queries of this KV head's group, rows r = g * T + t (query head kv * G + g)
+    r = tl.arange(0, ROWS)
+    live = r < G * T
+    t_r = tl.where(live, r % T, 0)
+    head_r = kv * G + tl.where(live, r // T, 0)
+    q_rows = qkv_ptr + (b * T + t_r).to(tl.int64)[:, None] * width + (head_r * HD)[:, None]
+    q = _rotated(q_rows, cos_ptr + (t_r * HD)[:, None], sin_ptr + (t_r * HD)[:, None], d[None, :], HALF)
+    # 3. online softmax over slots 0 .. length-1 under the additive bias
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HD], tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_live = n < length
+        kv_off = cache + n.to(tl.int64)[:, None] * cache_ss + d[None, :]
+        keys = tl.load(k_ptr + kv_off, mask=n_live[:, None], other=0.0, cache_modifier=".cg")
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        bias = tl.load(bias_ptr + r[:, None] * bias_sr + n[None, :], mask=live[:, None] & n_live[None, :],
+                       other=float("-inf"))
+        s = s * scale + bias.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        values = tl.load(v_ptr + kv_off, mask=n_live[:, None], other=0.0, cache_modifier=".cg")
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # 4. y[b, t, head * HD + d]: the layout o_proj reads
+    y_rows = y_ptr + (b * T + t_r).to(tl.int64)[:, None] * (n_heads * HD) + (head_r * HD)[:, None]
+    tl.store(y_rows + d[None, :], out.to(dtype), mask=live[:, None])
+
+
+ATTENTION_BLOCK_N = 64
+
+
+def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+                   v_cache: Tensor, slots: Tensor, bias: Tensor, length: int) -> Tensor:
+    B, T, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv)
+    G = n_heads // n_kv
+    if hd < 16 or hd & (hd - 1):
+        raise ValueError(f"the fused attention kernel needs a power-of-two head_dim >= 16, got {hd}")
+    if cos.ndim != 2 or cos.stride() != (hd, 1) or sin.stride() != (hd, 1):
+        raise ValueError("the fused attention kernel needs contiguous cos/sin of shape [T, head_dim]")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides and be contiguous in head_dim")
+    if bias.shape[-2:] != (G * T, length) or bias.stride(-1) != 1:
+        raise ValueError(f"bias must be [.., {G * T}, {length}] and contiguous in its last dim, got {tuple(bias.shape)}")
+    y = torch.empty(B, T, n_heads * hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_attention_kernel[(B * n_kv,)](
+        qkv.contiguous(), cos, sin, k_cache, v_cache, slots, bias, y, T, n_heads, n_kv, length,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bias.stride(-2), 1.0 / hd ** 0.5,
+        G=G, ROWS=max(16, triton.next_power_of_2(G * T)), HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N,
+        IEEE=qkv.dtype == torch.float32, num_warps=4)
+    return y

@@ -12,6 +12,10 @@ cannot: reduction order of the norm, ``exp``).
   ``[B, T, (H + 2 KV) * hd]`` into heads, rotate q and k ("rotate half" RoPE, products and sum
   each rounded to the dtype), write k and v into the cache at ``slots`` and return q
   ``[B, H, T, hd]`` (contiguous).
+- `rope_attention(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length)`: `rope_qkv`
+  and the graph-safe attention of a decode step (`engine.model.StaticStep`'s additive bias over the
+  first ``length`` cache slots) in one op; returns ``[B, T, H * hd]``. The Triton kernel computes
+  the same attention in another order (online softmax), so its values differ in the last bits.
 - `silu_mul(gate_up)`: ``silu(gate) * up`` over a fused gate/up projection ``[..., 2 I]``.
 """
 
@@ -52,3 +56,16 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
 def silu_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
+                   v_cache: Tensor, slots: Tensor, bias: Tensor, length: int, rope=None) -> Tensor:
+    """`rope_qkv` (or ``rope``, a function with its signature), then attention of every query over cache slots ``0 .. length-1`` under an additive
+    ``bias`` [1, 1, G*T, length] (rows ordered (group member, token), as `engine.model.StaticStep`);
+    returns the attention output [B, T, H*hd] (what o_proj reads). Scale 1/sqrt(hd), as SDPA's."""
+    B, T, _ = qkv.shape
+    q = (rope or rope_qkv)(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)
+    hd, G = q.shape[-1], n_heads // n_kv
+    y = F.scaled_dot_product_attention(q.view(B, n_kv, G * T, hd), k_cache[:, :, :length], v_cache[:, :, :length],
+                                       attn_mask=bias)
+    return y.view(B, n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, n_heads * hd)

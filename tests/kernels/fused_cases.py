@@ -24,7 +24,19 @@ def kernel_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "qkv": rand(B, T, (H + 2 * KV) * hd), "cos": rand(T, hd), "sin": rand(T, hd),
         "cos_rows": rand(B, 1, T, hd), "sin_rows": rand(B, 1, T, hd), "slots": torch.tensor([7, 9, 8]),
         "cache": torch.zeros(B, KV, 16, hd), "gate_up": rand(2, 3, 2 * 1500),
+        "cache_filled": rand(1, KV, 16, hd), "qkv_one": rand(1, T, (H + 2 * KV) * hd), "bias": step_bias(),
     }
+
+
+def step_bias(G: int = 2, T: int = 3, length: int = 12, start: int = 7) -> torch.Tensor:
+    """A tree step's additive bias [1, 1, G*T, length]: the prefix before ``start``, then block
+    token 0 sees itself, 1 and 2 see 0 and themselves (the block sits at slots 7, 8, 9)."""
+    allowed = torch.zeros(T, length, dtype=torch.bool)
+    allowed[:, :start] = True
+    for t, seen in enumerate([[0], [0, 1], [0, 2]]):
+        allowed[t, [start + j for j in seen]] = True
+    bias = torch.zeros(T, length).masked_fill(~allowed, float("-inf"))
+    return bias.repeat(G, 1).view(1, 1, G * T, length)
 
 
 HEADS = (4, 2)  # n_heads, n_kv of kernel_inputs' qkv
@@ -40,6 +52,10 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
         out["q" + suffix] = ops.rope_qkv(x["qkv"], x["cos" + suffix], x["sin" + suffix], *HEADS, k, v, x["slots"])
         out["k" + suffix], out["v" + suffix] = k, v
     out["silu"] = ops.silu_mul(x["gate_up"])
+    k, v = x["cache_filled"].clone(), x["cache_filled"].clone() * 0.5
+    slots = torch.tensor([7, 8, 9])
+    out["attn"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots, x["bias"], 12)
+    out["attn_k"], out["attn_v"] = k, v
     return out
 
 

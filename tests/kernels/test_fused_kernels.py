@@ -23,7 +23,8 @@ from kernels.fused import reference
 from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows")
+EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v")
+CLOSE = ("norm", "norm_no_delta", "silu", "attn")  # another reduction order, or another exp
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def test_interpreted_kernels_match_reference(interpreted):
     assert set(got) == set(ref)
     for name in EXACT:
         assert torch.equal(got[name], ref[name]), name
-    for name in ("norm", "norm_no_delta", "silu"):
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6)
+    for name in CLOSE:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
     # the cache rows the slots name were written, the others not
     written = got["k"].abs().sum(-1) != 0
     assert written[:, :, [7, 8, 9]].all() and not written[:, :, :7].any() and not written[:, :, 10:].any()
@@ -93,13 +94,21 @@ def test_cuda_kernels_match_reference(dtype):
 
     x = {k: (v.to(dtype) if v.is_floating_point() else v).cuda() for k, v in kernel_inputs(1).items()}
     got, ref = run_kernels(x, kernel), run_kernels(x, reference)
-    for name in EXACT:
-        assert torch.equal(got[name], ref[name]), name
-    for name in ("norm", "norm_no_delta", "silu"):
-        if dtype == torch.bfloat16:
-            assert _ulps_bf16(got[name], ref[name]) <= 1, name
+    # fp32: the GPU compiler may contract RoPE's a*b + c*d into an FMA (one rounding fewer), so only
+    # bf16 (whose products are rounded explicitly) is bit for bit there.
+    exact = EXACT if dtype == torch.bfloat16 else ("h", "v", "v_rows", "attn_v")
+    report = {}
+    for name in got:
+        if name in exact:
+            ok = torch.equal(got[name], ref[name])
+        elif dtype == torch.bfloat16 and name != "attn":
+            ok = _ulps_bf16(got[name], ref[name]) <= 1
         else:
-            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-5)
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            ok = torch.allclose(got[name].float(), ref[name].float(), rtol=tol, atol=tol)
+        if not ok:
+            report[name] = float((got[name].float() - ref[name].float()).abs().max())
+    assert not report, report
 
 
 @pytest.mark.gpu
