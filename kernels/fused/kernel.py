@@ -9,10 +9,17 @@ Under ``TRITON_INTERPRET=1`` (CPU) only fp32 is exact: the interpreter's bf16 ar
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+def on_device(t: Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s (a model on cuda:1, say)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -40,9 +47,10 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     y = torch.empty_like(h)
     h_out = torch.empty_like(h) if delta is not None else h
     block = triton.next_power_of_2(D)
-    _add_rms_norm_kernel[(h.numel() // D,)](
-        h, delta.contiguous() if delta is not None else h, weight, h_out, y, D, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    with on_device(h):
+        _add_rms_norm_kernel[(h.numel() // D,)](
+            h, delta.contiguous() if delta is not None else h, weight, h_out, y, D, eps,
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return y, h_out
 
 
@@ -100,9 +108,11 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
         raise ValueError("cos and sin must share strides and be contiguous in head_dim")
     cos_sb, cos_st = (0, cos.stride(0)) if cos.ndim == 2 else (cos.stride(0), cos.stride(-2))
     q = torch.empty(B, n_heads, T, hd, dtype=qkv.dtype, device=qkv.device)
-    _rope_qkv_kernel[(B * T, n_heads + 2 * n_kv)](
-        qkv.contiguous(), cos, sin, q, k_cache, v_cache, slots, T, n_heads, n_kv, cos_sb, cos_st,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=hd // 2, num_warps=1)
+    with on_device(qkv):
+        _rope_qkv_kernel[(B * T, n_heads + 2 * n_kv)](
+            qkv.contiguous(), cos, sin, q, k_cache, v_cache, slots, T, n_heads, n_kv, cos_sb, cos_st,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=hd // 2, num_warps=1,
+            enable_fp_fusion=False)
     return q
 
 
@@ -126,7 +136,8 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     gate_up = gate_up.contiguous()
     y = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype, device=gate_up.device)
     rows = gate_up.numel() // (2 * inner)
-    _silu_mul_kernel[(rows, triton.cdiv(inner, SILU_BLOCK))](gate_up, y, inner, BLOCK=SILU_BLOCK, num_warps=4)
+    with on_device(gate_up):
+        _silu_mul_kernel[(rows, triton.cdiv(inner, SILU_BLOCK))](gate_up, y, inner, BLOCK=SILU_BLOCK, num_warps=4)
     return y
 
 
@@ -221,9 +232,10 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
     if bias.shape[-2:] != (G * T, length) or bias.stride(-1) != 1:
         raise ValueError(f"bias must be [.., {G * T}, {length}] and contiguous in its last dim, got {tuple(bias.shape)}")
     y = torch.empty(B, T, n_heads * hd, dtype=qkv.dtype, device=qkv.device)
-    _rope_attention_kernel[(B * n_kv,)](
-        qkv.contiguous(), cos, sin, k_cache, v_cache, slots, bias, y, T, n_heads, n_kv, length,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bias.stride(-2), 1.0 / hd ** 0.5,
-        G=G, ROWS=max(16, triton.next_power_of_2(G * T)), HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N,
-        IEEE=qkv.dtype == torch.float32, num_warps=4)
+    with on_device(qkv):
+        _rope_attention_kernel[(B * n_kv,)](
+            qkv.contiguous(), cos, sin, k_cache, v_cache, slots, bias, y, T, n_heads, n_kv, length,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bias.stride(-2), 1.0 / hd ** 0.5,
+            G=G, ROWS=max(16, triton.next_power_of_2(G * T)), HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N,
+            IEEE=qkv.dtype == torch.float32, num_warps=4, enable_fp_fusion=False)
     return y

@@ -35,6 +35,13 @@ from specpilot.paths import REPO_ROOT
 WARMUP_TOKENS = 8
 
 
+def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
+    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed."""
+    if device.startswith("cuda"):
+        return [(p, max_new_tokens) for p in prompts]
+    return [(prompts[0], WARMUP_TOKENS)]
+
+
 @dataclass(frozen=True)
 class System:
     commit: str
@@ -139,11 +146,14 @@ class Evaluator:
             worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
                             ready_timeout_s=self.limits.wall_s)
             try:
-                # One short untimed request first: lazy initialisation in a fresh process is not the
-                # system's speed. Its tokens are checked like any other (a prefix of the reference).
-                warm, _ = worker.generate(prompts[0], WARMUP_TOKENS, timeout=self.limits.wall_s)
-                if len(warm) > WARMUP_TOKENS:
-                    raise WorkerFailed(f"asked for {WARMUP_TOKENS} tokens, got {len(warm)}")
+                # Untimed requests first: lazy initialisation in a fresh process is not the system's
+                # speed. On a GPU that is every request in full (CUDA graphs are captured per step
+                # shape and context bucket on first use: ~15% trial-to-trial noise when timed, H200
+                # 2026-11-30); on a CPU one short request (a full pass would double a run).
+                for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+                    warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+                    if len(warm) > n:
+                        raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
                 outs, times = [], []
                 for p in prompts:
                     tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)

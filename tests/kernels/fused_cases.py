@@ -53,7 +53,7 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
         out["k" + suffix], out["v" + suffix] = k, v
     out["silu"] = ops.silu_mul(x["gate_up"])
     k, v = x["cache_filled"].clone(), x["cache_filled"].clone() * 0.5
-    slots = torch.tensor([7, 8, 9])
+    slots = torch.tensor([7, 8, 9], device=x["qkv_one"].device)
     out["attn"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots, x["bias"], 12)
     out["attn_k"], out["attn_v"] = k, v
     return out
