@@ -64,6 +64,10 @@ def main() -> None:
         if trial.problem:
             raise SystemExit(f"timing failed: {trial.problem}")
         runs.append((trial.incumbent_s, trial.candidate_s))
+        # one line per finished run, so a run cut short by a time limit still leaves its figures
+        console.print(json.dumps({"run": i + 1, "seconds": round(seconds[-1], 1),
+                                  "gain": stats.paired_gain(*runs[-1]).gain,
+                                  "incumbent_s": trial.incumbent_s, "candidate_s": trial.candidate_s}))
     noise = stats.noise_from_stock_runs(runs)
     decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
     gains = [stats.paired_gain(a, b).gain for a, b in runs]

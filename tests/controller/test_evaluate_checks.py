@@ -1,4 +1,5 @@
-"""The controller's checks and designs: whole answers (max_new_tokens or a stop token), sealed trial order."""
+"""The controller's checks and designs: whole answers (max_new_tokens or a stop token), sealed trial order,
+warm-up requests."""
 
 from services.controller.evaluate import Evaluator
 
@@ -28,3 +29,13 @@ def test_sealed_trials_run_every_pair_of_systems_in_both_orders():
         two = [sealed_order(names, first), sealed_order(names, first + 1)]
         for a, b in combinations(names, 2):
             assert sorted(o.index(a) < o.index(b) for o in two) == [False, True]
+
+
+def test_a_gpu_worker_answers_every_request_untimed_first_a_cpu_worker_one_short_one():
+    """CUDA graphs are captured on first use per step shape and context bucket: timed, those
+    captures were ~15% trial-to-trial noise on the H200, so on a GPU the warm-up is a full pass."""
+    from services.controller.evaluate import WARMUP_TOKENS, warm_up_requests
+
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    assert warm_up_requests(prompts, 64, "cuda:1") == [([1, 2], 64), ([3, 4, 5], 64), ([6], 64)]
+    assert warm_up_requests(prompts, 64, "cpu") == [([1, 2], WARMUP_TOKENS)]
