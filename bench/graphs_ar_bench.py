@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-max-new-tokens", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--fused", action="store_true", help="the fused_kernels option (engine.fused)")
+    ap.add_argument("--attention-slots-per-program", type=int, default=None,
+                    help="with --fused: split the attention kernel's context over programs of this many slots "
+                         "(kernels.fused.kernel.SLOTS_PER_PROGRAM; default: one program per KV head)")
     ap.add_argument("--outputs", type=Path, default=None, help="write the graph run's tokens here (JSON)")
     ap.add_argument("--reference", type=Path, default=None, help="compare the graph run's tokens with this --outputs file")
     ap.add_argument("--profile", action="store_true")
@@ -156,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, weights = _load(args.model, args.random)
     if args.fused:
         fuse_model(model)
+    if args.attention_slots_per_program:
+        from kernels.fused import kernel as fused_kernel
+
+        fused_kernel.SLOTS_PER_PROGRAM = args.attention_slots_per_program
     result: dict = {"bench": "graphs_ar", "model": args.model, "weights": weights, "dtype": "bf16",
-                    "fused_kernels": args.fused,
+                    "fused_kernels": args.fused, "attention_slots_per_program": args.attention_slots_per_program,
                     "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if args.profile or args.profile_only:
         result["profile"] = [kernel_profile(model, T) for T in (1, 5)]

@@ -73,6 +73,9 @@ case "${1:-}" in
       > "$OUT/smol_stock.json" 2> "$OUT/smol_stock.err"
     python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --no-peer --fused \
       --reference /tmp/stock_out.json "$@" > "$OUT/smol_fused.json" 2> "$OUT/smol_fused.err"
+    python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --no-peer --fused \
+      --attention-slots-per-program 64 --reference /tmp/stock_out.json "$@" > "$OUT/smol_fused_split64.json" \
+      2> "$OUT/smol_fused_split64.err" || true
     for v in stock fused; do
       python3 bench/engine_bench.py --model llama3-8b --cuda-graphs --ns 0,1,2,4,8,16 $([ $v = fused ] && echo --fused) \
         > "$OUT/b8_$v.json" 2> "$OUT/b8_$v.err"
@@ -80,10 +83,13 @@ case "${1:-}" in
     python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for v in ("stock", "fused"):
+for v in ("stock", "fused", "fused_split64"):
+    if not (out / f"smol_{v}.json").exists() or not (out / f"smol_{v}.json").read_text().strip():
+        print(v, "no result"); continue
     s = json.loads((out / f"smol_{v}.json").read_text().splitlines()[-1])
     prof = {p["T"]: (p["kernels"], p["graph_replay_us"]) for p in s.get("profile", [])}
-    b = json.loads((out / f"b8_{v}.json").read_text().splitlines()[-1])
+    b8 = out / f"b8_{v}.json"
+    b = json.loads(b8.read_text().splitlines()[-1]) if b8.exists() else {"t_ms": None, "c": None}
     print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY

@@ -156,10 +156,12 @@ def _rotated(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, bias_ptr, y_ptr,
-                           T, n_heads, n_kv, length, cache_sb, cache_sh, cache_ss, bias_sr, scale,
+                           part_ptr, stats_ptr, count_ptr,
+                           T, n_heads, n_kv, length, cache_sb, cache_sh, cache_ss, bias_sr, scale, span,
                            G: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                           IEEE: tl.constexpr):
-    pid = tl.program_id(0)  # b * n_kv + kv: one program per KV head walks the whole context
+                           SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)  # b * n_kv + kv
+    split = tl.program_id(1)  # which ``span`` slots of the context this program reads (SPLITS of them)
     b = pid // n_kv
     kv = pid % n_kv
     HD: tl.constexpr = 2 * HALF
@@ -174,7 +176,9 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, b
         k = _rotated(row + (n_heads + kv) * HD, cos_ptr + t * HD, sin_ptr + t * HD, d, HALF)
         tl.store(k_ptr + cache + slot * cache_ss + d, k)
         tl.store(v_ptr + cache + slot * cache_ss + d, tl.load(row + (n_heads + n_kv + kv) * HD + d))
-    tl.debug_barrier()  # the block's own slots are read back below, by other threads of this program
+    # The block's own slots are read back below by other threads of this program (a split program
+    # that reads them wrote the same values itself: programs never wait on one another's writes).
+    tl.debug_barrier()
     # 2. the G*T queries of this KV head's group, rows r = g * T + t (query head kv * G + g)
     r = tl.arange(0, ROWS)
     live = r < G * T
@@ -182,11 +186,11 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, b
     head_r = kv * G + tl.where(live, r // T, 0)
     q_rows = qkv_ptr + (b * T + t_r).to(tl.int64)[:, None] * width + (head_r * HD)[:, None]
     q = _rotated(q_rows, cos_ptr + (t_r * HD)[:, None], sin_ptr + (t_r * HD)[:, None], d[None, :], HALF)
-    # 3. online softmax over slots 0 .. length-1 under the additive bias
+    # 3. online softmax over this program's slots (all of 0 .. length-1 when SPLITS == 1)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HD], tl.float32)
-    for n0 in range(0, length, BLOCK_N):
+    for n0 in range(split * span, tl.minimum(length, (split + 1) * span), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_live = n < length
         kv_off = cache + n.to(tl.int64)[:, None] * cache_ss + d[None, :]
@@ -209,13 +213,52 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, b
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    # 4. y[b, t, head * HD + d]: the layout o_proj reads
     y_rows = y_ptr + (b * T + t_r).to(tl.int64)[:, None] * (n_heads * HD) + (head_r * HD)[:, None]
-    tl.store(y_rows + d[None, :], out.to(dtype), mask=live[:, None])
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(y_rows + d[None, :], out.to(dtype), mask=live[:, None])  # 4. the layout o_proj reads
+    else:
+        # 4'. partial results out; the last program of this KV head to finish merges all of them
+        mine = pid * SPLITS + split
+        tl.store(part_ptr + (mine * ROWS + r)[:, None] * HD + d[None, :], acc)
+        tl.store(stats_ptr + (2 * mine) * ROWS + r, m_i)
+        tl.store(stats_ptr + (2 * mine + 1) * ROWS + r, l_i)
+        tl.debug_barrier()  # every thread's partials are written before the (release) count
+        if tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1:
+            tl.debug_barrier()
+            m_all = tl.full([ROWS], float("-inf"), tl.float32)
+            for s_ in range(SPLITS):
+                m_s = tl.load(stats_ptr + (2 * (pid * SPLITS + s_)) * ROWS + r, cache_modifier=".cg")
+                m_all = tl.maximum(m_all, m_s)
+            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+            l_all = tl.zeros([ROWS], tl.float32)
+            out = tl.zeros([ROWS, HD], tl.float32)
+            for s_ in range(SPLITS):
+                other = pid * SPLITS + s_
+                w = tl.exp(tl.load(stats_ptr + (2 * other) * ROWS + r, cache_modifier=".cg") - m_safe)
+                l_all += w * tl.load(stats_ptr + (2 * other + 1) * ROWS + r, cache_modifier=".cg")
+                out += w[:, None] * tl.load(part_ptr + (other * ROWS + r)[:, None] * HD + d[None, :],
+                                            cache_modifier=".cg")
+            out = out / tl.where(l_all > 0, l_all, 1.0)[:, None]
+            tl.store(y_rows + d[None, :], out.to(dtype), mask=live[:, None])
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (and graph replay)
 
 
 ATTENTION_BLOCK_N = 64
+# Context slots one program reads; None: one program per KV head reads them all (what was measured:
+# 5.3 us a SmolLM2 layer on the H200). A number splits the context over more programs, whose
+# partial softmaxes the last one to finish merges (not measured yet: benches can set it).
+SLOTS_PER_PROGRAM: int | None = None
+_COUNTS: dict[torch.device, Tensor] = {}  # per device: one arrival counter per KV head, kept at 0
+
+
+def _arrival_counts(device: torch.device, n: int) -> Tensor:
+    """Zeroed counters that outlive a launch (each launch leaves them at 0), so a CUDA graph that
+    captured the kernel needs no memset; allocated on first use, before any capture."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _COUNTS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return counts
 
 
 def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
@@ -232,10 +275,19 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
     if bias.shape[-2:] != (G * T, length) or bias.stride(-1) != 1:
         raise ValueError(f"bias must be [.., {G * T}, {length}] and contiguous in its last dim, got {tuple(bias.shape)}")
     y = torch.empty(B, T, n_heads * hd, dtype=qkv.dtype, device=qkv.device)
+    rows = max(16, triton.next_power_of_2(G * T))
+    span = length if SLOTS_PER_PROGRAM is None else -(-SLOTS_PER_PROGRAM // ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N
+    splits = -(-length // span)
+    if splits > 1:
+        part = torch.empty(B * n_kv * splits * rows * hd, dtype=torch.float32, device=qkv.device)
+        stats = torch.empty(B * n_kv * splits * 2 * rows, dtype=torch.float32, device=qkv.device)
+        counts = _arrival_counts(qkv.device, B * n_kv)
+    else:
+        part = stats = counts = y  # unused
     with on_device(qkv):
-        _rope_attention_kernel[(B * n_kv,)](
-            qkv.contiguous(), cos, sin, k_cache, v_cache, slots, bias, y, T, n_heads, n_kv, length,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bias.stride(-2), 1.0 / hd ** 0.5,
-            G=G, ROWS=max(16, triton.next_power_of_2(G * T)), HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N,
+        _rope_attention_kernel[(B * n_kv, splits)](
+            qkv.contiguous(), cos, sin, k_cache, v_cache, slots, bias, y, part, stats, counts,
+            T, n_heads, n_kv, length, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bias.stride(-2),
+            1.0 / hd ** 0.5, span, G=G, ROWS=rows, HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N, SPLITS=splits,
             IEEE=qkv.dtype == torch.float32, num_warps=4, enable_fp_fusion=False)
     return y

@@ -25,6 +25,7 @@ def kernel_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "cos_rows": rand(B, 1, T, hd), "sin_rows": rand(B, 1, T, hd), "slots": torch.tensor([7, 9, 8]),
         "cache": torch.zeros(B, KV, 16, hd), "gate_up": rand(2, 3, 2 * 1500),
         "cache_filled": rand(1, KV, 16, hd), "qkv_one": rand(1, T, (H + 2 * KV) * hd), "bias": step_bias(),
+        "cache_long": rand(1, KV, 256, hd), "bias_long": step_bias(length=200, start=190),
     }
 
 
@@ -56,6 +57,9 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
     slots = torch.tensor([7, 8, 9], device=x["qkv_one"].device)
     out["attn"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots, x["bias"], 12)
     out["attn_k"], out["attn_v"] = k, v
+    k, v = x["cache_long"].clone(), x["cache_long"].clone() * 0.5
+    out["attn_long"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots + 183,
+                                          x["bias_long"], 200)
     return out
 
 
@@ -85,7 +89,11 @@ def main(path: str) -> None:
     from kernels.fused import kernel
 
     x = kernel_inputs()
-    torch.save({"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True)}, path)
+    out = {"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True)}
+    kernel.SLOTS_PER_PROGRAM = 64  # the context split over 4 programs per KV head, merged by the last
+    out["split"] = {"first": run_kernels(x, kernel), "again": run_kernels(x, kernel)}
+    out["split_counts"] = kernel._COUNTS[torch.device("cpu")].clone()
+    torch.save(out, path)
 
 
 if __name__ == "__main__":

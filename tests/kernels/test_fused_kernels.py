@@ -24,7 +24,7 @@ from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v")
-CLOSE = ("norm", "norm_no_delta", "silu", "attn")  # another reduction order, or another exp
+CLOSE = ("norm", "norm_no_delta", "silu", "attn", "attn_long")  # another reduction order, or another exp
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,16 @@ def test_interpreted_kernels_match_reference(interpreted):
     # the cache rows the slots name were written, the others not
     written = got["k"].abs().sum(-1) != 0
     assert written[:, :, [7, 8, 9]].all() and not written[:, :, :7].any() and not written[:, :, 10:].any()
+
+
+def test_interpreted_split_attention_matches_reference(interpreted):
+    """The context split over 4 programs per KV head (SLOTS_PER_PROGRAM = 64): the last program
+    to finish merges the partial softmaxes; counters are back at 0, so a second launch agrees."""
+    ref = run_kernels(interpreted["inputs"], reference)
+    first, again = interpreted["split"]["first"], interpreted["split"]["again"]
+    torch.testing.assert_close(first["attn_long"], ref["attn_long"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(first["attn_long"], again["attn_long"])
+    assert not interpreted["split_counts"].any()
 
 
 def test_interpreted_fused_model_matches_stock(interpreted):
@@ -109,6 +119,20 @@ def test_cuda_kernels_match_reference(dtype):
         if not ok:
             report[name] = float((got[name].float() - ref[name].float()).abs().max())
     assert not report, report
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_split_attention_matches_reference(dtype, monkeypatch):
+    from kernels.fused import kernel
+
+    monkeypatch.setattr(kernel, "SLOTS_PER_PROGRAM", 64)
+    x = {k: (v.to(dtype) if v.is_floating_point() else v).cuda() for k, v in kernel_inputs(2).items()}
+    ref = run_kernels(x, reference)["attn_long"].float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for _ in range(3):  # the arrival counters must be back at 0 after every launch
+        torch.testing.assert_close(run_kernels(x, kernel)["attn_long"].float(), ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
