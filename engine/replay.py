@@ -2,8 +2,9 @@
 
 - `Replay` (and `matched_depths`): walking a request's greedy output, how deep a drafter's
   candidates at each position match what the target actually emitted next (the deepest matching
-  node of the trie of its candidates); one `Replay` serves every drafter of one output. `services.master.costmodel.replay_tau` turns these into the tokens per step of
-  the best tree at any node budget ("exact replay").
+  node of the trie of its candidates); one `Replay` serves every drafter of one output.
+  `services.master.costmodel.replay_tau` turns these into the tokens per step of the best tree at
+  any node budget ("exact replay").
 - `measure`: one request through the engine with the kernel-class profile of `engine.bench`, and
   the matched depths of its output twice: over all the drafter's candidates (``depths``: the best
   tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies),

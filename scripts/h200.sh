@@ -94,5 +94,6 @@ for v in ("stock", "fused", "fused_split64"):
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
-  *) echo "usage: bash scripts/h200.sh stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/h200.sh stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused" >&2
+     exit 2 ;;
 esac

@@ -55,6 +55,19 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
 
 
 @triton.jit
+def _rotated(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
+    """RoPE ("rotate half") of the head vector at x_ptr by the cos/sin rows at cos_ptr/sin_ptr, at
+    the indices ``d`` (any shape broadcast against them), rounded as the reference rounds."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + d).to(tl.float32)
+    partner = tl.load(x_ptr + (d + HALF) % (2 * HALF)).to(tl.float32)
+    partner = tl.where(d < HALF, -partner, partner)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    s = tl.load(sin_ptr + d).to(tl.float32)
+    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
                      T, n_heads, n_kv, cos_sb, cos_st, cache_sb, cache_sh, cache_ss,
                      HALF: tl.constexpr):
@@ -62,26 +75,14 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     b = row // T
     t = row % T
-    dtype = q_ptr.dtype.element_ty
     hd = 2 * HALF
-    i = tl.arange(0, HALF)
+    d = tl.arange(0, 2 * HALF)
     src = qkv_ptr + row.to(tl.int64) * ((n_heads + 2 * n_kv) * hd) + head * hd
-    x1 = tl.load(src + i)
-    x2 = tl.load(src + HALF + i)
     if head < n_heads + n_kv:
         trig = b.to(tl.int64) * cos_sb + t * cos_st
-        c1 = tl.load(cos_ptr + trig + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + trig + HALF + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + trig + i).to(tl.float32)
-        s2 = tl.load(sin_ptr + trig + HALF + i).to(tl.float32)
-        a1 = x1.to(tl.float32)
-        a2 = x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded as the reference does
-        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
-        o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        out = _rotated(src, cos_ptr + trig, sin_ptr + trig, d, HALF)
     else:
-        o1 = x1
-        o2 = x2
+        out = tl.load(src + d)
     if head < n_heads:
         dst = q_ptr + ((b * n_heads + head) * T + t).to(tl.int64) * hd
     else:
@@ -92,8 +93,7 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
             dst = k_ptr + offset
         else:
             dst = v_ptr + offset
-    tl.store(dst + i, o1)
-    tl.store(dst + HALF + i, o2)
+    tl.store(dst + d, out)
 
 
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
@@ -139,19 +139,6 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     with on_device(gate_up):
         _silu_mul_kernel[(rows, triton.cdiv(inner, SILU_BLOCK))](gate_up, y, inner, BLOCK=SILU_BLOCK, num_warps=4)
     return y
-
-
-@triton.jit
-def _rotated(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
-    """RoPE ("rotate half") of the head vector at x_ptr by the cos/sin rows at cos_ptr/sin_ptr, at
-    the indices ``d`` (any shape broadcast against them), rounded as the reference rounds."""
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + d).to(tl.float32)
-    partner = tl.load(x_ptr + (d + HALF) % (2 * HALF)).to(tl.float32)
-    partner = tl.where(d < HALF, -partner, partner)
-    c = tl.load(cos_ptr + d).to(tl.float32)
-    s = tl.load(sin_ptr + d).to(tl.float32)
-    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
