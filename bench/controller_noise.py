@@ -64,10 +64,13 @@ def main() -> None:
         if trial.problem:
             raise SystemExit(f"timing failed: {trial.problem}")
         runs.append((trial.incumbent_s, trial.candidate_s))
-        # one line per finished run, so a run cut short by a time limit still leaves its figures
+        # one line per finished run, so a run cut short by a time limit still leaves its figures; the
+        # per-request seconds of every worker tell jitter between requests from a slow worker
         console.print(json.dumps({"run": i + 1, "seconds": round(seconds[-1], 1),
                                   "gain": stats.paired_gain(*runs[-1]).gain,
-                                  "incumbent_s": trial.incumbent_s, "candidate_s": trial.candidate_s}))
+                                  "incumbent_s": trial.incumbent_s, "candidate_s": trial.candidate_s,
+                                  "request_s": [[who, [round(t, 5) for t in ts]] for who, ts in trial.request_s]}),
+                      soft_wrap=True)
     noise = stats.noise_from_stock_runs(runs)
     decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
     gains = [stats.paired_gain(a, b).gain for a, b in runs]

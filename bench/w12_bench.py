@@ -6,9 +6,10 @@ calls; time per call = graph replay time / calls (median of ``--reps`` replays).
 bytes of the weights read per call / time. Prints a table, one JSON line per result and a final
 summary JSON line (geometric-mean speedup over torch at M = 1..16, the minimum).
 
-``--sweep`` first times a grid of launch configurations (compiled in parallel worker processes)
-at M in {1, 16, 32, 64} and reports the best per shape, the input for ``pick_config``'s table;
-the final table then uses the best swept configuration where one was found (column ``cfg``).
+``--sweep`` first times a grid of launch configurations and split-K factors (compiled in parallel
+worker processes) at M in {1, 2, 4, 8, 16} and reports the best per shape, the input for
+``pick_config``'s table; the final table then uses the best swept configuration at those M
+(column ``cfg``, marked ``*``).
 
     PYTHONPATH=. python bench/w12_bench.py [--sweep] [--out results.jsonl]
 """
@@ -35,32 +36,34 @@ from kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64]
-SWEEP_MS = [1, 2, 4, 16, 64]
+SWEEP_MS = [1, 2, 4, 8, 16]
 
 
 def sweep_configs(m: int) -> list[Config]:
-    """Candidates for batch ``m``: the tl.dot path, and the CUDA-core path for M <= 4."""
+    """Candidates for batch ``m``: the tl.dot path (M >= 2), and the CUDA-core path for M <= 8."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
-    for bn, bj, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5)):
-        if stages * (3 * bn * bj + 4 * bm * bj) > 200_000:
-            continue
-        out.append(Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=warps, num_stages=stages))
-    if m <= 4:
-        for bn, bj, warps in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4)):
+    if m >= 2:
+        for bn, bj, stages in ((32, 128, 3), (32, 128, 4), (32, 256, 3), (32, 256, 4), (16, 256, 4), (64, 128, 3)):
+            if m > 16 and bn == 16:
+                continue
+            out.append(Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=stages))
+    if m <= 8:
+        for bn, bj, warps in itertools.product((4, 8, 16), (256, 512), (2, 4)):
             words = bn * bj // 4 // (32 * warps)  # int32 words per thread and plane
-            if 2 <= words <= 16:
-                out.append(Config(bm=1 if m == 1 else (2 if m == 2 else 4), bn=bn, bj=bj, split=1, use_dot=False,
+            if 2 <= words <= 16 and not (m > 4 and bn > 8):
+                out.append(Config(bm=1 << (m - 1).bit_length(), bn=bn, bj=bj, split=1, use_dot=False,
                                   num_warps=warps, num_stages=1))
     return out
 
 
 def splits_for(cfg: Config, n: int, k: int) -> list[int]:
+    """Split-K factors worth timing: each split keeps >= 2 steps, and the grid <= 8 programs an SM."""
     kh = 16 * ((k + 31) // 32)
     tiles = -(-n // cfg.bn)
     out = []
     for s in (1, 2, 4, 8):
-        if s > 1 and (kh // s < 2 * cfg.bj or tiles * s > 4 * 132):
+        if s > 1 and (kh // s < 2 * cfg.bj or tiles * s > 8 * 132):
             break
         out.append(s)
     return out
@@ -234,13 +237,8 @@ def main(argv=None) -> int:
         sb = ShapeBench(n, k, args.min_bytes)
         for m in ms:
             x = sb.x(m)
-            bm_class = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-            tuned = best.get((n, k, m if m <= 4 else (16 if m <= 32 else 64)))
-            cfg = None
-            if tuned is not None:
-                cfg = tuned[1]
-                if cfg.use_dot:
-                    cfg = replace(cfg, bm=max(16, bm_class))
+            tuned = best.get((n, k, m))  # swept at this very M, or none: pick_config's choice
+            cfg = tuned[1] if tuned is not None else None
             t_torch = sb.torch_us(x, args.reps)
             t_w12 = sb.w12_us(x, cfg, args.reps)
             used = cfg or pick_config(m, n, k)

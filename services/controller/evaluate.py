@@ -36,10 +36,20 @@ WARMUP_TOKENS = 8
 
 
 def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
-    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed."""
-    if device.startswith("cuda"):
-        return [(p, max_new_tokens) for p in prompts]
-    return [(prompts[0], WARMUP_TOKENS)]
+    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed.
+
+    On a GPU one per timed request, of the same length (the same step shapes and context buckets,
+    so CUDA graphs are captured before the clock runs) but other content: request ``i`` warms up on
+    the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
+    memoised its answers, or the KV of a prompt, would otherwise be timed on replays of the warm-up.
+    On a CPU one short request (a full pass would double a run)."""
+    if not device.startswith("cuda"):
+        return [(prompts[0], WARMUP_TOKENS)]
+    out = []
+    for i, p in enumerate(prompts):
+        donor = prompts[(i + 1) % len(prompts)][::-1] or p
+        out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class TrialResult:
     load: list[float]
     candidate_outputs: list[list[int]]
     problem: str = ""
+    request_s: list[tuple[str, list[float]]] = field(default_factory=list)  # per run: (A or B, seconds a request)
 
 
 @dataclass
@@ -232,6 +243,7 @@ class Evaluator:
                     res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {failure}"
                     return res
                 times[who] += sum(secs)
+                res.request_s.append((who, secs))
                 if who == "A" and outs != reference:
                     res.problem = "the incumbent did not reproduce its reference tokens (nondeterministic system?)"
                     return res

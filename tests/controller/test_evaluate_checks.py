@@ -33,9 +33,13 @@ def test_sealed_trials_run_every_pair_of_systems_in_both_orders():
 
 def test_a_gpu_worker_answers_every_request_untimed_first_a_cpu_worker_one_short_one():
     """CUDA graphs are captured on first use per step shape and context bucket: timed, those
-    captures were ~15% trial-to-trial noise on the H200, so on a GPU the warm-up is a full pass."""
+    captures were ~15% trial-to-trial noise on the H200, so on a GPU the warm-up is a full pass of
+    requests of the timed lengths, but of other content (a memoising candidate gains nothing)."""
     from services.controller.evaluate import WARMUP_TOKENS, warm_up_requests
 
     prompts = [[1, 2], [3, 4, 5], [6]]
-    assert warm_up_requests(prompts, 64, "cuda:1") == [([1, 2], 64), ([3, 4, 5], 64), ([6], 64)]
+    warm = warm_up_requests(prompts, 64, "cuda:1")
+    assert warm == [([5, 4], 64), ([6, 6, 6], 64), ([2], 64)]
+    assert [len(p) for p, _ in warm] == [len(p) for p in prompts]
+    assert not {tuple(p) for p, _ in warm} & {tuple(p) for p in prompts}
     assert warm_up_requests(prompts, 64, "cpu") == [([1, 2], WARMUP_TOKENS)]

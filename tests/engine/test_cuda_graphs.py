@@ -6,7 +6,7 @@ tokens for AR, chains and trees, across attention-length buckets.
 
 CUDA (``gpu`` marker, skipped without a device): graph replays emit the eager tokens for AR, chain
 and tree decoding on the tiny model (fp32) and on SmolLM2-shaped random weights in bf16 (and the
-real SmolLM2 in bf16 when its GGUF is installed); a replay is bitwise identical to the same static
+real SmolLM2 in fp32 when its GGUF is installed); a replay is bitwise identical to the same static
 forward run eagerly (same kernels); the engine re-captures after its KV cache grows.
 
 Self-contained (no conftest fixtures), so it runs on a GPU machine with
@@ -235,11 +235,14 @@ def test_engine_recaptures_after_cache_grows():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("name", CONFIGS)
-def test_graphs_equal_eager_real_smollm2_bf16(name):
+def test_graphs_equal_eager_real_smollm2_fp32(name):
+    """In bf16 the real weights' chain and tree outputs part from eager at near-ties (H200,
+    2026-12-01: the padded static attention rounds differently from eager's exact-length SDPA; AR
+    agreed); such a system goes through token forcing. In fp32 the tokens must be the same."""
     from engine.weights import ModelFileMissing, load_model
 
     try:
-        model, tok = load_model("smollm2-135m", dtype="bf16", device="cuda")
+        model, tok = load_model("smollm2-135m", dtype="fp32", device="cuda")
     except (ModelFileMissing, ImportError) as e:
         pytest.skip(f"SmolLM2 weights unavailable: {e}")
     cfg, drafter = CONFIGS[name]

@@ -111,7 +111,7 @@ def test_cuda_kernels_match_reference(dtype):
     for name in got:
         if name in exact:
             ok = torch.equal(got[name], ref[name])
-        elif dtype == torch.bfloat16 and name != "attn":
+        elif dtype == torch.bfloat16 and name not in ("attn", "attn_long"):  # attention: another summation order
             ok = _ulps_bf16(got[name], ref[name]) <= 1
         else:
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5

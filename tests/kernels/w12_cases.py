@@ -61,7 +61,8 @@ def adversarial() -> dict[str, torch.Tensor]:
 
 
 def kernel_cases() -> list[dict]:
-    """Kernel cases for the interpreter: odd shapes, M in {1, 3, 16, 64}, escapes, split-K."""
+    """Kernel cases for the interpreter: odd shapes, M in {1, 3, 16, 64}, escapes, split-K (both
+    paths), 16-bit inputs."""
     cases = []
     shapes = [(37, 100), (40, 257), (33, 96), (17, 64), (20, 1000), (48, 33)]
     ms = [1, 3, 16, 64]
@@ -73,6 +74,12 @@ def kernel_cases() -> list[dict]:
     cases.append({"name": "split3_m1", "m": 1, "n": 40, "k": 300, "seed": 97, "split": 3})
     cases.append({"name": "split2_m5", "m": 5, "n": 40, "k": 300, "seed": 96, "split": 2})
     cases.append({"name": "bf16_m2", "m": 2, "n": 30, "k": 64, "seed": 95, "dtype": "bfloat16"})
+    # 16-bit x read as int64 words in the FMA path (8 rows a program), split-K merged in-kernel
+    cases.append({"name": "bf16_m8", "m": 8, "n": 20, "k": 64, "seed": 94, "dtype": "bfloat16"})
+    cases.append({"name": "fp16_m6_split2", "m": 6, "n": 20, "k": 128, "seed": 93, "dtype": "float16", "split": 2})
+    cases.append({"name": "bf16_m3_split3", "m": 3, "n": 37, "k": 96, "seed": 92, "dtype": "bfloat16", "split": 3})
+    cases.append({"name": "bf16_m3_k33", "m": 3, "n": 37, "k": 33, "seed": 91, "dtype": "bfloat16"})
+    cases.append({"name": "split4_m16", "m": 16, "n": 40, "k": 256, "seed": 90, "split": 4})
     return cases
 
 
