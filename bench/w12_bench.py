@@ -39,21 +39,23 @@ MS = [1, 2, 4, 8, 16, 32, 64]
 SWEEP_MS = [1, 2, 4, 8, 16]
 
 
+# The tl.dot path at every M (rows past M are masked): wide tiles (BN up to 256) reuse each warp's x
+# operand over more weight rows (2.4 instructions a weight at BN = 256, BJ = 32, against 3.9 at
+# 32 x 256: sm_90 SASS of Triton 3.9 here), with split-K giving the small grids their programs back.
+DOT_TILES = ((32, 256, 3), (64, 128, 3), (128, 64, 3), (128, 64, 4), (256, 32, 3), (256, 32, 4), (128, 32, 4))
+
+
 def sweep_configs(m: int) -> list[Config]:
-    """Candidates for batch ``m``: the tl.dot path (M >= 2), and the CUDA-core path for M <= 8."""
+    """Candidates for batch ``m``: the tl.dot path, and the CUDA-core path for M <= 8."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    out = []
-    if m >= 2:
-        for bn, bj, stages in ((32, 128, 3), (32, 128, 4), (32, 256, 3), (32, 256, 4), (16, 256, 4), (64, 128, 3)):
-            if m > 16 and bn == 16:
-                continue
-            out.append(Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=stages))
+    out = [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=st) for bn, bj, st in DOT_TILES]
     if m <= 8:
-        for bn, bj, warps in itertools.product((4, 8, 16), (256, 512), (2, 4)):
-            words = bn * bj // 4 // (32 * warps)  # int32 words per thread and plane
-            if 2 <= words <= 16 and not (m > 4 and bn > 8):
-                out.append(Config(bm=1 << (m - 1).bit_length(), bn=bn, bj=bj, split=1, use_dot=False,
-                                  num_warps=warps, num_stages=1))
+        fbm = 1 << (m - 1).bit_length()
+        for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
+            words = bn * bj // (128 * warps)  # int32 words per thread and plane
+            # x's words at >= 2 a thread (else a layout conversion every step); fewer registers at BM >= 4
+            if bj >= 256 * warps and 4 <= words <= (16 if fbm <= 2 else 8):
+                out.append(Config(bm=fbm, bn=bn, bj=bj, split=1, use_dot=False, num_warps=warps, num_stages=1))
     return out
 
 
@@ -62,7 +64,7 @@ def splits_for(cfg: Config, n: int, k: int) -> list[int]:
     kh = 16 * ((k + 31) // 32)
     tiles = -(-n // cfg.bn)
     out = []
-    for s in (1, 2, 4, 8):
+    for s in (1, 2, 4, 8, 16):
         if s > 1 and (kh // s < 2 * cfg.bj or tiles * s > 8 * 132):
             break
         out.append(s)

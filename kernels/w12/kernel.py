@@ -171,12 +171,13 @@ def _x4(X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr, F
     ``[BW]`` tensors ``x_b``; zeros when ``m >= M`` or past ``K``.
 
     ``XWORDS``: ``x`` is 16-bit and read through ``XQ``, its int64 view, one word of four columns per
-    ``w``, so each ``x_b`` comes out in the layout of the weight words with shifts alone (``K % 4 == 0``).
+    ``w``, so each ``x_b`` comes out in the layout of the weight words with shifts alone (``K % 8 == 0``).
     Otherwise ``4*BW`` contiguous columns are loaded and split by column mod 4 (a layout conversion)."""
     if XWORDS:
-        wv = c0 // 4 + tl.arange(0, BW)
+        # pairs of words (16 bytes) per thread, as the weight words are loaded (``VW``): same layout
+        wv = tl.max_contiguous(tl.multiple_of(c0 // 4 + tl.arange(0, BW), 2), 2)
         mm = (tl.full([BW], m, tl.int32) < M) & (wv < K // 4)
-        v = tl.load(XQ + m * (stride_xm // 4) + wv, mask=mm, other=0)
+        v = tl.load(XQ + tl.multiple_of(m * (stride_xm // 4), 2) + wv, mask=mm, other=0)  # K % 8 == 0
         lo = v.to(tl.int32)  # columns 4w, 4w+1
         hi = (v >> 32).to(tl.int32)  # columns 4w+2, 4w+3
         if FP16:
@@ -355,6 +356,9 @@ def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     (software double buffering: twice the bytes in flight)."""
     tl.static_assert(BM == 1 or BM == 2 or BM == 4 or BM == 8)
     BW: tl.constexpr = BJ // 4
+    # Weight words are loaded two at a time (8 bytes): a thread's two words then cover 8 contiguous
+    # columns, exactly what one 16-byte load of a 16-bit x holds, so x needs no layout conversion.
+    VW: tl.constexpr = 2
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     m0 = tl.program_id(2) * BM
@@ -362,8 +366,8 @@ def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     rn_c = tl.minimum(rn, N - 1)
     rw = tl.arange(0, BW)
     KW = KH // 4
-    nib_p = NIB + tl.multiple_of(rn_c * KW, 4)[:, None]
-    low_p = LOW + tl.multiple_of(rn_c * (2 * KW), 4)[:, None]
+    nib_p = NIB + tl.multiple_of(rn_c * KW, VW)[:, None]
+    low_p = LOW + tl.multiple_of(rn_c * (2 * KW), VW)[:, None]
     w_lo = (pid_s * cols_per_split) // 4
     w_hi = tl.minimum(w_lo + cols_per_split // 4, KW)
     w_full = w_lo + ((w_hi - w_lo) // BW) * BW
@@ -375,13 +379,13 @@ def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     a5 = tl.zeros((BN, BW), dtype=tl.float32)
     a6 = tl.zeros((BN, BW), dtype=tl.float32)
     a7 = tl.zeros((BN, BW), dtype=tl.float32)
-    ww = tl.max_contiguous(tl.multiple_of(w_lo + rw, BW), BW)[None, :]
+    ww = tl.max_contiguous(tl.multiple_of(w_lo + rw, VW), VW)[None, :]
     live = tl.full([1, BW], w_lo, tl.int32) < w_full  # a splat: uniform along w, loads stay vectorized
     q = tl.load(nib_p + ww, mask=live, other=0)
     la = tl.load(low_p + ww, mask=live, other=0)
     lb = tl.load(low_p + (KW + ww), mask=live, other=0)
     for w0 in range(w_lo, w_full, BW):
-        wn = tl.max_contiguous(tl.multiple_of(w0 + BW + rw, BW), BW)[None, :]
+        wn = tl.max_contiguous(tl.multiple_of(w0 + BW + rw, VW), VW)[None, :]
         more = tl.full([1, BW], w0 + BW, tl.int32) < w_full
         qn = tl.load(nib_p + wn, mask=more, other=0)
         lan = tl.load(low_p + wn, mask=more, other=0)
@@ -540,7 +544,8 @@ def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | None = None) -> t
     if cfg.use_dot:
         _w12_dot_kernel[grid](x, *planes, DOT_BF16=dot_bf16, **common)
     else:  # the FMA path reads the planes as int32 words, and a 16-bit x as int64 words of 4 columns
-        xwords = x.dtype != torch.float32 and k % 4 == 0 and x.storage_offset() % 4 == 0
+        # rows of x 16-byte aligned (pairs of int64 words): K % 8 == 0 and an aligned start
+        xwords = x.dtype != torch.float32 and k % 8 == 0 and x.storage_offset() % 8 == 0
         planes = (p.low.view(torch.int32), p.nib.view(torch.int32), *planes[2:])
         _w12_fma_kernel[grid](x, x.view(torch.int64) if xwords else x, *planes, XWORDS=xwords,
                               FP16=x.dtype == torch.float16, **common)

@@ -103,12 +103,13 @@ def _configs(m, n, k):
     out = [base, replace(base, split=3), replace(base, asm=False)]
     bm = 16 if m <= 16 else 64
     out += [Config(bm=bm, bn=16, bj=256 if bm == 16 else 64, split=1, use_dot=True, num_stages=4),
-            Config(bm=bm, bn=64, bj=64, split=2, use_dot=True, num_stages=3, asm=False)]
+            Config(bm=bm, bn=64, bj=64, split=2, use_dot=True, num_stages=3, asm=False),
+            Config(bm=bm, bn=256, bj=32, split=4, use_dot=True, num_stages=3)]
     if m <= 8:
         bm = 1 << (m - 1).bit_length()
         out += [Config(bm=bm, bn=16, bj=128, split=1, use_dot=False),
                 Config(bm=bm, bn=4, bj=512, split=2, use_dot=False, num_warps=2),
-                Config(bm=bm, bn=8, bj=256, split=4, use_dot=False, num_warps=2)]
+                Config(bm=bm, bn=4, bj=256, split=4, use_dot=False, num_warps=1)]
     return out
 
 
