@@ -29,8 +29,9 @@ kernels:
   word into four fp32 weights (byte ``b`` of word ``w`` = column ``4w + b`` of the half) and
   FMAs them into one fp32 ``[BN, BJ/4]`` accumulator per row of ``x``; the next step's loads are
   issued before this step's math (double buffering by hand: Triton does not pipeline loads that
-  do not feed a dot). A 16-bit ``x`` is read as int64 words of four columns, which land in the
-  weight words' layout (a shift or a mask per value, no layout conversion).
+  do not feed a dot). Weight words are loaded in pairs (8 bytes, the span of one 16-byte load of a
+  16-bit ``x``), so with >= 2 of a step's ``x`` words a thread, ``x`` needs no layout conversion; a
+  16-bit ``x`` is read as int64 words of four columns and unpacked with a shift or mask per value.
 
 Without split-K the same program finishes the tile (row scale, escapes, cast, store). With
 split-K every program stores its fp32 partial and counts itself in (``kernels.counters``); the
@@ -462,47 +463,49 @@ def _dot(bm: int, bn: int, bj: int, stages: int) -> Config:
     return Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=stages)
 
 
-# Best of a sweep on one H200 (bench/w12_bench.py --sweep, 2026-11-29; README.md), per (N, K) and
-# batch class: 1, 2, 4 (M = 3..4), 16 (M = 5..32, BM = 16 or 32) and 64 (M > 32).
+_DOT16 = _dot(16, 32, 256, 3)
+# Best per (N, K) and batch class (1, 2, 4 = M 3..4, 8 = M 5..8, 16 = M 9..32 with BM = 16 or 32,
+# 64 = M > 32) of two sweeps on one H200 (bench/w12_bench.py --sweep; README.md): classes 1 and 2,
+# and 4 for 4096 x 4096, from 2026-12-01 (one-warp CUDA-core tiles); the tl.dot tiles from 2026-11-29,
+# whose sweep covered more of them (they also won the 2026-12-01 sweep where it had them).
 TUNED_H200: dict[tuple[int, int], dict[int, Config]] = {
-    (6144, 4096): {1: _fma(1, 8, 256, 2), 2: _dot(16, 32, 128, 4), 4: _dot(16, 32, 128, 4),
-                   16: _dot(16, 32, 256, 3), 64: _dot(64, 16, 64, 4)},
-    (4096, 4096): {1: _fma(1, 8, 512, 2), 2: _fma(2, 8, 512, 2), 4: _dot(16, 32, 256, 4),
+    (6144, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 4), 8: _DOT16, 16: _DOT16,
+                   64: _dot(64, 16, 64, 4)},
+    (4096, 4096): {1: _fma(1, 2, 256, 1), 2: _fma(2, 4, 512, 2), 4: _fma(4, 4, 256, 1), 8: _dot(16, 32, 256, 4),
                    16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
-    (28672, 4096): {1: _fma(1, 16, 256, 4), 2: _dot(16, 32, 128, 5), 4: _dot(16, 32, 128, 5),
-                    16: _dot(16, 32, 256, 3), 64: _dot(64, 32, 64, 3)},
-    (4096, 14336): {1: _fma(1, 8, 512, 4), 2: _dot(16, 32, 256, 4), 4: _dot(16, 32, 256, 4),
+    (28672, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 5), 8: _DOT16, 16: _DOT16,
+                    64: _dot(64, 32, 64, 3)},
+    (4096, 14336): {1: _fma(1, 4, 1024, 2), 2: _fma(2, 4, 512, 2), 4: _dot(16, 32, 256, 4), 8: _dot(16, 32, 256, 4),
                     16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
-    (128256, 4096): {1: _fma(1, 8, 256, 4), 2: _dot(16, 32, 128, 3), 4: _dot(16, 32, 128, 3),
+    (128256, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 3), 8: _dot(16, 32, 128, 3),
                      16: _dot(16, 32, 128, 3), 64: _dot(64, 32, 64, 3)},
 }
 
 
 def _batch_class(m: int) -> int:
-    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 16 if m <= 32 else 64
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 32 else 64
 
 
 def pick_config(m: int, n: int, k: int) -> Config:
     """The launch configuration for ``(M, N, K)``: a pure function, so results are reproducible
     (an autotuner that times candidates at run time could pick differently in another process
     and change the reduction order). Swept shapes come from ``TUNED_H200``; others from the rule
-    those results suggest: the CUDA-core path at M = 1 (8 rows per program), ``tl.dot`` above
-    (BN = 32), no split-K.
+    those results suggest: the CUDA-core path with one warp and 4 rows a program at M <= 2 (and at
+    M <= 4 below 8192 rows), ``tl.dot`` with BN = 32 above, no split-K (it never won).
     """
     if INTERPRET:  # small tiles: the interpreter's cost is per element
         if m <= 8:
             return _fma(_next_pow2(m), 16, 16, 1)
         return Config(bm=16 if m <= 16 else 32, bn=16, bj=16, split=1, use_dot=True, num_warps=1, num_stages=1)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    cls = _batch_class(m)
-    cfg = TUNED_H200.get((n, k), {}).get(cls)
+    cfg = TUNED_H200.get((n, k), {}).get(_batch_class(m))
     if cfg is not None:
         return cfg if not cfg.use_dot else replace(cfg, bm=bm)
-    if m == 1:
-        return _fma(1, 8, 512 if n <= 4096 else 256, 2 if n * k <= 1 << 25 else 4)
+    if m <= 2 or (m <= 4 and n <= 8192):
+        return _fma(_next_pow2(m), 4, 512 if k >= 2048 else 256, 1)
     if m > 32:
         return _dot(64, 16, 64, 3)
-    return _dot(bm, 32, 256 if n <= 4096 else 128, 4 if n <= 8192 else 3)
+    return replace(_DOT16, bm=bm)
 
 
 def _esc_chunk(bm: int, bn: int) -> int:
