@@ -3,6 +3,7 @@
     python bench/engine_bench.py --model llama3-8b --device cuda --dtype bf16 --context 1024
     python bench/engine_bench.py --model llama3-8b --cuda-graphs --with-eager   # both, side by side
     python bench/engine_bench.py --model llama3-8b --cuda-graphs --fused        # fused_kernels option
+    python bench/engine_bench.py --model llama3-8b --cuda-graphs --fused --w12  # then again with W12 weights
 
 Times one target forward of 1 + N tokens (root + N chain drafts) at a given cache length, the way
 `engine.decode.verify` runs it (chain: causal; tree: explicit mask) -- eagerly, or with
@@ -12,8 +13,11 @@ graph replayed, argmax) -- with CUDA events on GPUs and the wall clock on CPUs (
 ``c(N) = t(N) / t(0)``; t(0) is an AR step. On CUDA the byte floor of an AR step is the bytes of the
 weights one step reads (every linear and the LM head; one embedding row is ignored) over the
 measured device-to-device copy bandwidth (bytes read + written / time), and ``ratio`` = t(0) /
-floor. Also checks on the device that speculative decoding of a tiny model emits the AR tokens
-(with graphs too). Needs no model files (random weights). The last line is JSON.
+floor. ``--w12`` then packs every linear and the LM head into W12 (``kernels.w12``, checked bit for
+bit at load) and times the same steps again in the same process (mode ``<mode>_w12``, with
+``w12_speedup`` = bf16 AR step / W12 AR step). Also checks on the device that speculative decoding
+of a tiny model emits the AR tokens (with graphs too). Needs no model files (random weights). The
+last line is JSON.
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true", help="time steps as CUDA graph replays (engine.graphs)")
     ap.add_argument("--with-eager", action="store_true", help="with --cuda-graphs: time eager steps too, side by side")
     ap.add_argument("--fused", action="store_true", help="the fused_kernels option (engine.fused) on the timed model")
+    ap.add_argument("--w12", action="store_true", help="then time again with W12 weights (linears and LM head)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.cuda_graphs and not graphs_supported(device):
@@ -163,18 +168,31 @@ def main(argv: list[str] | None = None) -> int:
         wbytes = step_weight_bytes(model)
         result.update(copy_tb_s=round(bw / 1e12, 3), weight_bytes=wbytes, floor_ms=round(1e3 * wbytes / bw, 4))
     result["modes"] = {}
-    for mode in modes:
+    passes = [(m, m) for m in modes]
+    if args.w12:
+        passes += [(m, f"{m}_w12") for m in modes]
+    for mode, label in passes:
+        if label.endswith("_w12") and "w12" not in result:
+            from kernels.w12 import quantize_model_linears
+
+            t0 = time.perf_counter()
+            stats = quantize_model_linears(model, include_lm_head=True)
+            result["w12"] = {"bits_per_weight": round(stats["bits_per_weight"], 4), "escapes": stats["escapes"],
+                             "pack_s": round(time.perf_counter() - t0, 1)}
         t = {n: time_forward(model, n, args.context, args.tree, args.reps, graphs=mode == "graphs") for n in ns}
         base = t[ns[0]]["t"]
         r = {"t_ms": {n: round(t[n]["t"], 4) for n in ns}, "c": {n: round(t[n]["t"] / base, 4) for n in ns}}
         if "wall" in t[ns[0]]:
             r["wall_ms"] = {n: round(t[n]["wall"], 4) for n in ns}
         if "floor_ms" in result:
-            r["ratio_to_floor"] = round(base / result["floor_ms"], 3)
-        result["modes"][mode] = r
+            r["ratio_to_floor"] = round(base / result["floor_ms"], 3)  # the BF16 weights' floor
+        result["modes"][label] = r
         for n in ns:
             wall = f"  wall {t[n]['wall']:8.3f} ms" if "wall" in t[n] else ""
-            print(f"{mode:6s} N={n:3d}  {t[n]['t']:8.3f} ms{wall}  c={t[n]['t'] / base:5.2f}", file=sys.stderr)
+            print(f"{label:10s} N={n:3d}  {t[n]['t']:8.3f} ms{wall}  c={t[n]['t'] / base:5.2f}", file=sys.stderr)
+    if args.w12:
+        last = modes[-1]
+        result["w12_speedup"] = round(result["modes"][last]["t_ms"][ns[0]] / result["modes"][f"{last}_w12"]["t_ms"][ns[0]], 3)
     main_mode = result["modes"][modes[-1]]
     result["t_ms"], result["c"] = main_mode["t_ms"], main_mode["c"]  # the last mode's, as before
     print(json.dumps(result))
