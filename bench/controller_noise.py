@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (rounds on CPU use 1)")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                    help="both workers of a trial alive, requests answered by both in turn (Evaluator.interleave; "
+                         "default: on for a CPU, off for a GPU)")
     ap.add_argument("--options", type=json.loads, default={},
                     help='engine options of the system timed against itself, as JSON (default: stock)')
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
@@ -51,7 +54,8 @@ def main() -> None:
     data = args.data or Path(tempfile.mkdtemp(prefix="sp-noise-"))
     console = Console(stderr=True)
     ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
-                   max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads)
+                   max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads,
+                   interleave=args.interleave)
     with console.status("preparing stock"):
         stock = System(ev.prepare(), options_from_dict(args.options).changed())
         ev.reference(stock)
@@ -77,6 +81,7 @@ def main() -> None:
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
               "options": stock.options,
               "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
+              "interleave": ev.interleave,
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),

@@ -234,9 +234,9 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, b
 
 
 ATTENTION_BLOCK_N = 64
-# Context slots one program reads; None: one program per KV head reads them all (what was measured:
-# 5.3 us a SmolLM2 layer on the H200). A number splits the context over more programs, whose
-# partial softmaxes the last one to finish merges (not measured yet: benches can set it).
+# Context slots one program reads; None: one program per KV head reads them all (5.3 us a SmolLM2
+# layer on the H200). A number splits the context over more programs, whose partial softmaxes the
+# last one to finish merges: 64 made the SmolLM2 step 8% slower there (2026-12-01), so it is off.
 SLOTS_PER_PROGRAM: int | None = None
 
 

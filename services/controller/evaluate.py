@@ -8,7 +8,8 @@ A *system* is a commit of the systems repository plus engine option settings. Th
    default), and the candidate with its own options must start and answer.
 3. ``time``: interleaved ABBA trials; each trial starts a fresh worker per system (no writable state
    survives between trials), sends every timing request, and times each reply on the controller's
-   clock. Every reply is checked: the incumbent must reproduce its reference, and the candidate must
+   clock (with ``interleave``, both workers of a trial are alive and take turns request by request,
+   the idle one stopped). Every reply is checked: the incumbent must reproduce its reference, and the candidate must
    give the same tokens in every trial (a system that changes its answers between runs — caching,
    warm-up detection — is rejected).
 Outputs, timings and decisions come back as events for the service to publish.
@@ -16,6 +17,7 @@ Outputs, timings and decisions come back as events for the service to publish.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,18 +40,16 @@ WARMUP_TOKENS = 8
 def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
     """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed.
 
-    On a GPU one per timed request, of the same length (the same step shapes and context buckets,
-    so CUDA graphs are captured before the clock runs) but other content: request ``i`` warms up on
-    the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
+    Each is of a timed request's length (the same step shapes, and on a GPU the same context buckets,
+    so CUDA graphs are captured before the clock runs) but of other content: request ``i`` warms up
+    on the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
     memoised its answers, or the KV of a prompt, would otherwise be timed on replays of the warm-up.
-    On a CPU one short request (a full pass would double a run)."""
-    if not device.startswith("cuda"):
-        return [(prompts[0], WARMUP_TOKENS)]
+    On a GPU one per timed request, in full; on a CPU one short one (a full pass would double a run)."""
     out = []
     for i, p in enumerate(prompts):
         donor = prompts[(i + 1) % len(prompts)][::-1] or p
         out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
-    return out
+    return out if device.startswith("cuda") else [(out[0][0], WARMUP_TOKENS)]
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,19 @@ class Evaluator:
     threads: int | None = None
     limits: Limits = field(default_factory=Limits)
     python: str = sys.executable
+    # One device: both systems' fresh workers alive in each trial and every request answered by both
+    # back to back (the idle one paused), instead of one whole run after the other (see `time`).
+    # None: on for a CPU (SIGSTOP stops all the idle one's work; stock-vs-stock noise 1.05% -> 0.51%
+    # at 8 trials, 2026-12-01), off for a GPU (a stopped process's queued kernels still run; not
+    # measured there yet).
+    interleave: bool | None = None
 
     def __post_init__(self) -> None:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (see `time`).
         self.devices = tuple(d.strip() for d in self.device.split(",") if d.strip())
         self.device = self.devices[0]
+        if self.interleave is None:
+            self.interleave = len(self.devices) == 1 and self.device == "cpu"
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -157,14 +165,7 @@ class Evaluator:
             worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
                             ready_timeout_s=self.limits.wall_s)
             try:
-                # Untimed requests first: lazy initialisation in a fresh process is not the system's
-                # speed. On a GPU that is every request in full (CUDA graphs are captured per step
-                # shape and context bucket on first use: ~15% trial-to-trial noise when timed, H200
-                # 2026-11-30); on a CPU one short request (a full pass would double a run).
-                for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
-                    warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
-                    if len(warm) > n:
-                        raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+                self._warm_up(worker, prompts, device)
                 outs, times = [], []
                 for p in prompts:
                     tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
@@ -174,6 +175,16 @@ class Evaluator:
             finally:
                 worker.close()
                 self._active.pop(id(sbx), None)
+
+    def _warm_up(self, worker: Worker, prompts: list[list[int]], device: str) -> None:
+        """Untimed requests first: lazy initialisation in a fresh process is not the system's speed.
+        On a GPU that is every request's length in full (CUDA graphs are captured per step shape and
+        context bucket on first use: ~15% trial-to-trial noise when timed, H200 2026-11-30); on a CPU
+        one short request (a full pass would double a run)."""
+        for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+            warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+            if len(warm) > n:
+                raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:
@@ -229,9 +240,11 @@ class Evaluator:
     def time(self, incumbent: System, candidate: System, trials: int | None = None) -> TrialResult:
         """Paired trials; stops early with ``problem`` set when a system misbehaves.
 
-        One device: interleaved ABBA, one system at a time. Two devices: each trial runs both systems
-        at once (A on the first device, B on the second), then again with the devices swapped; a
-        system's trial time is the sum of its two runs, so a faster device favours neither."""
+        One device: interleaved ABBA, one system at a time; with ``interleave``, ABBA within the
+        trial too, request by request (a slowdown of the machine that lasts a few requests then
+        falls on both systems). Two devices: each trial runs both systems at once (A on the first
+        device, B on the second), then again with the devices swapped; a system's trial time is the
+        sum of its two runs, so a faster device favours neither."""
         prompts, reference = self.prompts(), self.reference(incumbent)
         res = TrialResult([], [], [], [], [])
         first_candidate: list[list[int]] | None = None
@@ -266,6 +279,9 @@ class Evaluator:
 
     def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
         """(who, outputs, seconds, failure) of each run of one trial, in ``order``."""
+        if len(self.devices) < 2 and self.interleave:
+            yield from self._interleaved_runs(order, systems, prompts)
+            return
         if len(self.devices) < 2:
             for who in order:
                 try:
@@ -286,6 +302,42 @@ class Evaluator:
                     yield who, outs, secs, None
                 except WorkerFailed as exc:
                     yield who, [], [], exc
+
+    def _interleaved_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
+        """One trial with both systems' fresh workers alive: request ``i`` is answered by both, in
+        ``order`` for even ``i`` and reversed for odd ``i``; the worker not being timed is paused
+        (``Sandbox.pause``), so it takes no CPU while the other answers."""
+        workers: dict[str, Worker] = {}
+        outs: dict[str, list[list[int]]] = {w: [] for w in order}
+        secs: dict[str, list[float]] = {w: [] for w in order}
+        who = order[0]
+        with contextlib.ExitStack() as stack:
+            try:
+                for who in order:  # start and warm up each worker alone, the other paused
+                    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="sp-sbx-"))
+                    sbx = stack.enter_context(self.sandbox(systems[who].commit, Path(tmp)))
+                    stack.callback(self._active.pop, id(sbx), None)
+                    for other in workers.values():
+                        other.sandbox.pause()
+                    workers[who] = stack.enter_context(contextlib.closing(
+                        Worker(sbx, self.python, self.deployment, systems[who].options, device=self.device,
+                               ready_timeout_s=self.limits.wall_s)))
+                    self._warm_up(workers[who], prompts, self.device)
+                for i, p in enumerate(prompts):
+                    for who in (order if i % 2 == 0 else order[::-1]):
+                        for other, w in workers.items():
+                            (w.sandbox.resume if other == who else w.sandbox.pause)()
+                        tokens, t = workers[who].generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
+                        outs[who].append(tokens)
+                        secs[who].append(t)
+            except WorkerFailed as exc:
+                yield who, [], [], exc
+                return
+            finally:
+                for w in workers.values():
+                    w.sandbox.resume()  # a stopped process would not see its stdin close
+        for w in order:
+            yield w, outs[w], secs[w], None
 
     # --- phase 0 and phase 4 ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ ledger already holds their report for that round.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -405,6 +406,9 @@ def add_args(parser) -> None:
                              "systems of a trial at once and then swap devices")
     parser.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS, help="ABBA trials per verdict")
     parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="one device: both workers of a trial alive, each request answered by both in turn "
+                             "(default: on for a CPU, off for a GPU)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
     parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
     parser.add_argument("--threads", type=int, default=None,
@@ -414,7 +418,7 @@ def add_args(parser) -> None:
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
-          "limits": Limits(wall_s=a.wall_s), "threads": a.threads}
+          "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave}
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
         await Controller(cfg.data, b, device=a.device, evaluator_kw=kw).run(stop)

@@ -20,7 +20,9 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   clock, from sending the request to reading the reply.
 
 What is not isolated: CPU time shares the machine's cores (the controller times one thing at a time
-and records the load average beside each sample); the candidate can read the rest of the machine's
+and records the load average beside each sample; when two workers are alive at once, the idle one is
+stopped with ``SIGSTOP``, ``pause``, while the other is timed, but GPU work it queued before it was
+stopped can still overlap); the candidate can read the rest of the machine's
 files (read-only), including the public request sets; a GPU is shared when the device is CUDA. On a
 machine without bubblewrap the sandbox degrades to a scrubbed environment, a temporary working
 directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``PatchTested``).
@@ -217,6 +219,29 @@ class Sandbox:
             timed_out = True
         return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-4000:], "timed_out": timed_out,
                 "oom_killed": self._cgroup.oom_killed()}
+
+    def _signal_all(self, sig: int) -> None:
+        """``sig`` to every process of the sandbox: its cgroup's (which no process can leave) and, where
+        there is no cgroup, the process groups it started (a process that made its own session escapes)."""
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for pid in self._cgroup.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def pause(self) -> None:
+        """Stop every process of the sandbox (``SIGSTOP`` cannot be caught), so it takes no CPU while
+        another system is timed. GPU work it queued before it was stopped can still run."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
 
     def kill(self) -> None:
         for p in self._procs:

@@ -42,4 +42,4 @@ def test_a_gpu_worker_answers_every_request_untimed_first_a_cpu_worker_one_short
     assert warm == [([5, 4], 64), ([6, 6, 6], 64), ([2], 64)]
     assert [len(p) for p, _ in warm] == [len(p) for p in prompts]
     assert not {tuple(p) for p, _ in warm} & {tuple(p) for p in prompts}
-    assert warm_up_requests(prompts, 64, "cpu") == [([1, 2], WARMUP_TOKENS)]
+    assert warm_up_requests(prompts, 64, "cpu") == [([5, 4], WARMUP_TOKENS)]

@@ -1,0 +1,63 @@
+"""Interleaved timing on one device (``Evaluator.interleave``): both systems' fresh workers alive in a
+trial, each request answered by both in turn, the idle worker stopped (``Sandbox.pause``)."""
+
+import sys
+import threading
+import time
+
+import pytest
+
+from services.controller.evaluate import Evaluator, System
+from services.controller.sandbox import Limits, Sandbox, bwrap_available
+
+needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
+
+TICKER = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.01)\n"
+
+
+@needs_bwrap
+def test_a_paused_sandbox_makes_no_progress_until_resumed(tmp_path):
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ticker.py").write_text(TICKER)
+    with Sandbox(src=src, models=tmp_path / "none") as sbx:
+        proc = sbx.popen([sys.executable, "ticker.py"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        ticks: list[bytes] = []
+        threading.Thread(target=lambda: ticks.extend(iter(proc.stdout.readline, b"")), daemon=True).start()
+        time.sleep(0.5)
+        assert len(ticks) > 5  # it runs
+        sbx.pause()
+        time.sleep(0.1)  # lines already in the pipe drain
+        paused = len(ticks)
+        time.sleep(0.5)
+        assert len(ticks) == paused  # stopped: no tick for half a second
+        sbx.resume()
+        time.sleep(0.5)
+        assert len(ticks) > paused + 5
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_each_request_is_answered_by_both_systems_in_turn(tmp_path):
+    ev = Evaluator(tmp_path, "tiny-cpu", n_requests=3, max_new_tokens=16, trials=2, threads=1,
+                   limits=Limits(wall_s=60.0), interleave=True)
+    stock = System(ev.prepare())
+    tree = System(stock.commit, {"verify": "tree"})
+    res = ev.time(stock, tree)
+    assert res.problem == ""
+    assert res.order == ["AB", "BA"]
+    assert len(res.incumbent_s) == len(res.candidate_s) == 2
+    # one entry per system and trial, every request timed
+    assert [who for who, _ in res.request_s] == ["A", "B", "B", "A"]
+    assert all(len(ts) == 3 and all(t > 0 for t in ts) for _, ts in res.request_s)
+    assert res.candidate_outputs == ev.reference(stock)  # greedy tree verification is exact
+    assert res.incumbent_s[0] == pytest.approx(sum(res.request_s[0][1]))
+
+
+def test_interleaving_is_on_by_default_for_one_cpu_only(tmp_path):
+    assert Evaluator(tmp_path / "a", "tiny-cpu").interleave is True
+    assert Evaluator(tmp_path / "b", "tiny-cpu", device="cuda:0").interleave is False  # not measured on GPUs
+    assert Evaluator(tmp_path / "c", "tiny-cpu", device="cpu, cpu").interleave is False  # two devices: both at once
+    assert Evaluator(tmp_path / "d", "tiny-cpu", interleave=False).interleave is False
