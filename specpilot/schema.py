@@ -300,6 +300,7 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     evidence: list[str] = []  # event ids
     source_commit: str = ""
     source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under engine/ and kernels/
+    stock_files: dict[str, str] = {}  # the same for the stock the delta is against (as registered by the controller)
 
 
 class MemoryEntryAccepted(Event, frozen=True, kw_only=True, tag="memory.entry.accepted"):

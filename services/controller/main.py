@@ -252,7 +252,8 @@ class Controller:
 
         stock = ev.systems.git("rev-parse", "stock")
         with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
-            files = tree_hashes(ev.systems.checkout(candidate.commit, Path(tmp)))
+            files = tree_hashes(ev.systems.checkout(candidate.commit, Path(tmp) / "source"))
+            stock_files = tree_hashes(ev.systems.checkout(stock, Path(tmp) / "stock"))
         return schema.MemoryEntryProposed(
             entry_id=f"entry-{patch.patch_id}", title=patch.notes[:120] or f"promoted {patch.patch_id}",
             delta=ev.systems.git("diff", stock, candidate.commit, "--", "engine", "kernels") + "\n"
@@ -260,7 +261,7 @@ class Controller:
             options=candidate.options, requirements=requirements_of(load_deployment(ev.deployment).facts()),
             contract="greedy tokens identical to the incumbent's" if identical
             else "passes token forcing against stock (rate and event rules)",
-            evidence=evidence, source_commit=candidate.commit, source_files=files)
+            evidence=evidence, source_commit=candidate.commit, source_files=files, stock_files=stock_files)
 
     # --- phase 0 and phase 4 -----------------------------------------------------------------------
 

@@ -37,10 +37,27 @@ def tree_hashes(root: Path, roots: tuple[str, ...] = ROOTS) -> dict[str, str]:
     return out
 
 
-def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT) -> str:
-    """'' if ``delta`` applied to stock reproduces ``source_files`` exactly, else why not."""
+def _compare(want: dict[str, str], got: dict[str, str]) -> str:
+    """What differs between two ``tree_hashes`` ('' if nothing)."""
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    differ = sorted(p for p in set(got) & set(want) if got[p] != want[p])
+    return "; ".join(f"{name}: {', '.join(paths[:5])}" for name, paths in
+                     (("missing", missing), ("unexpected", extra), ("different", differ)) if paths)
+
+
+def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
+             stock_files: dict[str, str] | None = None) -> str:
+    """'' if ``delta`` applied to stock reproduces ``source_files`` exactly, else why not.
+
+    ``stock_files`` (the hashes of the stock the delta was made against, when the entry names them)
+    are checked first, so a stock tree edited since the deployment was registered is reported as
+    such rather than as a delta that does not reproduce its source."""
     if not source_files:
         return "the entry names no source files to check the delta against"
+    if stock_files and (changed := _compare(stock_files, tree_hashes(stock))):
+        return ("the stock here is not the stock the delta was made against (" + changed + "): engine/ or "
+                "kernels/ changed since the deployment was registered; validate where that stock is")
     with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
         work = Path(tmp)
         for r in ROOTS:
@@ -52,13 +69,8 @@ def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT) 
             if res.returncode != 0:
                 return f"the delta does not apply to stock: {res.stderr.strip()[:300]}"
         got = tree_hashes(work)
-    missing = sorted(set(source_files) - set(got))
-    extra = sorted(set(got) - set(source_files))
-    differ = sorted(p for p in set(got) & set(source_files) if got[p] != source_files[p])
-    if missing or extra or differ:
-        parts = [f"{name}: {', '.join(paths[:5])}" for name, paths in
-                 (("missing", missing), ("unexpected", extra), ("different", differ)) if paths]
-        return "stock + delta does not reproduce the source system (" + "; ".join(parts) + ")"
+    if problem := _compare(source_files, got):
+        return "stock + delta does not reproduce the source system (" + problem + ")"
     return ""
 
 

@@ -55,7 +55,8 @@ class Recorder:
     async def review_entries(self) -> None:
         """Decide every proposed entry that has no decision in the ledger yet."""
         for entry in self.ledger.events(PENDING_ENTRIES):
-            problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files)  # type: ignore[attr-defined]
+            problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files,  # type: ignore[attr-defined]
+                                              stock_files=entry.stock_files)  # type: ignore[attr-defined]
             decision_id = f"entry-decision-{entry.entry_id}"  # type: ignore[attr-defined]
             if problem:
                 log.warning("memory entry %s rejected: %s", entry.entry_id, problem)  # type: ignore[attr-defined]

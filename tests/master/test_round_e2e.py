@@ -98,6 +98,9 @@ def _check_story(events: list[tuple[str, str, dict]]) -> dict:
             assert len(timings[v["patch_id"]]["candidate_s"]) == 2
     for adv in by.get("best.advanced", []):  # a promotion teaches memory something
         assert any(e["evidence"][-1] for e in by.get("memory.entry.proposed", [])), adv
+    for e in by.get("memory.entry.proposed", []):  # against the stock the controller registered
+        assert "engine/options.py" in e["stock_files"] and "engine/options.py" in e["source_files"]
+        assert all(p.startswith(("engine/", "kernels/")) for p in e["stock_files"])
     final = by["sealed.final.reported"][0]
     assert {"ar", "stock", "final"} <= set(final["results"]) and final["lossless"] is True
     summary = by["round.finished"][0]["summary"]

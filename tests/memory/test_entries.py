@@ -39,6 +39,15 @@ def test_a_delta_that_does_not_reproduce_its_source_is_rejected(tmp_path):
     assert "missing" in entries.validate(delta, {**files, "engine/extra.py": "0" * 64})
 
 
+def test_a_stock_that_changed_since_registration_is_named(tmp_path):
+    delta, files = _source_system(tmp_path, "\n# a mechanism\n")
+    stock = entries.tree_hashes(REPO_ROOT)
+    assert entries.validate(delta, files, stock_files=stock) == ""  # the stock the delta was made against
+    edited = {**stock, OPTIONS_PY: "0" * 64}  # as if engine/options.py had changed here since then
+    problem = entries.validate(delta, files, stock_files=edited)
+    assert "not the stock the delta was made against" in problem and OPTIONS_PY in problem
+
+
 def test_requirements_filter_entries_by_deployment():
     cpu = {"device_kind": "cpu", "dtype": "fp32", "model_family": "llama", "mode": "batch1"}
     gpu = {**cpu, "device_kind": "cuda", "dtype": "bf16"}
