@@ -160,31 +160,36 @@ class Evaluator:
     def run(self, system: System, prompts: list[list[int]], device: str | None = None,
             ) -> tuple[list[list[int]], list[float]]:
         """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
-        device = device or self.device
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp), device) as sbx:
-            worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
-                            ready_timeout_s=self.limits.wall_s)
-            try:
-                self._warm_up(worker, prompts, device)
-                outs, times = [], []
-                for p in prompts:
-                    tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
-                    outs.append(tokens)
-                    times.append(secs)
-                return outs, times
-            finally:
-                worker.close()
-                self._active.pop(id(sbx), None)
+        with self._warm_worker(system, prompts, device or self.device) as worker:
+            outs, times = [], []
+            for p in prompts:
+                tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
+                outs.append(tokens)
+                times.append(secs)
+            return outs, times
 
-    def _warm_up(self, worker: Worker, prompts: list[list[int]], device: str) -> None:
-        """Untimed requests first: lazy initialisation in a fresh process is not the system's speed.
-        On a GPU that is every request's length in full (CUDA graphs are captured per step shape and
-        context bucket on first use: ~15% trial-to-trial noise when timed, H200 2026-11-30); on a CPU
-        one short request (a full pass would double a run)."""
-        for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
-            warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
-            if len(warm) > n:
-                raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+    @contextlib.contextmanager
+    def _warm_worker(self, system: System, prompts: list[list[int]], device: str):
+        """A fresh worker of ``system`` in its own sandbox, closed (and the sandbox killed) on exit.
+
+        It first answers the untimed warm-up requests: lazy initialisation in a fresh process is not
+        the system's speed. On a GPU that is every request's length in full (CUDA graphs are captured
+        per step shape and context bucket on first use: ~15% trial-to-trial noise when timed, H200
+        2026-11-30); on a CPU one short request (a full pass would double a run)."""
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp), device) as sbx:
+            try:
+                worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
+                                ready_timeout_s=self.limits.wall_s)
+                try:
+                    for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+                        warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+                        if len(warm) > n:
+                            raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+                    yield worker
+                finally:
+                    worker.close()
+            finally:
+                self._active.pop(id(sbx), None)
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:
@@ -314,15 +319,9 @@ class Evaluator:
         with contextlib.ExitStack() as stack:
             try:
                 for who in order:  # start and warm up each worker alone, the other paused
-                    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="sp-sbx-"))
-                    sbx = stack.enter_context(self.sandbox(systems[who].commit, Path(tmp)))
-                    stack.callback(self._active.pop, id(sbx), None)
                     for other in workers.values():
                         other.sandbox.pause()
-                    workers[who] = stack.enter_context(contextlib.closing(
-                        Worker(sbx, self.python, self.deployment, systems[who].options, device=self.device,
-                               ready_timeout_s=self.limits.wall_s)))
-                    self._warm_up(workers[who], prompts, self.device)
+                    workers[who] = stack.enter_context(self._warm_worker(systems[who], prompts, self.device))
                 for i, p in enumerate(prompts):
                     for who in (order if i % 2 == 0 else order[::-1]):
                         for other, w in workers.items():
