@@ -14,6 +14,7 @@
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
+#           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 set -euo pipefail
 
 SITE=/tmp/site     # wheels installed with --target (no registry on the device)
@@ -113,6 +114,20 @@ for v in ("stock", "fused", "fused_split64"):
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused" >&2
+  ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
+    shift
+    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
+    for case in "${@:-28672x4096:8 28672x4096:1 28672x4096:16}"; do
+      for c in $case; do
+        echo "=== $c" >> "$OUT/ncu.txt"
+        ncu --clock-control none -k regex:w12 --launch-skip 5 --launch-count 1 $S \
+          python3 bench/w12_profile.py "$c" --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || echo "ncu failed on $c" >> "$OUT/ncu.txt"
+      done
+    done
+    echo "=== torch 28672x4096:8" >> "$OUT/ncu.txt"
+    ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
+      python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
+    grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac

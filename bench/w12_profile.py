@@ -1,0 +1,83 @@
+"""Profile W12 launches with Nsight Compute: what bounds a configuration (one CUDA GPU).
+
+Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
+``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
+``NxK:M`` with an optional configuration key (``Config.key()``); without one ``pick_config``'s
+choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
+
+    ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
+        python bench/w12_profile.py 28672x4096:8 28672x4096:1
+
+``ncu`` is optional: without it the script prints the per-call time of each case (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.w12_bench import ShapeBench  # noqa: E402
+from kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+
+KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
+
+
+def parse_case(case: str) -> tuple[int, int, int, Config | None]:
+    """``NxK:M[:KEY]`` -> (n, k, m, config or None)."""
+    parts = case.split(":")
+    if len(parts) not in (2, 3) or "x" not in parts[0]:
+        raise SystemExit(f"a case is NxK:M[:CONFIG_KEY], got {case!r}")
+    n, k = map(int, parts[0].split("x"))
+    m = int(parts[1])
+    if len(parts) == 2:
+        return n, k, m, None
+    hit = KEY.fullmatch(parts[2])
+    if not hit:
+        raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")
+    kind, bm, bn, bj, split, warps, stages = hit.groups()
+    return n, k, m, Config(bm=int(bm), bn=int(bn), bj=int(bj), split=int(split), use_dot=kind == "dot",
+                           num_warps=int(warps), num_stages=int(stages))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="+", help="NxK:M[:CONFIG_KEY]")
+    ap.add_argument("--calls", type=int, default=8, help="calls per case (ncu's --launch-skip picks among them)")
+    ap.add_argument("--torch", action="store_true", help="also run torch bf16 linear on each case")
+    ap.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes cycled through (beyond L2)")
+    a = ap.parse_args(argv)
+    for case in a.cases:
+        n, k, m, cfg = parse_case(case)
+        bench = ShapeBench(n, k, a.min_bytes)
+        x = bench.x(m)
+        cfg = cfg or pick_config(m, n, k)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        for i in range(a.calls):
+            if i == a.calls - 1:
+                events[0].record()
+            w12_matmul(x, bench.p[i % bench.copies], cfg)
+        events[1].record()
+        torch.cuda.synchronize()
+        line = f"{case:28s} {cfg.key():36s} last call {events[0].elapsed_time(events[1]) * 1e3:8.1f} us"
+        if a.torch:
+            for i in range(a.calls):
+                if i == a.calls - 1:
+                    events[0].record()
+                torch.nn.functional.linear(x, bench.w[i % bench.copies])
+            events[1].record()
+            torch.cuda.synchronize()
+            line += f" | torch {events[0].elapsed_time(events[1]) * 1e3:8.1f} us"
+        print(line, flush=True)
+        del bench
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
