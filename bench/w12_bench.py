@@ -42,13 +42,19 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 # The tl.dot path at every M (rows past M are masked): wide tiles (BN up to 256) reuse each warp's x
 # operand over more weight rows (2.4 instructions a weight at BN = 256, BJ = 32, against 3.9 at
 # 32 x 256: sm_90 SASS of Triton 3.9 here), with split-K giving the small grids their programs back.
-DOT_TILES = ((32, 256, 3), (64, 128, 3), (128, 64, 3), (128, 64, 4), (256, 32, 3), (256, 32, 4), (128, 32, 4))
+# Nsight Compute on 2026-12-01 (README.md): the 11-29 winner 32 x 256 at 3 stages stages 82 KB of
+# shared memory a program, so 2 programs (8 warps) fit an SM; DRAM ran at 58% of peak with 0.43
+# eligible warps a scheduler. Hence tiles with 1-2 stages (planes loaded straight to registers, or
+# one buffer ahead) and 8 warps, for more loads in flight. (bn, bj, stages, warps).
+DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
+             (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
+             (64, 256, 1, 8), (128, 128, 2, 8))
 
 
 def sweep_configs(m: int) -> list[Config]:
     """Candidates for batch ``m``: the tl.dot path, and the CUDA-core path for M <= 8."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    out = [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=st) for bn, bj, st in DOT_TILES]
+    out = [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st) for bn, bj, st, w in DOT_TILES]
     if m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):

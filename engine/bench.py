@@ -9,7 +9,8 @@ Figures (all greedy, batch 1, one engine process):
   ``exp(mean log r)`` with a 95% t-interval. Also whether the outputs were identical.
 - Profile: one request through the system with timers around every module of a kernel class
   (attention core, q/k/v/o/gate/up/down linears, LM head, norms, embedding), the drafter, and host
-  overhead = step time minus all of those. CUDA uses events; the CPU uses the wall clock.
+  overhead = step time minus all of those. On CUDA a class's time is its kernels' device time (the
+  PyTorch profiler), so a launch-bound step shows up as host overhead; the CPU uses the wall clock.
 - CUDA graphs (``--cuda-graphs``): every shape a run needs is captured in an untimed warm-up pass
   over all the prompts; the end-to-end AR reference keeps the deployment's stock setting, so graphs
   count towards the speedup, while ``c(N)`` compares steps under the same setting. The per-module
@@ -187,13 +188,26 @@ def _decode_hooks(model: torch.nn.Module, enter, leave) -> list:
     return handles
 
 
+PROFILE_RANGE = "specpilot::"  # prefix of the profiler ranges `profile` opens around kernel classes
+
+
 def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
-    """Mean milliseconds per decode step spent in each kernel class, the drafter and the host."""
+    """Mean milliseconds per decode step spent in each kernel class, the drafter and the host.
+
+    On a CPU a class's time is the wall clock inside its modules. On a GPU it is the time its
+    kernels ran on the device (the PyTorch profiler's CUPTI records, summed over the kernels
+    launched inside the class's modules), not the time between CUDA events around the modules: in
+    a launch-bound eager step the device waits for the host, and events would count that wait as
+    the class's kernel time. Where the profiler records no kernels (no CUPTI), CUDA events are used."""
     device = engine.device
-    cuda = device.type == "cuda"
+    if device.type == "cuda":
+        out = _profile_device_kernels(engine, prompt, max_new)
+        if out is not None:
+            return out
     totals: dict[str, float] = defaultdict(float)
     pending: list[tuple[str, object, object]] = []
     starts: dict[int, object] = {}
+    cuda = device.type == "cuda"
 
     def enter(cls, mod):
         if cuda:
@@ -219,6 +233,55 @@ def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
             h.remove()
     for cls, a, b in pending:
         totals[cls] += a.elapsed_time(b) / 1e3
+    return _per_step(totals, r)
+
+
+def _profile_device_kernels(engine: Engine, prompt: list[int], max_new: int) -> dict | None:
+    """`profile` on a GPU from the profiler's kernel records; None when it recorded none."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    open_ranges: list = []
+
+    def enter(cls, mod):
+        rf = record_function(PROFILE_RANGE + cls)
+        rf.__enter__()
+        open_ranges.append(rf)
+
+    def leave(cls, mod):
+        open_ranges.pop().__exit__(None, None, None)
+
+    handles = _decode_hooks(engine.model, enter, leave)
+    try:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            r = engine.generate(prompt, max_new)
+            _sync(engine.device)
+    finally:
+        for h in handles:
+            h.remove()
+    totals: dict[str, float] = defaultdict(float)
+    kernels = 0
+    for e in prof.events():
+        # The host-side range (the profiler may also mirror it as a device-side annotation, which
+        # spans the device's idle gaps too); its device time sums the kernels launched inside it.
+        if e.name.startswith(PROFILE_RANGE) and e.device_type == torch.autograd.DeviceType.CPU:
+            totals[e.name[len(PROFILE_RANGE):]] += e.device_time_total / 1e6
+            kernels += sum(len(c.kernels) for c in [e, *_descendants(e)])
+    return _per_step(totals, r) if kernels else None
+
+
+def _descendants(event) -> list:
+    out, todo = [], list(event.cpu_children)
+    while todo:
+        e = todo.pop()
+        out.append(e)
+        todo.extend(e.cpu_children)
+    return out
+
+
+def _per_step(totals: dict[str, float], r) -> dict:
+    """Milliseconds per decode step: the classes' ``totals`` (seconds), the drafter, the host."""
     steps = max(1, r.steps)
     step_s = (sum(r.draft_s) + sum(r.verify_s)) / steps
     out = {k: 1e3 * v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -157,11 +158,20 @@ class KVCache(nn.Module):
         self.v[:, :, :, dst] = self.v[:, :, :, src]
 
 
+# SDPA backends on CUDA: every one but cuDNN's, which plans a kernel for each new shape (an eager
+# decode step attends over a new cache length each time). Measured on an H200, tiny model, eager
+# chain of 4: 131 ms a step with cuDNN allowed, 2.7 ms without (2026-12-01, NOTES.md).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class SDPA(nn.Module):
     """The attention core as a module, so hooks and profilers can time it apart from the linears."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 gqa: bool = True) -> Tensor:
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 

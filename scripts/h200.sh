@@ -70,10 +70,11 @@ case "${1:-}" in
     mkdir -p "$DATA"
     setsid nohup python3 -m specpilot.cli round --data "$DATA" --deployment smollm2-h200 --json --timeout 3000 "$@" \
       > "$DATA/round.log" 2>&1 < /dev/null &
+    echo $! > "$DATA/round.pid"
     sleep 5; tail -5 "$DATA/round.log" ;;
-  round-wait)  # follow the round until it ends or SECONDS pass; copy the results under $OUT
+  round-wait)  # follow the round until its command exits or SECONDS pass; copy the results under $OUT
     deadline=$(( $(date +%s) + ${2:-500} ))
-    while [ "$(date +%s)" -lt "$deadline" ] && ! grep -q '"final_over_stock"\|^error' "$DATA/round.log"; do sleep 10; done
+    while [ "$(date +%s)" -lt "$deadline" ] && kill -0 "$(cat "$DATA/round.pid")" 2>/dev/null; do sleep 5; done
     mkdir -p "$OUT/round"
     cp -r "$DATA/round.log" "$DATA"/rounds "$DATA"/logs "$OUT/round/" 2>/dev/null || true
     cp /tmp/noise-*.txt "$OUT/" 2>/dev/null || true

@@ -46,3 +46,20 @@ def test_cli_registers_bench_and_drafter_train():
     assert args.func.__name__ == "_bench" and args.opt_block_size == 2
     args = p.parse_args(["drafter", "train"])
     assert args.func.__name__ == "_drafter_train"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
+    """Eager steps of the tiny model on a GPU are launch-bound: the classes' device kernel time is
+    a small share of the step, the rest is host overhead (CUDA events would charge it to the classes)."""
+    from engine.api import load_engine
+
+    engine = load_engine("tiny-cuda", {})
+    prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+    engine.generate(prompt, 8)  # warm-up
+    prof = bench.profile(engine, prompt, 32)
+    kernel_ms = sum(v for k, v in prof.items() if k not in ("drafter", "host_overhead", "step_total"))
+    assert prof["q_proj"] > 0 and prof["norms"] > 0
+    assert kernel_ms < 0.5 * prof["step_total"], prof
+    assert prof["host_overhead"] > kernel_ms, prof
