@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (rounds on CPU use 1)")
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                     help="both workers of a trial alive, requests answered by both in turn (Evaluator.interleave; "
-                         "default: on for a CPU, off for a GPU)")
+                         "default: on for one device)")
     ap.add_argument("--options", type=json.loads, default={},
                     help='engine options of the system timed against itself, as JSON (default: stock)')
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")

@@ -204,6 +204,9 @@ class TimingMeasured(Event, frozen=True, kw_only=True, tag="timing.measured"):
     noise: float = 0.0
     requests: int = 0  # requests per run (each trial is two runs)
     wall_s: float = 0.0  # wall-clock seconds of the whole timing, worker starts included
+    interleaved: bool = False  # both workers alive in each trial, taking turns request by request
+    request_s: list[list[float]] = []  # seconds of each request, per run, in each trial's `order`
+    carryover: dict[str, float] = {}  # interleaved: effect, lower_bound, p_value (stats.carryover)
 
 
 class VerdictIssued(Event, frozen=True, kw_only=True, tag="verdict.issued"):

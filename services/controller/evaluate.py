@@ -70,6 +70,21 @@ class TrialResult:
     candidate_outputs: list[list[int]]
     problem: str = ""
     request_s: list[tuple[str, list[float]]] = field(default_factory=list)  # per run: (A or B, seconds a request)
+    carryover: stats.Carryover | None = None  # interleaved trials: does one system slow the next?
+
+    def per_trial_requests(self) -> list[tuple[str, list[float], list[float]]]:
+        """``(order, incumbent request seconds, candidate request seconds)`` per trial of one device."""
+        runs: dict[str, list[list[float]]] = {"A": [], "B": []}
+        for who, secs in self.request_s:
+            runs[who].append(secs)
+        return list(zip(self.order, runs["A"], runs["B"], strict=False))  # a failed trial's runs may be missing
+
+    def event_fields(self) -> dict:
+        """The `schema.TimingMeasured` fields of this timing (raw samples and the carry-over test)."""
+        return {"incumbent_s": self.incumbent_s, "candidate_s": self.candidate_s, "order": self.order,
+                "load": self.load, "request_s": [secs for _, secs in self.request_s],
+                "carryover": {k: getattr(self.carryover, k) for k in ("effect", "lower_bound", "p_value")}
+                if self.carryover else {}}
 
 
 @dataclass
@@ -85,9 +100,9 @@ class Evaluator:
     python: str = sys.executable
     # One device: both systems' fresh workers alive in each trial and every request answered by both
     # back to back (the idle one paused), instead of one whole run after the other (see `time`).
-    # None: on for a CPU (SIGSTOP stops all the idle one's work; stock-vs-stock noise 1.05% -> 0.51%
-    # at 8 trials, 2026-12-01), off for a GPU (a stopped process's queued kernels still run; not
-    # measured there yet).
+    # None: on for one device. Stock-vs-stock per-trial SD, 2026-12-01: CPU 8 trials 1.05% -> 0.51%
+    # noise; H200 graphs+fused 0.109-0.187 -> 0.058. A stopped process's queued GPU kernels still
+    # run, so every interleaved timing is checked for carry-over (`stats.carryover`).
     interleave: bool | None = None
 
     def __post_init__(self) -> None:
@@ -95,7 +110,7 @@ class Evaluator:
         self.devices = tuple(d.strip() for d in self.device.split(",") if d.strip())
         self.device = self.devices[0]
         if self.interleave is None:
-            self.interleave = len(self.devices) == 1 and self.device == "cpu"
+            self.interleave = len(self.devices) == 1
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -280,6 +295,12 @@ class Evaluator:
             res.candidate_s.append(times["B"])
             res.order.append(order if len(self.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
             res.load.append(os.getloadavg()[0])
+        if len(self.devices) < 2 and self.interleave:
+            res.carryover = stats.carryover(res.per_trial_requests())
+            if res.carryover is not None and res.carryover.suspect:
+                res.problem = (f"interleaved timing refused: the candidate slows the system timed after it "
+                               f"(carry-over worth {res.carryover.effect:+.2%} of gain, p = "
+                               f"{res.carryover.p_value:.1e}); time it with --no-interleave")
         return res
 
     def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
@@ -323,7 +344,8 @@ class Evaluator:
                         other.sandbox.pause()
                     workers[who] = stack.enter_context(self._warm_worker(systems[who], prompts, self.device))
                 for i, p in enumerate(prompts):
-                    for who in (order if i % 2 == 0 else order[::-1]):
+                    first = stats.first_in_request(order, i)
+                    for who in (first, order.replace(first, "")):
                         for other, w in workers.items():
                             (w.sandbox.resume if other == who else w.sandbox.pause)()
                         tokens, t = workers[who].generate(p, self.max_new_tokens, timeout=self.limits.wall_s)

@@ -213,9 +213,8 @@ class Controller:
         trial = await asyncio.to_thread(ev.time, best, candidate)
         timing = await self.emit(schema.TimingMeasured(
             patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
-            candidate_commit=candidate.commit, incumbent_s=trial.incumbent_s, candidate_s=trial.candidate_s,
-            order=trial.order, load=trial.load, noise=noise, requests=ev.n_requests,
-            wall_s=time.monotonic() - t0), patch)
+            candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=bool(ev.interleave),
+            wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
         if trial.problem:
             await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
                                                  noise=noise, timing_event_id=timing.event_id), patch)
@@ -357,9 +356,9 @@ class Controller:
                 raise RuntimeError(f"noise measurement failed: {trial.problem}")
             value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
             await self.emit(schema.TimingMeasured(kind="noise", device=self.device, incumbent_commit=best.commit,
-                                                  candidate_commit=best.commit, incumbent_s=trial.incumbent_s,
-                                                  candidate_s=trial.candidate_s, order=trial.order, load=trial.load,
-                                                  noise=value, requests=ev.n_requests, wall_s=wall_s), cause)
+                                                  candidate_commit=best.commit, noise=value, requests=ev.n_requests,
+                                                  interleaved=bool(ev.interleave), wall_s=wall_s,
+                                                  **trial.event_fields()), cause)
             self.state.noise[key] = value
             self.state.save(self.state_path)
         return self.state.noise[key]
@@ -409,7 +408,7 @@ def add_args(parser) -> None:
     parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="one device: both workers of a trial alive, each request answered by both in turn "
-                             "(default: on for a CPU, off for a GPU)")
+                             "(default: on for one device, checked for carry-over; off for two)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
     parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
     parser.add_argument("--threads", type=int, default=None,

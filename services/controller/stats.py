@@ -27,6 +27,18 @@ Contract (DESIGN §5, steps 4-5):
   `Decision` carries every statistic so the controller can put them all in a ``VerdictIssued``
   (`Decision.verdict_fields`).
 
+- **Carry-over** (`carryover`, interleaved trials only). Within an interleaved trial request ``i``
+  is answered by both systems back to back, in the trial's order for even ``i`` and reversed for
+  odd ``i`` (`first_in_request`), so after request 0 (which both answer right after the other's
+  warm-up) each system answers half its requests right after the other and half right after
+  itself. A system that slows whatever runs after it (GPU work it queued before its reply that
+  still runs while it is stopped, or caches it evicts) slows the other system's "after" requests
+  and not its own. Least squares over every request's log time, with a term per system and
+  request, one per trial, and one per system for "right after the other" (``c_A``, ``c_B``), gives
+  ``(c_A - c_B) / 2``, the gain the carry-over fakes, with a one-sided t-test; the timing is
+  ``suspect`` when ``p < CARRYOVER_P`` and the effect exceeds ``CARRYOVER_MIN``, and the
+  controller then refuses it rather than promote on it.
+
 What this module does not do: run trials, measure load, choose which runs count as noise runs,
 or publish anything. It trusts that the noise given was measured for the same deployment, device
 and number of trials as the estimate.
@@ -53,6 +65,8 @@ CHANGED_OUTPUTS_BAR = math.log(1.03)  # at least 3% when the candidate's outputs
 NOISE_MULTIPLIER = 2.0
 
 Verdict = Literal["promote", "reject"]
+CARRYOVER_P = 0.001  # an honest candidate is refused for carry-over in ~0.1% of experiments
+CARRYOVER_MIN = math.log(1.005)  # and only when it would fake more than 0.5%
 
 
 def abba_order(n_trials: int) -> list[str]:
@@ -60,6 +74,64 @@ def abba_order(n_trials: int) -> list[str]:
     if n_trials < 0:
         raise ValueError(f"n_trials must be >= 0, got {n_trials}")
     return ["AB" if i % 4 in (0, 3) else "BA" for i in range(n_trials)]
+
+
+def first_in_request(order: str, i: int) -> str:
+    """Who answers request ``i`` first in an interleaved trial whose order is ``order`` ("AB"/"BA")."""
+    return order[i % 2]
+
+
+@dataclass(frozen=True)
+class Carryover:
+    effect: float  # log units: the gain the candidate would fake by slowing what runs after it
+    lower_bound: float  # one-sided lower bound at 1 - CARRYOVER_P
+    p_value: float  # one-sided, H0: no more carry-over from the candidate than from the incumbent
+    n_requests: int
+
+    @property
+    def suspect(self) -> bool:
+        return self.p_value < CARRYOVER_P and self.effect > CARRYOVER_MIN
+
+
+def carryover(trials: Sequence[tuple[str, Sequence[float], Sequence[float]]]) -> Carryover | None:
+    """The carry-over test (module docstring) over interleaved trials ``[(order, incumbent request
+    seconds, candidate request seconds), ...]``; None when the design cannot tell.
+
+    Least squares on every request time: ``log t = system x request + trial + c_A after_A + c_B after_B``
+    (``after``: answered right after the other system); the effect is ``(c_A - c_B) / 2`` with its
+    t-test. The trial term absorbs a slow trial, the system x request term each request's length."""
+    if len(trials) < 2:
+        return None
+    n_req = min(min(len(a), len(b)) for _, a, b in trials)
+    n_tr = len(trials)
+    rows, y = [], []
+    n_cols = 2 * n_req + (n_tr - 1) + 2  # system x request, trials but the first, c_A, c_B
+    for t, (order, a, b) in enumerate(trials):
+        for i in range(n_req):
+            first = first_in_request(order, i)
+            for s_idx, (who, secs) in enumerate((("A", a), ("B", b))):
+                x = np.zeros(n_cols)
+                x[s_idx * n_req + i] = 1.0
+                if t:
+                    x[2 * n_req + t - 1] = 1.0
+                x[n_cols - 2 + s_idx] = float(i == 0 or first != who)  # ran right after the other
+                rows.append(x)
+                y.append(math.log(secs[i]))
+    X, Y = np.asarray(rows), np.asarray(y)
+    dof = X.shape[0] - n_cols
+    if n_req < 2 or dof < 2 or np.linalg.matrix_rank(X) < n_cols:
+        return None  # some request never answered in both positions, or too few times
+    beta, *_ = np.linalg.lstsq(X, Y, rcond=None)
+    resid = Y - X @ beta
+    sigma2 = float(resid @ resid) / dof
+    contrast = np.zeros(n_cols)
+    contrast[-2:] = (0.5, -0.5)
+    effect = float(contrast @ beta)
+    se = math.sqrt(max(0.0, sigma2 * float(contrast @ np.linalg.pinv(X.T @ X) @ contrast)))
+    if se == 0.0:
+        return Carryover(effect, effect, 0.0 if effect > 0 else 1.0, n_req)
+    p = float(sps.t.sf(effect / se, dof))
+    return Carryover(effect, effect - _t_quantile(1 - CARRYOVER_P, dof) * se, p, n_req)
 
 
 @lru_cache(maxsize=1024)

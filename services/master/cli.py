@@ -57,7 +57,7 @@ def add_commands(sub) -> None:
     p.add_argument("--device", default="cpu", help="device the controller times on")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="controller timing: both workers of a trial alive, taking turns request by request "
-                        "(default: on for one CPU, off for GPUs; only when this command starts the controller)")
+                        "(default: on for one device; only when this command starts the controller)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the round before giving up")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.set_defaults(func=cmd_round)

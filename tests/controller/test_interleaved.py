@@ -54,10 +54,40 @@ def test_each_request_is_answered_by_both_systems_in_turn(tmp_path):
     assert all(len(ts) == 3 and all(t > 0 for t in ts) for _, ts in res.request_s)
     assert res.candidate_outputs == ev.reference(stock)  # greedy tree verification is exact
     assert res.incumbent_s[0] == pytest.approx(sum(res.request_s[0][1]))
+    assert res.carryover is not None and not res.carryover.suspect  # honest systems
+    fields = res.event_fields()
+    assert fields["request_s"] == [ts for _, ts in res.request_s] and set(fields["carryover"]) == {
+        "effect", "lower_bound", "p_value"}
 
 
-def test_interleaving_is_on_by_default_for_one_cpu_only(tmp_path):
+# After each reply the candidate leaves 0.5 s of GPU work queued on a side stream: it runs while the
+# candidate is stopped, during the incumbent's next request (a stopped process's kernels still run).
+QUEUE_GPU_WORK = """
+import torch as _t
+if _t.cuda.is_available():
+    _s = globals().setdefault("_probe_stream", _t.cuda.Stream())
+    with _t.cuda.stream(_s):
+        _t.cuda._sleep(int(1e9))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_work_left_queued_for_the_next_system_is_caught(tmp_path):
+    from tests.controller.patches import worker_patch
+
+    ev = Evaluator(tmp_path, "tiny-cuda", device="cuda", n_requests=4, max_new_tokens=16, trials=4,
+                   limits=Limits(wall_s=120.0))
+    assert ev.interleave
+    stock = System(ev.prepare())
+    commit = ev.systems.apply(stock.commit, worker_patch(before_reply=QUEUE_GPU_WORK), "queue gpu work")
+    res = ev.time(stock, System(commit))
+    assert res.carryover is not None and res.carryover.effect > 0.05, res.carryover
+    assert "carry-over" in res.problem
+
+
+def test_interleaving_is_on_by_default_for_one_device_only(tmp_path):
     assert Evaluator(tmp_path / "a", "tiny-cpu").interleave is True
-    assert Evaluator(tmp_path / "b", "tiny-cpu", device="cuda:0").interleave is False  # not measured on GPUs
+    assert Evaluator(tmp_path / "b", "tiny-cpu", device="cuda:0").interleave is True  # checked for carry-over
     assert Evaluator(tmp_path / "c", "tiny-cpu", device="cpu, cpu").interleave is False  # two devices: both at once
     assert Evaluator(tmp_path / "d", "tiny-cpu", interleave=False).interleave is False

@@ -203,3 +203,46 @@ def test_decision_fills_a_verdict_event():
     assert back.decision == "promote" and back.gain == pytest.approx(d.gain) and back.bar == d.bar
     assert back.n_trials == stats.DEFAULT_TRIALS and back.ceiling == 3.0 and back.noise == d.noise
     assert set(d.as_dict()) >= {"gain", "lower_bound", "upper_bound", "std_err", "bar", "noise", "speedup"}
+
+
+# --- carry-over between interleaved runs ------------------------------------------------------------
+
+def _interleaved(rng: np.random.Generator, n_trials: int, n_req: int, slowdown: float, req_sigma: float = 0.05,
+                 trial_sd: float = 0.1, outlier_p: float = 0.05) -> list[tuple[str, list[float], list[float]]]:
+    """Request times of interleaved trials; the candidate slows the incumbent's requests that follow it by
+    ``slowdown`` (request 0 always follows the candidate's warm-up)."""
+    base = rng.uniform(0.05, 0.2, n_req)
+    trials = []
+    for order in stats.abba_order(n_trials):
+        shared = math.exp(rng.normal(0.0, trial_sd))
+
+        def noisy(i, shared=shared):
+            return base[i] * shared * math.exp(rng.normal(0.0, req_sigma)) * (1.3 if rng.random() < outlier_p else 1.0)
+
+        a = [noisy(i) * ((1 + slowdown) if i == 0 or stats.first_in_request(order, i) == "B" else 1.0)
+             for i in range(n_req)]
+        trials.append((order, a, [noisy(i) for i in range(n_req)]))
+    return trials
+
+
+def test_first_in_request_alternates_within_a_trial():
+    assert [stats.first_in_request("AB", i) for i in range(4)] == ["A", "B", "A", "B"]
+    assert [stats.first_in_request("BA", i) for i in range(4)] == ["B", "A", "B", "A"]
+
+
+def test_carryover_rarely_flags_honest_systems_and_catches_one_that_slows_the_next():
+    rng = np.random.default_rng(7)
+    honest = [stats.carryover(_interleaved(rng, 6, 4, 0.0)) for _ in range(N_EXPERIMENTS)]
+    assert sum(c.suspect for c in honest) / N_EXPERIMENTS <= 0.005
+    assert abs(np.mean([c.effect for c in honest])) < 0.003
+    hack = [stats.carryover(_interleaved(rng, 6, 4, 0.5)) for _ in range(N_EXPERIMENTS)]
+    assert sum(c.suspect for c in hack) / N_EXPERIMENTS >= 0.95
+    # the effect is the gain the slowdown fakes: half the incumbent's requests, log(1.5) each
+    assert np.mean([c.effect for c in hack]) == pytest.approx(math.log(1.5) / 2, rel=0.1)
+
+
+def test_carryover_needs_both_positions_and_several_requests():
+    rng = np.random.default_rng(0)
+    assert stats.carryover(_interleaved(rng, 1, 4, 0.0)) is None  # one trial: each request in one position
+    assert stats.carryover(_interleaved(rng, 4, 1, 0.0)) is None  # one request
+    assert stats.carryover([]) is None
