@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -59,7 +60,7 @@ def main() -> None:
     with console.status("preparing stock"):
         stock = System(ev.prepare(), options_from_dict(args.options).changed())
         ev.reference(stock)
-    runs, seconds = [], []
+    runs, seconds, carryovers = [], [], []
     for i in range(args.runs):
         with console.status(f"stock vs stock, run {i + 1}/{args.runs} ({args.trials} trials)"):
             t0 = time.perf_counter()
@@ -68,6 +69,7 @@ def main() -> None:
         if trial.problem:
             raise SystemExit(f"timing failed: {trial.problem}")
         runs.append((trial.incumbent_s, trial.candidate_s))
+        carryovers.append(trial.carryover)
         # one line per finished run, so a run cut short by a time limit still leaves its figures; the
         # per-request seconds of every worker tell jitter between requests from a slow worker
         console.print(json.dumps({"run": i + 1, "seconds": round(seconds[-1], 1),
@@ -87,6 +89,12 @@ def main() -> None:
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),
               "seconds_per_trial": sum(seconds) / (args.runs * args.trials),
               "seconds_per_verdict": sum(seconds) / args.runs}
+    # The target (noise <= 1% within 10 minutes a verdict), extrapolated from this design:
+    # the gain's SD falls as 1 / sqrt(trials).
+    result["trials_for_1pct"] = math.ceil((noise.per_trial_sd / 0.01) ** 2)
+    result["minutes_for_1pct"] = result["trials_for_1pct"] * result["seconds_per_trial"] / 60
+    carry = [c for c in carryovers if c is not None]
+    result["carryover_effects"] = [c.effect for c in carry]
     table = Table(title=f"same system vs itself on {args.deployment} ({args.device}, options {stock.options or 'stock'})")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -95,6 +103,9 @@ def main() -> None:
     table.add_row("gains of the stock-vs-stock runs", ", ".join(f"{g:+.4f}" for g in gains))
     table.add_row("false promotions", f"{result['false_promotions']} / {args.runs}")
     table.add_row("seconds per trial / per verdict", f"{result['seconds_per_trial']:.1f} / {result['seconds_per_verdict']:.0f}")
+    table.add_row("trials / minutes a verdict for 1% noise", f"{result['trials_for_1pct']} / {result['minutes_for_1pct']:.1f}")
+    if carry:
+        table.add_row("carry-over effect (interleaved)", ", ".join(f"{c.effect:+.4f} (p {c.p_value:.2f})" for c in carry))
     Console().print(table)
     print(json.dumps(result))
 

@@ -25,6 +25,7 @@ a profiler can time it. This module knows nothing about tokenizers, drafters or 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -158,9 +159,11 @@ class KVCache(nn.Module):
         self.v[:, :, :, dst] = self.v[:, :, :, src]
 
 
-# SDPA backends on CUDA: every one but cuDNN's, which plans a kernel for each new shape (an eager
-# decode step attends over a new cache length each time). Measured on an H200, tiny model, eager
-# chain of 4: 131 ms a step with cuDNN allowed, 2.7 ms without (2026-12-01, NOTES.md).
+# SDPA backends of the eager forward on CUDA (set once a forward, `Transformer._sdpa_backends`;
+# entering the context costs ~10 us): every one but cuDNN's, which plans a kernel for each new
+# shape, and an eager decode step attends over a new cache length each time. On an H200, tiny
+# model, eager chain of 4: 131 ms a step with cuDNN allowed, 2.7 ms without (2026-12-01,
+# docs/FIGURES.md). `forward_static` keeps cuDNN: each captured graph has one length.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -169,9 +172,6 @@ class SDPA(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 gqa: bool = True) -> Tensor:
-        if q.is_cuda:
-            with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
@@ -299,8 +299,9 @@ class Transformer(nn.Module):
         if positions.ndim == 2:  # per-row positions: broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, start, attn_mask, causal)
+        with self._sdpa_backends():
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, start, attn_mask, causal)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return logits, hidden
@@ -327,10 +328,13 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(self.dtype)
         sin = self.rope_sin[positions].to(self.dtype)
         x = self.embed(tokens)
-        for layer in self.layers:
+        for layer in self.layers:  # cuDNN allowed: one length per captured graph, planned once
             x = layer(x, cos, sin, cache, step, None, False)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
+
+    def _sdpa_backends(self):
+        return sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _attention_mask(self, T: int, start: int, mask: Tensor | None) -> tuple[Tensor | None, bool]:
         """(boolean mask [T, start+T] or None, is_causal) for SDPA; built once per forward."""
