@@ -10,7 +10,9 @@
   tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies),
   the operator launches per step of each kernel class (`engine.bench.launches`), and the same
   chain replay for every other drafter of the target with its draft time (`alternative_drafters`),
-  so the planner can predict a switch of drafter before timing it.
+  and for the system's own drafter under other settings (``ALTERNATIVE_SETTINGS``, keyed
+  ``option=value``), so the planner can predict a switch of drafter, or of its setting, before
+  timing it.
 
 The timing worker serves `measure` (``engine.worker``); nothing here decides anything.
 """
@@ -39,6 +41,8 @@ def matched_depth(candidates, truth: list[int]) -> int:
 
 HIDDEN_READERS = ("parallel", "eagle")  # drafters that read the target's hidden state before the root
 ALTERNATIVE_DRAFTERS = ("ngram", "parallel", "eagle")  # replayed beside the system's own (`measure`)
+# Settings of a drafter replayed beside the system's own value: (drafter, option) -> values.
+ALTERNATIVE_SETTINGS = {("ngram", "ngram_min_match"): (1, 2, 3)}
 
 
 class Replay:
@@ -52,11 +56,18 @@ class Replay:
         self._drafters: dict[str, object] = {}
 
     def drafter(self, name: str):
-        """The named drafter (with the engine's other options), reset; None for "none"."""
+        """The named drafter, reset; None for "none". ``name`` is a drafter (with the engine's other
+        options) or ``option=value``: the engine's own drafter with that option changed."""
         from engine.drafters import make_drafter
 
         if name not in self._drafters:
-            self._drafters[name] = make_drafter(self.engine.options.replace(drafter=name), self.engine.model)
+            opts = self.engine.options
+            if "=" in name:
+                option, value = name.split("=", 1)
+                opts = opts.replace(**{option: type(getattr(opts, option))(value)})
+            else:
+                opts = opts.replace(drafter=name)
+            self._drafters[name] = make_drafter(opts, self.engine.model)
         proposer = self._drafters[name]
         if proposer is not None:
             proposer.reset()
@@ -65,7 +76,7 @@ class Replay:
     @torch.no_grad()
     def last_hidden(self, name: str, p: int) -> torch.Tensor | None:
         """What drafter ``name`` is given at output position ``p``: the hidden state before the root."""
-        if name not in HIDDEN_READERS:
+        if (self.engine.options.drafter if "=" in name else name) not in HIDDEN_READERS:
             return None
         if self._hidden is None:
             engine, seq = self.engine, [*self.prompt, *self.output]
@@ -101,8 +112,10 @@ class Replay:
         return (time.perf_counter() - t0) / calls if calls else 0.0
 
     def alternative_drafters(self, depth: int = 16) -> dict[str, dict]:
-        """For every other drafter this target has: its chain's matched depths on the same output and its
-        draft time at the engine's block size (what the planner needs to predict switching to it)."""
+        """For every other drafter this target has, and for the engine's drafter under each other value
+        of its ``ALTERNATIVE_SETTINGS`` (keyed ``option=value``): the chain's matched depths on the same
+        output and the draft time at the engine's block size (what the planner needs to predict the
+        switch)."""
         out: dict[str, dict] = {}
         for name in ALTERNATIVE_DRAFTERS:
             if name == self.engine.options.drafter:
@@ -112,6 +125,15 @@ class Replay:
                              "draft_s": self.draft_seconds(name, max(1, self.engine.options.block_size))}
             except (FileNotFoundError, ValueError) as exc:  # no weights for this target, another target's file
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        opts = self.engine.options
+        for (drafter, option), values in ALTERNATIVE_SETTINGS.items():
+            if opts.drafter != drafter:
+                continue
+            for value in values:
+                if value != getattr(opts, option):
+                    name = f"{option}={value}"
+                    out[name] = {"chain_depths": self.depths(name, depth, 1),
+                                 "draft_s": self.draft_seconds(name, max(1, opts.block_size))}
         return out
 
 

@@ -174,7 +174,7 @@ def kernel_time_s(measured_s: float, floor_s: float, launch_cost_s: float) -> fl
 
 # --- predictions for planning ---------------------------------------------------------------------
 
-PREDICTABLE = ("block_size", "verify", "tree_nodes", "drafter")
+PREDICTABLE = ("block_size", "verify", "tree_nodes", "drafter", "ngram_min_match")
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,8 @@ class StepModel:
 
 def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
     """Predicted speedup of setting ``option`` to ``value`` over the current system, or None when the
-    model cannot say (another drafter, a kernel or overhead mechanism, ...).
+    model cannot say (a tree of another drafter, a kernel or overhead mechanism, a drafter setting
+    that was not replayed, ...).
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
     ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults)."""
@@ -231,6 +232,13 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
         if tree or new.get("drafter") not in model.drafters:
             return None  # only chains of replayed drafters are predicted
         return model.drafter_speedup(new["drafter"], n) / model.current
+    if option not in ("block_size", "verify", "tree_nodes"):
+        # A setting of the same drafter (replayed as "option=value"): same verification and about the
+        # same draft cost, so the gain is the ratio of the two chains' replayed tau at this length.
+        key = f"{option}={value}"
+        if tree or key not in model.drafters:
+            return None
+        return _at_budget(model.drafters[key][0], n) / model.replay_tau(n, chain=True)
     return model.speedup(n, chain=not tree) / model.current
 
 

@@ -7,8 +7,9 @@ The offline planner (``rules``) works in this order:
 2. option sweeps, grouped by the factor they attack, largest factor first, skipping option values
    already tried on this deployment and options the engine does not have; on a GPU the overhead
    and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
-   Values the cost model can judge (``predict``: draft length, tree size) are kept only when it
-   predicts a gain; timing a candidate costs minutes, predicting it nothing;
+   Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
+   drafter setting) are kept only when it predicts a gain; timing a candidate costs minutes,
+   predicting it nothing;
 3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
 One direction per free device per wave. A direction is a `Direction` (the master publishes it as
 ``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.

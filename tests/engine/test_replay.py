@@ -71,4 +71,10 @@ def test_other_drafters_are_replayed_on_the_same_output(tiny):
     # the tiny target has no trained neural drafters: said, not hidden
     assert "no parallel drafter weights" in others["parallel"]["error"]
     assert set(others) == {"ngram", "parallel", "eagle"}
-    assert "ngram" not in alternative_drafters(ngram, prompt, output, depth=4)
+    own = alternative_drafters(ngram, prompt, output, depth=4)
+    assert "ngram" not in own
+    # the n-gram drafter's other min_match values, replayed as that setting
+    assert set(own) == {"parallel", "eagle", "ngram_min_match=1", "ngram_min_match=3"}
+    loose = make_engine(tiny, drafter="ngram", block_size=4, ngram_min_match=1)
+    assert own["ngram_min_match=1"]["chain_depths"] == matched_depths(loose, prompt, output, depth=4, nodes=1)
+    assert own["ngram_min_match=1"]["draft_s"] > 0

@@ -151,6 +151,18 @@ def test_another_drafter_is_predicted_from_its_replay_and_draft_time():
     assert cm.predicted_gain(model, "block_size", 2, {"drafter": "eagle"}, stock) is not None
 
 
+def test_a_drafter_setting_is_predicted_from_its_own_replay():
+    # the n-gram drafter replayed with min_match 1 matches deeper at 4 drafts (2.2 against 1.9)
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={2: 1.8, 4: 2.0},
+                         chain_replay={2: 1.5, 4: 1.9},
+                         drafters={"ngram_min_match=1": ({2: 1.6, 4: 2.2}, 0.0003)})
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16, "ngram_min_match": 2}
+    assert cm.predicted_gain(model, "ngram_min_match", 1, {}, stock) == pytest.approx(2.2 / 1.9)
+    assert cm.predicted_gain(model, "ngram_min_match", 1, {"block_size": 2}, stock) == pytest.approx(1.6 / 1.5)
+    assert cm.predicted_gain(model, "ngram_min_match", 3, {}, stock) is None  # not replayed
+    assert cm.predicted_gain(model, "ngram_min_match", 1, {"verify": "tree"}, stock) is None
+
+
 def test_chains_are_predicted_from_the_first_candidate():
     model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={2: 1.8, 4: 2.0},
                          chain_replay={2: 1.5, 4: 1.9})
