@@ -264,6 +264,9 @@ class RoundDriver:
             entries = reply.get("entries", [])
         except bus.BusError:
             entries = []
+        # An entry this deployment's own promotion taught is in its best system already (12-01: one
+        # was re-applied in the same round, a wasted wave).
+        applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
         predict = None
         profiles = [p for p in await self.ledger.round_events(self.round_id, "profile.measured") if p.step_s > 0]  # type: ignore[attr-defined]
         if profiles:

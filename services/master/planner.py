@@ -80,6 +80,12 @@ class History:
     llm_directions: int = 0
 
 
+def entries_in_lineage(entries: list[dict[str, Any]], advanced_event_ids: set[str]) -> set[str]:
+    """Ids of the entries learned from a promotion of this deployment (their evidence holds one of its
+    ``BestAdvanced`` event ids): the deployment's best system already contains them."""
+    return {e["entry_id"] for e in entries if advanced_event_ids & set(e.get("evidence", []))}
+
+
 def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
          known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
          devices: int = 1, predict: Callable[[str, Any, dict[str, Any]], float | None] | None = None,

@@ -117,3 +117,13 @@ def test_fit_to_budget_cuts_sweeps_to_what_fits():
     assert cut.hints["values"] == [2, 6] and cut.title == "sweep block_size over [2, 6]"
     assert planner.fit_to_budget([sweep, llm], remaining_s=99, candidate_s=100) == []
     assert planner.fit_to_budget([llm], remaining_s=150, candidate_s=100) == [llm]
+
+
+def test_entries_taught_by_this_deployments_promotions_are_not_applied_again():
+    entries = [{"entry_id": "entry-own", "evidence": ["patch-1", "timing-1", "verdict-1", "advanced-1"]},
+               {"entry_id": "entry-other", "evidence": ["patch-9", "advanced-9"]}]
+    applied = planner.entries_in_lineage(entries, {"advanced-1", "advanced-2"})
+    assert applied == {"entry-own"}
+    dirs = planner.plan(factors={"tau": 1.2}, facts={"device_kind": "cpu"}, best_options={}, known_options=set(),
+                        entries=entries, history=planner.History(applied_entries=frozenset(applied)))
+    assert [d.memory_entry_id for d in dirs] == ["entry-other"]
