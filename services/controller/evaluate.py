@@ -109,8 +109,8 @@ class Evaluator:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (see `time`).
         self.devices = tuple(d.strip() for d in self.device.split(",") if d.strip())
         self.device = self.devices[0]
-        if self.interleave is None:
-            self.interleave = len(self.devices) == 1
+        # two devices run both systems at once: nothing to interleave
+        self.interleave = len(self.devices) == 1 and self.interleave is not False
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -257,21 +257,27 @@ class Evaluator:
                         "at the end")
         return ""
 
-    def time(self, incumbent: System, candidate: System, trials: int | None = None) -> TrialResult:
+    def time(self, incumbent: System, candidate: System, trials: int | None = None,
+             interleave: bool | None = None) -> TrialResult:
         """Paired trials; stops early with ``problem`` set when a system misbehaves.
 
         One device: interleaved ABBA, one system at a time; with ``interleave``, ABBA within the
         trial too, request by request (a slowdown of the machine that lasts a few requests then
         falls on both systems). Two devices: each trial runs both systems at once (A on the first
         device, B on the second), then again with the devices swapped; a system's trial time is the
-        sum of its two runs, so a faster device favours neither."""
+        sum of its two runs, so a faster device favours neither.
+
+        ``interleave`` overrides the evaluator's setting for this timing. An interleaved timing
+        carries its carry-over test (`stats.carryover`); the caller decides what a suspect one means
+        (the controller times again without interleaving)."""
+        interleave = self.interleave if interleave is None else interleave
         prompts, reference = self.prompts(), self.reference(incumbent)
         res = TrialResult([], [], [], [], [])
         first_candidate: list[list[int]] | None = None
         systems = {"A": incumbent, "B": candidate}
         for order in stats.abba_order(trials or self.trials):
             times: dict[str, float] = {"A": 0.0, "B": 0.0}
-            for who, outs, secs, failure in self._trial_runs(order, systems, prompts):
+            for who, outs, secs, failure in self._trial_runs(order, systems, prompts, interleave):
                 if failure is not None:
                     res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {failure}"
                     return res
@@ -295,17 +301,13 @@ class Evaluator:
             res.candidate_s.append(times["B"])
             res.order.append(order if len(self.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
             res.load.append(os.getloadavg()[0])
-        if len(self.devices) < 2 and self.interleave:
+        if len(self.devices) < 2 and interleave:
             res.carryover = stats.carryover(res.per_trial_requests())
-            if res.carryover is not None and res.carryover.suspect:
-                res.problem = (f"interleaved timing refused: the candidate slows the system timed after it "
-                               f"(carry-over worth {res.carryover.effect:+.2%} of gain, p = "
-                               f"{res.carryover.p_value:.1e}); time it with --no-interleave")
         return res
 
-    def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
+    def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]], interleave: bool):
         """(who, outputs, seconds, failure) of each run of one trial, in ``order``."""
-        if len(self.devices) < 2 and self.interleave:
+        if len(self.devices) < 2 and interleave:
             yield from self._interleaved_runs(order, systems, prompts)
             return
         if len(self.devices) < 2:

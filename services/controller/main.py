@@ -209,12 +209,22 @@ class Controller:
                                                  noise=noise), patch)
             return
 
-        t0 = time.monotonic()
-        trial = await asyncio.to_thread(ev.time, best, candidate)
-        timing = await self.emit(schema.TimingMeasured(
-            patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
-            candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=bool(ev.interleave),
-            wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
+        interleave = ev.interleave
+        while True:
+            t0 = time.monotonic()
+            trial = await asyncio.to_thread(ev.time, best, candidate, None, interleave)
+            timing = await self.emit(schema.TimingMeasured(
+                patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
+                candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=interleave,
+                wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
+            if trial.problem or trial.carryover is None or not trial.carryover.suspect:
+                break
+            # The candidate slows whatever runs after it (work it leaves queued on the device while
+            # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
+            # a worker that exits before the other starts, cannot carry over.
+            log.warning("patch %s: carry-over %+.4f (p %.1e) in the interleaved timing; timing again run by run",
+                        patch.patch_id, trial.carryover.effect, trial.carryover.p_value)
+            interleave = False
         if trial.problem:
             await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
                                                  noise=noise, timing_event_id=timing.event_id), patch)

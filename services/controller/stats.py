@@ -37,7 +37,8 @@ Contract (DESIGN §5, steps 4-5):
   request, one per trial, and one per system for "right after the other" (``c_A``, ``c_B``), gives
   ``(c_A - c_B) / 2``, the gain the carry-over fakes, with a one-sided t-test; the timing is
   ``suspect`` when ``p < CARRYOVER_P`` and the effect exceeds ``CARRYOVER_MIN``, and the
-  controller then refuses it rather than promote on it.
+  controller then times the pair again run by run (a worker exits before the other starts, so
+  nothing can carry over) rather than promote on it.
 
 What this module does not do: run trials, measure load, choose which runs count as noise runs,
 or publish anything. It trusts that the noise given was measured for the same deployment, device
@@ -65,7 +66,7 @@ CHANGED_OUTPUTS_BAR = math.log(1.03)  # at least 3% when the candidate's outputs
 NOISE_MULTIPLIER = 2.0
 
 Verdict = Literal["promote", "reject"]
-CARRYOVER_P = 0.001  # an honest candidate is refused for carry-over in ~0.1% of experiments
+CARRYOVER_P = 0.001  # an honest candidate is timed again (run by run) for carry-over in ~0.1% of experiments
 CARRYOVER_MIN = math.log(1.005)  # and only when it would fake more than 0.5%
 
 

@@ -73,21 +73,20 @@ if _t.cuda.is_available():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_work_left_queued_for_the_next_system_is_caught(tmp_path):
+def test_gpu_work_left_queued_for_the_next_system_is_caught_and_timed_again_run_by_run(tmp_path):
+    import asyncio
+
+    from services.controller.main import Controller
+    from specpilot import schema
     from tests.controller.patches import worker_patch
 
-    ev = Evaluator(tmp_path, "tiny-cuda", device="cuda", n_requests=4, max_new_tokens=16, trials=4,
-                   limits=Limits(wall_s=120.0))
-    assert ev.interleave
-    stock = System(ev.prepare())
-    commit = ev.systems.apply(stock.commit, worker_patch(before_reply=QUEUE_GPU_WORK), "queue gpu work")
-    res = ev.time(stock, System(commit))
-    assert res.carryover is not None and res.carryover.effect > 0.05, res.carryover
-    assert "carry-over" in res.problem
-
-
-def test_interleaving_is_on_by_default_for_one_device_only(tmp_path):
-    assert Evaluator(tmp_path / "a", "tiny-cpu").interleave is True
-    assert Evaluator(tmp_path / "b", "tiny-cpu", device="cuda:0").interleave is True  # checked for carry-over
-    assert Evaluator(tmp_path / "c", "tiny-cpu", device="cpu, cpu").interleave is False  # two devices: both at once
-    assert Evaluator(tmp_path / "d", "tiny-cpu", interleave=False).interleave is False
+    kw = {"n_requests": 4, "max_new_tokens": 16, "trials": 4, "limits": Limits(wall_s=120.0)}
+    ctl = Controller(tmp_path, None, device="cuda", evaluator_kw=kw)
+    patch = schema.PatchProposed(direction_id="test", patch_id="queue-gpu-work", diff=worker_patch(
+        before_reply=QUEUE_GPU_WORK), options={}, deployment="tiny-cuda", source="subagent")
+    asyncio.run(ctl.handle_patch(patch))
+    timings = [e for e in ctl.events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate"]
+    assert [t.interleaved for t in timings] == [True, False], timings
+    assert timings[0].carryover["effect"] > 0.05 and timings[0].carryover["p_value"] < 0.001
+    assert not timings[1].carryover  # whole runs: no carry-over test, none possible
+    assert any(isinstance(e, schema.VerdictIssued) for e in ctl.events)
