@@ -200,14 +200,12 @@ def profile(engine: Engine, prompt: list[int], max_new: int) -> dict:
     a launch-bound eager step the device waits for the host, and events would count that wait as
     the class's kernel time. Where the profiler records no kernels (no CUPTI), CUDA events are used."""
     device = engine.device
-    if device.type == "cuda":
-        out = _profile_device_kernels(engine, prompt, max_new)
-        if out is not None:
-            return out
+    cuda = device.type == "cuda"
+    if cuda and (out := _profile_device_kernels(engine, prompt, max_new)) is not None:
+        return out
     totals: dict[str, float] = defaultdict(float)
     pending: list[tuple[str, object, object]] = []
     starts: dict[int, object] = {}
-    cuda = device.type == "cuda"
 
     def enter(cls, mod):
         if cuda:
@@ -261,23 +259,12 @@ def _profile_device_kernels(engine: Engine, prompt: list[int], max_new: int) -> 
         for h in handles:
             h.remove()
     totals: dict[str, float] = defaultdict(float)
-    kernels = 0
     for e in prof.events():
         # The host-side range (the profiler may also mirror it as a device-side annotation, which
         # spans the device's idle gaps too); its device time sums the kernels launched inside it.
         if e.name.startswith(PROFILE_RANGE) and e.device_type == torch.autograd.DeviceType.CPU:
             totals[e.name[len(PROFILE_RANGE):]] += e.device_time_total / 1e6
-            kernels += sum(len(c.kernels) for c in [e, *_descendants(e)])
-    return _per_step(totals, r) if kernels else None
-
-
-def _descendants(event) -> list:
-    out, todo = [], list(event.cpu_children)
-    while todo:
-        e = todo.pop()
-        out.append(e)
-        todo.extend(e.cpu_children)
-    return out
+    return _per_step(totals, r) if any(totals.values()) else None
 
 
 def _per_step(totals: dict[str, float], r) -> dict:

@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.device and torch.device(args.device).type == "cuda" and torch.device(args.device).index is not None:
+        device = torch.device(args.device) if args.device else None
+        if device is not None and device.type == "cuda" and device.index is not None:
             # Libraries that launch on "the current device" (Triton, cuBLAS handles) must find this
             # one; a plain "cuda" is the current device already (and set_device refuses it).
-            torch.cuda.set_device(torch.device(args.device))
+            torch.cuda.set_device(device)
 
         options = json.loads(args.options)
         if not isinstance(options, dict):

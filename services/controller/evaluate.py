@@ -270,7 +270,7 @@ class Evaluator:
         ``interleave`` overrides the evaluator's setting for this timing. An interleaved timing
         carries its carry-over test (`stats.carryover`); the caller decides what a suspect one means
         (the controller times again without interleaving)."""
-        interleave = self.interleave if interleave is None else interleave
+        interleave = (self.interleave if interleave is None else interleave) and len(self.devices) < 2
         prompts, reference = self.prompts(), self.reference(incumbent)
         res = TrialResult([], [], [], [], [])
         first_candidate: list[list[int]] | None = None
@@ -301,13 +301,13 @@ class Evaluator:
             res.candidate_s.append(times["B"])
             res.order.append(order if len(self.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
             res.load.append(os.getloadavg()[0])
-        if len(self.devices) < 2 and interleave:
+        if interleave:
             res.carryover = stats.carryover(res.per_trial_requests())
         return res
 
     def _trial_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]], interleave: bool):
         """(who, outputs, seconds, failure) of each run of one trial, in ``order``."""
-        if len(self.devices) < 2 and interleave:
+        if interleave:
             yield from self._interleaved_runs(order, systems, prompts)
             return
         if len(self.devices) < 2:

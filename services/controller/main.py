@@ -367,7 +367,7 @@ class Controller:
             value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
             await self.emit(schema.TimingMeasured(kind="noise", device=self.device, incumbent_commit=best.commit,
                                                   candidate_commit=best.commit, noise=value, requests=ev.n_requests,
-                                                  interleaved=bool(ev.interleave), wall_s=wall_s,
+                                                  interleaved=ev.interleave, wall_s=wall_s,
                                                   **trial.event_fields()), cause)
             self.state.noise[key] = value
             self.state.save(self.state_path)
