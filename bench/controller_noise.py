@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                     help="both workers of a trial alive, requests answered by both in turn (Evaluator.interleave; "
                          "default: on for one device)")
+    ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                    help="pin the workers to one core beside the device (Evaluator.pin_cpus; default: on for GPUs)")
     ap.add_argument("--options", type=json.loads, default={},
                     help='engine options of the system timed against itself, as JSON (default: stock)')
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
@@ -56,7 +58,7 @@ def main() -> None:
     console = Console(stderr=True)
     ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
                    max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads,
-                   interleave=args.interleave)
+                   interleave=args.interleave, pin_cpus=args.pin_cpus)
     with console.status("preparing stock"):
         stock = System(ev.prepare(), options_from_dict(args.options).changed())
         ev.reference(stock)
@@ -83,7 +85,7 @@ def main() -> None:
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
               "options": stock.options,
               "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
-              "interleave": ev.interleave,
+              "interleave": ev.interleave, "cpus": ev.cpus(ev.device),
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),

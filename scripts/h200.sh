@@ -15,6 +15,7 @@
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
+#           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
 
 SITE=/tmp/site     # wheels installed with --target (no registry on the device)
@@ -115,6 +116,17 @@ for v in ("stock", "fused", "fused_split64"):
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
+  startup)  # seconds from a worker's start to its exit once ready, empty vs filled Triton cache
+    dep=${2:-tiny-cuda}; opts=${3:-'{"cuda_graphs": true, "fused_kernels": true}'}; c=$(mktemp -d)
+    s=$(date +%s.%N); python3 -c 'import torch; torch.zeros(1, device="cuda")'; e=$(date +%s.%N)
+    echo "$dep import torch + CUDA context $(python3 -c "print(round($e - $s, 2))") s"
+    for cache in cold warm warm; do
+      s=$(date +%s.%N)
+      TRITON_CACHE_DIR=$c python3 -m engine.worker --deployment "$dep" --options "$opts" --device cuda \
+        --data-dir "$DATA" < /dev/null > /dev/null 2> /tmp/startup.err || tail -3 /tmp/startup.err
+      e=$(date +%s.%N)
+      echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
+    done ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
@@ -129,6 +141,6 @@ PY
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.controller import stats
-from services.controller.sandbox import Limits, Sandbox, Worker, WorkerFailed
+from services.controller.sandbox import Limits, Sandbox, Worker, WorkerFailed, timing_cpus
 from services.controller.systems import Systems
 from specpilot import schema
 from specpilot.paths import REPO_ROOT
@@ -104,6 +104,9 @@ class Evaluator:
     # noise; H200 graphs+fused 0.109-0.187 -> 0.058. A stopped process's queued GPU kernels still
     # run, so every interleaved timing is checked for carry-over (`stats.carryover`).
     interleave: bool | None = None
+    # Pin each timing device's workers to one core beside it (`sandbox.timing_cpus`). None: on for
+    # GPUs, off for CPUs (a CPU worker's torch threads are the thing timed; 1 thread by default).
+    pin_cpus: bool | None = None
 
     def __post_init__(self) -> None:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (see `time`).
@@ -111,6 +114,8 @@ class Evaluator:
         self.device = self.devices[0]
         # two devices run both systems at once: nothing to interleave
         self.interleave = len(self.devices) == 1 and self.interleave is not False
+        self.pin_cpus = self.pin_cpus if self.pin_cpus is not None else self.device.startswith("cuda")
+        self._cpus: dict[str, tuple[int, ...]] | None = None
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -159,10 +164,19 @@ class Evaluator:
 
     # --- running systems -------------------------------------------------------------------------
 
+    def cpus(self, device: str) -> tuple[int, ...] | None:
+        """The cores ``device``'s workers are pinned to (None: not pinned)."""
+        if not self.pin_cpus:
+            return None
+        if self._cpus is None:  # once: it asks the GPU's PCI address
+            self._cpus = timing_cpus(self.devices)
+        return self._cpus.get(device)
+
     def sandbox(self, commit: str, workdir: Path, device: str | None = None) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
-        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=device or self.device,
-                      limits=self.limits, threads=self.threads)
+        device = device or self.device
+        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=device,
+                      limits=self.limits, threads=self.threads, cpus=self.cpus(device))
         self._active[id(sbx)] = sbx
         self.last_sandbox = sbx.describe()
         return sbx

@@ -419,6 +419,8 @@ def add_args(parser) -> None:
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="one device: both workers of a trial alive, each request answered by both in turn "
                              "(default: on for one device, checked for carry-over; off for two)")
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                        help="pin each timing device's workers to one core beside it (default: on for GPUs)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
     parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
     parser.add_argument("--threads", type=int, default=None,
@@ -428,7 +430,8 @@ def add_args(parser) -> None:
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
-          "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave}
+          "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave,
+          "pin_cpus": a.pin_cpus}
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
         await Controller(cfg.data, b, device=a.device, evaluator_kw=kw).run(stop)

@@ -12,7 +12,8 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
 - **Processes**: a new PID namespace (the candidate cannot see or signal the controller), a new
   session, capabilities dropped, and the whole tree dies with the controller (``--die-with-parent``).
 - **Resources**: a cgroup (v1 or v2) per sandbox caps processes (``pids.max``) and memory; the
-  controller enforces wall-clock timeouts and kills the tree. Where cgroups are not writable,
+  controller enforces wall-clock timeouts and kills the tree. ``cpus`` pins the whole tree to a set
+  of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`). Where cgroups are not writable,
   ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose address-space reservations it breaks)
   and the process cap is best effort.
 - **The clock, the harness and the reference tokens** stay in the controller's process: the worker
@@ -143,6 +144,58 @@ def bwrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """CPU ids of a Linux cpulist such as ``"0-7,16-23"`` (sysfs ``local_cpulist``)."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pick_cores(local: list[set[int]], allowed: set[int]) -> list[int]:
+    """One core per device, each from the device's local cores where it may (else any allowed core),
+    all different, taken from the top (low-numbered cores tend to take the machine's interrupts and
+    housekeeping). ``local[i]`` empty: nothing known about device ``i``."""
+    taken: list[int] = []
+    for near in local:
+        free = sorted(allowed - set(taken))
+        if not free:
+            raise SandboxError(f"{len(local)} devices but only {len(allowed)} usable CPUs")
+        pool = [c for c in free if c in near] or free
+        taken.append(pool[-1])
+    return taken
+
+
+def device_local_cpus(device: str) -> set[int]:
+    """The CPUs on the NUMA node of a CUDA device (its PCI function's ``local_cpulist``); empty
+    when unknown (a CPU device, no sysfs, a torch without PCI ids)."""
+    if not device.startswith("cuda"):
+        return set()
+    try:
+        import torch
+
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text())
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return set()
+
+
+def timing_cpus(devices: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The core each timing device's workers are pinned to: one core beside each GPU.
+
+    A fresh GPU worker's speed follows the core the scheduler gives it (a 135M model's step is mostly
+    the host's launches and syncs): per-worker levels of +-10% on 2026-12-01's H200, which no number
+    of requests per trial averages out. Workers that run one at a time (one device, interleaved or
+    not) share that core; two devices get two cores."""
+    allowed = os.sched_getaffinity(0)
+    cores = pick_cores([device_local_cpus(d) for d in devices], allowed)
+    return {d: (c,) for d, c in zip(devices, cores, strict=True)}
+
+
 @dataclass
 class Sandbox:
     """One isolated process tree over a candidate's source tree."""
@@ -153,6 +206,7 @@ class Sandbox:
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
+    cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
 
     def __post_init__(self) -> None:
         self.isolated = bwrap_available()
@@ -162,7 +216,8 @@ class Sandbox:
     def describe(self) -> dict:
         return {"bubblewrap": self.isolated, "cgroup": self._cgroup.active, "network": "none" if self.isolated else "host",
                 "filesystem": "read-only, private /tmp" if self.isolated else "host (temporary cwd only)",
-                "pids_max": self.limits.pids, "memory_bytes": self.limits.memory_bytes, "wall_s": self.limits.wall_s}
+                "pids_max": self.limits.pids, "memory_bytes": self.limits.memory_bytes, "wall_s": self.limits.wall_s,
+                "cpus": list(self.cpus) if self.cpus else "inherited"}
 
     def _env(self) -> dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
@@ -194,10 +249,12 @@ class Sandbox:
         return args + cmd
 
     def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
-        cgroup, limits, cuda = self._cgroup, self.limits, self.device.startswith("cuda")
+        cgroup, limits, cuda, cpus = self._cgroup, self.limits, self.device.startswith("cuda"), self.cpus
 
         def preexec() -> None:
             cgroup.join_self()
+            if cpus:  # inherited by every thread and child the worker starts
+                os.sched_setaffinity(0, cpus)
             if not cgroup.active and not cuda:
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
 

@@ -58,6 +58,9 @@ def add_commands(sub) -> None:
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="controller timing: both workers of a trial alive, taking turns request by request "
                         "(default: on for one device; only when this command starts the controller)")
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                   help="controller timing: pin the workers to one core beside the device (default: on for GPUs; "
+                        "only when this command starts the controller)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the round before giving up")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.set_defaults(func=cmd_round)
@@ -69,6 +72,8 @@ def controller_flags(args: argparse.Namespace) -> list[str]:
         flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.interleave is not None:
         flags.append("--interleave" if args.interleave else "--no-interleave")
+    if args.pin_cpus is not None:
+        flags.append("--pin-cpus" if args.pin_cpus else "--no-pin-cpus")
     return flags
 
 
