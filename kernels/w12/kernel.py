@@ -467,20 +467,23 @@ def _dot(bm: int, bn: int, bj: int, stages: int) -> Config:
 
 _DOT16 = _dot(16, 32, 256, 3)
 # Best per (N, K) and batch class (1, 2, 4 = M 3..4, 8 = M 5..8, 16 = M 9..32 with BM = 16 or 32,
-# 64 = M > 32) of two sweeps on one H200 (bench/w12_bench.py --sweep; README.md): classes 1 and 2,
-# and 4 for 4096 x 4096, from 2026-12-01 (one-warp CUDA-core tiles); the tl.dot tiles from 2026-11-29,
-# whose sweep covered more of them (they also won the 2026-12-01 sweep where it had them).
+# 64 = M > 32) of three sweeps on one H200 (bench/w12_bench.py --sweep; README.md): classes 1 and 2,
+# and 4 for 4096 x 4096 and 6144 x 4096, from 2026-12-01 (one-warp CUDA-core tiles); the tl.dot tiles
+# from 2026-11-29, whose sweep covered more of them, except on the two widest shapes: there the
+# 2-stage tiles of 2026-12-01's second sweep (BJ = 128, 16 KB of staged planes a program instead of
+# 82 KB) won at M = 4-16 (28672 x 4096: 54 against 63 us).
 TUNED_H200: dict[tuple[int, int], dict[int, Config]] = {
-    (6144, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 4), 8: _DOT16, 16: _DOT16,
+    (6144, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _fma(4, 4, 256, 1), 8: _DOT16, 16: _DOT16,
                    64: _dot(64, 16, 64, 4)},
     (4096, 4096): {1: _fma(1, 2, 256, 1), 2: _fma(2, 4, 512, 2), 4: _fma(4, 4, 256, 1), 8: _dot(16, 32, 256, 4),
                    16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
-    (28672, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 5), 8: _DOT16, 16: _DOT16,
+    (28672, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 2), 8: _dot(16, 32, 128, 2),
+                    16: _dot(16, 32, 128, 2),
                     64: _dot(64, 32, 64, 3)},
     (4096, 14336): {1: _fma(1, 4, 1024, 2), 2: _fma(2, 4, 512, 2), 4: _dot(16, 32, 256, 4), 8: _dot(16, 32, 256, 4),
                     16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
-    (128256, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 3), 8: _dot(16, 32, 128, 3),
-                     16: _dot(16, 32, 128, 3), 64: _dot(64, 32, 64, 3)},
+    (128256, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 2), 8: _dot(16, 32, 128, 2),
+                     16: _dot(16, 32, 256, 2), 64: _dot(64, 32, 64, 3)},
 }
 
 

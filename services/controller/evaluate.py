@@ -9,7 +9,8 @@ A *system* is a commit of the systems repository plus engine option settings. Th
 3. ``time``: interleaved ABBA trials; each trial starts a fresh worker per system (no writable state
    survives between trials), sends every timing request, and times each reply on the controller's
    clock (with ``interleave``, both workers of a trial are alive and take turns request by request,
-   the idle one stopped). Every reply is checked: the incumbent must reproduce its reference, and the candidate must
+   the idle one stopped). On a GPU each worker starts from a fresh copy of its system's compile
+   cache (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel. Every reply is checked: the incumbent must reproduce its reference, and the candidate must
    give the same tokens in every trial (a system that changes its answers between runs — caching,
    warm-up detection — is rejected).
 Outputs, timings and decisions come back as events for the service to publish.
@@ -18,10 +19,12 @@ Outputs, timings and decisions come back as events for the service to publish.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +53,24 @@ def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str)
         donor = prompts[(i + 1) % len(prompts)][::-1] or p
         out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
     return out if device.startswith("cuda") else [(out[0][0], WARMUP_TOKENS)]
+
+
+# A repeating run of token ids below 256 (every vocabulary here has them), so the n-gram drafter
+# finds matches and the fill compiles the drafted block sizes as well as single-token steps.
+FILL_PATTERN = (101, 37, 202, 58, 143, 77, 19)
+
+
+def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], int]]:
+    """The requests that fill a system's compile cache before its first timed worker: one per prompt
+    length, of content unrelated to any prompt (``FILL_PATTERN``).
+
+    Triton compiles a kernel per shape specialisation, so requests of the timed lengths compile what
+    timing will use (18.6 s of a SmolLM2 worker's start on the H200, 2026-12-01, against 9.5 s from a
+    filled cache). The cache is the one state kept between trials, so what fills it must know nothing
+    a candidate could memoise: lengths, not tokens. Every timed worker still answers its own warm-up
+    first (`warm_up_requests`), which compiles anything the fill missed, untimed."""
+    lengths = sorted({len(p) for p in prompts})
+    return [([FILL_PATTERN[i % len(FILL_PATTERN)] for i in range(n)], max_new_tokens) for n in lengths]
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,9 @@ class Evaluator:
     # Pin each timing device's workers to one core beside it (`sandbox.timing_cpus`). None: on for
     # GPUs, off for CPUs (a CPU worker's torch threads are the thing timed; 1 thread by default).
     pin_cpus: bool | None = None
+    # Start each worker from a copy of its system's filled compile cache (`_compile_cache`). None: on
+    # for GPUs (Triton); a CPU worker compiles nothing.
+    compile_cache: bool | None = None
 
     def __post_init__(self) -> None:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (see `time`).
@@ -116,6 +140,7 @@ class Evaluator:
         self.interleave = len(self.devices) == 1 and self.interleave is not False
         self.pin_cpus = self.pin_cpus if self.pin_cpus is not None else self.device.startswith("cuda")
         self._cpus: dict[str, tuple[int, ...]] | None = None
+        self.compile_cache = self.compile_cache if self.compile_cache is not None else self.device.startswith("cuda")
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -172,11 +197,12 @@ class Evaluator:
             self._cpus = timing_cpus(self.devices)
         return self._cpus.get(device)
 
-    def sandbox(self, commit: str, workdir: Path, device: str | None = None) -> Sandbox:
+    def sandbox(self, commit: str, workdir: Path, device: str | None = None,
+                compile_cache: Path | None = None) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
         device = device or self.device
         sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=device,
-                      limits=self.limits, threads=self.threads, cpus=self.cpus(device))
+                      limits=self.limits, threads=self.threads, cpus=self.cpus(device), compile_cache=compile_cache)
         self._active[id(sbx)] = sbx
         self.last_sandbox = sbx.describe()
         return sbx
@@ -198,27 +224,56 @@ class Evaluator:
             return outs, times
 
     @contextlib.contextmanager
-    def _warm_worker(self, system: System, prompts: list[list[int]], device: str):
-        """A fresh worker of ``system`` in its own sandbox, closed (and the sandbox killed) on exit.
-
-        It first answers the untimed warm-up requests: lazy initialisation in a fresh process is not
-        the system's speed. On a GPU that is every request's length in full (CUDA graphs are captured
-        per step shape and context bucket on first use: ~15% trial-to-trial noise when timed, H200
-        2026-11-30); on a CPU one short request (a full pass would double a run)."""
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp), device) as sbx:
+    def _worker(self, system: System, device: str, compile_cache=lambda workdir: None):
+        """A started worker of ``system`` in a fresh sandbox, closed (and the sandbox killed) on exit.
+        ``compile_cache(workdir)`` gives the sandbox's compile cache directory (None: none)."""
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(
+                system.commit, Path(tmp), device, compile_cache(Path(tmp))) as sbx:
             try:
                 worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
                                 ready_timeout_s=self.limits.wall_s)
                 try:
-                    for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
-                        warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
-                        if len(warm) > n:
-                            raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
                     yield worker
                 finally:
                     worker.close()
             finally:
                 self._active.pop(id(sbx), None)
+
+    @contextlib.contextmanager
+    def _warm_worker(self, system: System, prompts: list[list[int]], device: str):
+        """A fresh worker of ``system`` that has answered the untimed warm-up requests: lazy
+        initialisation in a fresh process is not the system's speed. On a GPU that is every request's
+        length in full (CUDA graphs are captured per step shape and context bucket on first use: ~15%
+        trial-to-trial noise when timed, H200 2026-11-30); on a CPU one short request (a full pass
+        would double a run)."""
+        with self._worker(system, device, lambda tmp: self._compile_cache(system, prompts, device, tmp)) as worker:
+            for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+                warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+                if len(warm) > n:
+                    raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+            yield worker
+
+    def _compile_cache(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:
+        """A fresh copy (under ``workdir``) of ``system``'s compile cache for one worker, filled first
+        if this is the system's first worker; None where ``compile_cache`` is off.
+
+        The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
+        writes goes to its own copy and is gone with its trial."""
+        if not self.compile_cache:
+            return None
+        kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
+        if not kept.exists():
+            with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
+                with self._worker(system, device, lambda _: Path(filling)) as worker:
+                    for p, n in compile_fill_requests(prompts, self.max_new_tokens):
+                        worker.generate(p, n, timeout=self.limits.wall_s)
+                staged = kept.with_suffix(".tmp")
+                shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
+                shutil.copytree(filling, staged)
+                staged.rename(kept)  # whole or absent, never half-filled
+        copy = workdir / "compile-cache"
+        shutil.copytree(kept, copy)
+        return copy
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:
@@ -385,15 +440,10 @@ class Evaluator:
         (planning inputs, not verdicts); the step times come from the controller's clock: the
         system and its AR twin (same code and options, no drafter) answer the same requests."""
         prompts = self.prompts()
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(system.commit, Path(tmp)) as sbx:
-            worker = Worker(sbx, self.python, self.deployment, system.options, device=self.device,
-                            ready_timeout_s=self.limits.wall_s)
-            try:
-                replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": self.max_new_tokens}},
-                                          timeout=self.limits.wall_s)[0] for p in prompts]
-            finally:
-                worker.close()
-                self._active.pop(id(sbx), None)
+        with self._worker(system, self.device,
+                          lambda tmp: self._compile_cache(system, prompts, self.device, tmp)) as worker:
+            replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": self.max_new_tokens}},
+                                      timeout=self.limits.wall_s)[0] for p in prompts]
         _, system_s = self.run(system, prompts)
         ar_outputs, ar_s = self.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
         n = len(prompts)

@@ -5,7 +5,8 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   writable place, gone when the sandbox ends); the SpecPilot data directory — ledger, NATS store,
   credentials, the controller's systems repository and its secret split seed — is covered by an
   empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
-  cache read-only at ``/tmp/data/models``.
+  cache read-only at ``/tmp/data/models``. ``compile_cache`` (a directory the controller made for
+  this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache.
 - **Environment**: cleared; only ``PATH``, ``HOME=/tmp`` and a few thread settings are set. No NATS
   URL or credentials, no API keys.
 - **Network**: a new network namespace with only a loopback nobody listens on.
@@ -49,6 +50,7 @@ from specpilot.paths import REPO_ROOT
 
 SANDBOX_SRC = "/tmp/src"
 SANDBOX_DATA = "/tmp/data"
+SANDBOX_COMPILE_CACHE = "/tmp/compile-cache"
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
+    compile_cache: Path | None = None  # Triton's cache directory, writable (None: an empty one under /tmp)
 
     def __post_init__(self) -> None:
         self.isolated = bwrap_available()
@@ -224,6 +227,8 @@ class Sandbox:
                "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        if self.compile_cache:
+            env["TRITON_CACHE_DIR"] = SANDBOX_COMPILE_CACHE if self.isolated else str(self.compile_cache)
         return env
 
     def argv(self, cmd: list[str]) -> list[str]:
@@ -241,6 +246,8 @@ class Sandbox:
         args += ["--ro-bind", str(Path(self.src).resolve()), SANDBOX_SRC]
         if Path(self.models).exists():
             args += ["--ro-bind", str(Path(self.models).resolve()), f"{SANDBOX_DATA}/models"]
+        if self.compile_cache:
+            args += ["--bind", str(Path(self.compile_cache).resolve()), SANDBOX_COMPILE_CACHE]
         args += ["--dev-bind", "/dev", "/dev"] if self.device.startswith("cuda") else ["--dev", "/dev"]
         args += ["--proc", "/proc", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                  "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", SANDBOX_SRC, "--clearenv"]

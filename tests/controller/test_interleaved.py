@@ -62,6 +62,13 @@ def test_each_request_is_answered_by_both_systems_in_turn(tmp_path):
 
 # After each reply the candidate leaves 0.5 s of GPU work queued on a side stream: it runs while the
 # candidate is stopped, during the incumbent's next request (a stopped process's kernels still run).
+# It also waits only for its own stream before replying, so it never pays for that work itself (the
+# stock worker's device-wide synchronize would make it pay at its next reply, slowing both systems
+# alike: the likely reason the first H200 run, 12-01, failed this test; its output was not kept).
+WAIT_FOR_OWN_STREAM_ONLY = """
+import torch as _t
+engine.synchronize = lambda: _t.cuda.current_stream().synchronize()
+"""
 QUEUE_GPU_WORK = """
 import torch as _t
 if _t.cuda.is_available():
@@ -83,7 +90,7 @@ def test_gpu_work_left_queued_for_the_next_system_is_caught_and_timed_again_run_
     kw = {"n_requests": 4, "max_new_tokens": 16, "trials": 4, "limits": Limits(wall_s=120.0)}
     ctl = Controller(tmp_path, None, device="cuda", evaluator_kw=kw)
     patch = schema.PatchProposed(direction_id="test", patch_id="queue-gpu-work", diff=worker_patch(
-        before_reply=QUEUE_GPU_WORK), options={}, deployment="tiny-cuda", source="subagent")
+        before_ready=WAIT_FOR_OWN_STREAM_ONLY, before_reply=QUEUE_GPU_WORK), options={}, deployment="tiny-cuda", source="subagent")
     asyncio.run(ctl.handle_patch(patch))
     timings = [e for e in ctl.events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate"]
     assert [t.interleaved for t in timings] == [True, False], timings

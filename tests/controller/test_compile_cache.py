@@ -1,0 +1,79 @@
+"""The compile cache kept per system between trials (``Evaluator.compile_cache``, ``Sandbox.compile_cache``):
+filled once from content-free requests, copied fresh into every later worker."""
+
+import sys
+
+import pytest
+
+from services.controller.evaluate import FILL_PATTERN, Evaluator, System, compile_fill_requests
+from services.controller.sandbox import Limits, Sandbox, bwrap_available
+
+needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
+
+
+def test_the_fill_knows_the_prompts_lengths_and_nothing_else():
+    a = compile_fill_requests([[5, 6, 7], [9] * 5, [1, 2, 3]], 16)
+    b = compile_fill_requests([[300, 1, 2], [8] * 5, [4, 4, 4]], 16)
+    assert a == b  # same lengths, other tokens: the same fill
+    assert [len(p) for p, _ in a] == [3, 5] and all(n == 16 for _, n in a)
+    assert {t for p, _ in a for t in p} <= set(FILL_PATTERN) and max(FILL_PATTERN) < 256
+
+
+def test_a_sandbox_compile_cache_is_tritons_and_writable(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    code = "import os, pathlib; d = pathlib.Path(os.environ['TRITON_CACHE_DIR']); (d / 'kernel.cubin').write_text('x')"
+    with Sandbox(src=src, models=tmp_path / "none", compile_cache=cache) as sbx:
+        out = sbx.run([sys.executable, "-c", code], timeout=60)
+    assert out["returncode"] == 0, out["output"]
+    assert (cache / "kernel.cubin").read_text() == "x"
+
+
+# Stores every prompt it is asked for in its compile cache, and says which earlier prompts it finds there.
+HOARD = """
+import hashlib as _h, os as _os, pathlib as _p
+_d = _p.Path(_os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
+if _d.is_dir():
+    _key = _h.sha256(str(req["prompt_ids"]).encode()).hexdigest()
+    print("SEEN" if (_d / _key).exists() else "NEW", _key, file=sys.stderr, flush=True)
+    (_d / _key).write_text("x")
+"""
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_a_candidate_that_hoards_its_requests_in_the_cache_never_finds_a_timed_one_again(tmp_path):
+    import hashlib
+
+    from tests.controller.patches import worker_patch
+
+    ev = Evaluator(tmp_path, "tiny-cpu", n_requests=3, max_new_tokens=8, trials=2, threads=1,
+                   limits=Limits(wall_s=60.0), compile_cache=True)
+    stock = System(ev.prepare())
+    hoarder = System(ev.systems.apply(stock.commit, worker_patch(before_reply=HOARD), "hoarder"))
+    res = ev.time(stock, hoarder)
+    assert res.problem == "", res.problem
+    kept = list((ev.root / "compile-cache").iterdir())
+    assert len(kept) == 2  # one per system, filled once, nothing half-filled left over
+    hoarded = {f.name for d in kept for f in d.iterdir()}
+    timed = {hashlib.sha256(str(p).encode()).hexdigest() for p in ev.prompts()}
+    fill = {hashlib.sha256(str(p).encode()).hexdigest() for p, _ in compile_fill_requests(ev.prompts(), 8)}
+    # the kept cache holds what the fill was asked (content-free), never a timed or warm-up prompt
+    assert hoarded == fill and not hoarded & timed
+
+
+def test_compile_caches_are_on_for_gpus_only_by_default(tmp_path):
+    assert not Evaluator(tmp_path / "a", "tiny-cpu").compile_cache
+    assert Evaluator(tmp_path / "b", "tiny-cuda", device="cuda:0").compile_cache
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_the_fill_leaves_compiled_triton_kernels_for_later_workers(tmp_path):
+    ev = Evaluator(tmp_path, "tiny-cuda", device="cuda", n_requests=2, max_new_tokens=8, limits=Limits(wall_s=300.0))
+    stock = System(ev.prepare(), {"cuda_graphs": True, "fused_kernels": True})
+    ev.run(stock, ev.prompts())
+    (kept,) = (ev.root / "compile-cache").iterdir()
+    assert any(kept.rglob("*.cubin")), sorted(p.name for p in kept.rglob("*"))[:20]
