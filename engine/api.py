@@ -18,7 +18,7 @@ other than CUDA it is a no-op, noted once in the log, so an options sweep on a C
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class GenerationResult:
     draft_s: list[float]
     verify_s: list[float]
     prefill_s: float
+    verified_per_step: list[int] = field(default_factory=list)  # tokens in each step's forward, root included
 
     @property
     def tau(self) -> float:
@@ -51,7 +52,7 @@ class GenerationResult:
 
     @classmethod
     def from_generation(cls, g: Generation) -> GenerationResult:
-        return cls(g.tokens, g.steps, g.committed, g.draft_s, g.verify_s, g.prefill_s)
+        return cls(g.tokens, g.steps, g.committed, g.draft_s, g.verify_s, g.prefill_s, g.verified)
 
 
 def _round_up(n: int, m: int = 256) -> int:

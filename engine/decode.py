@@ -41,6 +41,7 @@ class Generation:
     committed: list[int] = field(default_factory=list)  # tokens committed by each step (bonus included)
     draft_s: list[float] = field(default_factory=list)  # host time in the drafter + tree building, per step
     verify_s: list[float] = field(default_factory=list)  # target forward + acceptance + cache compaction
+    verified: list[int] = field(default_factory=list)  # tokens in each step's target forward (root included)
     prefill_s: float = 0.0
 
     @property
@@ -145,5 +146,6 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], max_new_toke
         gen.committed.append(len(gen.tokens) - n_before)
         gen.draft_s.append(t1 - t0)
         gen.verify_s.append(t2 - t1)
+        gen.verified.append(len(tree))
     del gen.tokens[max_new_tokens:]
     return gen

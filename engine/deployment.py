@@ -6,6 +6,10 @@ parses and validates it into a frozen `Deployment`; unknown keys are refused. Th
 options of that deployment: `Deployment.options(overrides)` layers a patch's option settings on
 top of them, so ``{}`` always means stock.
 
+An optional ``[timing]`` table sets how the controller times this deployment's candidates in a
+round (`TIMING_DEFAULTS` where it is silent): a GPU needs more requests a trial than a CPU for the
+same noise.
+
 The embedded default is ``smollm2-cpu``. Nothing here loads a model.
 """
 
@@ -20,6 +24,10 @@ from engine.options import EngineOptions, OptionValue, options_from_dict
 
 DEPLOYMENTS_DIR = Path(__file__).resolve().parent.parent / "deployments"
 DEFAULT_DEPLOYMENT = "smollm2-cpu"
+# The controller's timing in a round where a deployment's [timing] table is silent: ABBA trials a
+# verdict, dev requests a trial, tokens a request, torch CPU threads a worker. CPU figures: 6 trials
+# of 3 requests gave 0.7-1.2% stock-vs-stock noise interleaved on 2 cores (2026-12-01).
+TIMING_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 1}
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class Deployment:
     worker: str = "engine.worker"  # module run as `python -m <worker>` for timing
     forcing_target: str = ""  # the model the forcer replays outputs through ("" = target)
     extra_options: dict[str, OptionValue] = field(default_factory=dict)  # the TOML's [options] table
+    timing: dict[str, int] = field(default_factory=dict)  # the TOML's [timing] table (keys of TIMING_DEFAULTS)
     path: str = ""
 
     def __post_init__(self) -> None:
@@ -59,6 +68,16 @@ class Deployment:
         if unknown:
             raise ValueError(f"deployment {self.name!r}: unknown request sets {unknown}; known: {', '.join(REQUEST_SETS)}")
         self.options()  # validates drafter, block_size, dtype and [options] now, not at first use
+        bad = sorted(set(self.timing) - set(TIMING_DEFAULTS))
+        if bad:
+            raise ValueError(f"deployment {self.name!r}: unknown [timing] key(s) {bad}; allowed: {', '.join(TIMING_DEFAULTS)}")
+        for k, v in self.timing.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"deployment {self.name!r}: [timing] {k} must be a positive integer, got {v!r}")
+
+    def timing_settings(self) -> dict[str, int]:
+        """How the controller times this deployment in a round: `TIMING_DEFAULTS` with ``[timing]``."""
+        return {**TIMING_DEFAULTS, **self.timing}
 
     def facts(self) -> dict[str, str]:
         """What memory-entry requirements are stated over (see services.memory.entries)."""

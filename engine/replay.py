@@ -157,6 +157,7 @@ def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int =
     replay, own = Replay(engine, prompt, result.tokens), engine.options.drafter
     return {
         "tokens": result.tokens, "steps": result.steps,
+        "verified": sum(result.verified_per_step),  # tokens the steps' forwards ran, roots included
         "profile_ms": prof,
         "launches": launches(engine, prompt, min(16, max_new_tokens)),
         "depths": replay.depths(own, depth, nodes),

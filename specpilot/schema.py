@@ -108,6 +108,9 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     block_size: int = 0
     t_ar_s: float = 0.0  # the AR step of the same system on the same requests
     n_tokens: int = 0  # tokens per verification (root included) of the profiled system
+    # tokens per step's forward actually run (root included), a mean: below n_tokens when the drafter
+    # proposes fewer (an n-gram without a match verifies the root alone); 0: not measured
+    verified_tokens: float = 0.0
     context: int = 0  # mean cached positions attended to during the profiled steps
     dtype: str = ""
     shape: dict[str, int] = {}  # the target's dimensions (engine.model.ModelConfig)

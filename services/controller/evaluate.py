@@ -140,6 +140,7 @@ class Evaluator:
         self.interleave = len(self.devices) == 1 and self.interleave is not False
         self.pin_cpus = self.pin_cpus if self.pin_cpus is not None else self.device.startswith("cuda")
         self._cpus: dict[str, tuple[int, ...]] | None = None
+        self._starts: dict[str, int] = {}  # workers started per system key (`_compile_cache`)
         self.compile_cache = self.compile_cache if self.compile_cache is not None else self.device.startswith("cuda")
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -255,13 +256,18 @@ class Evaluator:
 
     def _compile_cache(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:
         """A fresh copy (under ``workdir``) of ``system``'s compile cache for one worker, filled first
-        if this is the system's first worker; None where ``compile_cache`` is off.
+        at the system's second start (a system started once, like a default check, compiles for
+        itself as before: a fill would double its cost); None where ``compile_cache`` is off, and for
+        a first start.
 
         The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
         writes goes to its own copy and is gone with its trial."""
         if not self.compile_cache:
             return None
+        self._starts[system.key()] = starts = self._starts.get(system.key(), 0) + 1
         kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
+        if not kept.exists() and starts < 2:
+            return None
         if not kept.exists():
             with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
                 with self._worker(system, device, lambda _: Path(filling)) as worker:
@@ -402,21 +408,30 @@ class Evaluator:
 
     def _interleaved_runs(self, order: str, systems: dict[str, System], prompts: list[list[int]]):
         """One trial with both systems' fresh workers alive: request ``i`` is answered by both, in
-        ``order`` for even ``i`` and reversed for odd ``i``; the worker not being timed is paused
-        (``Sandbox.pause``), so it takes no CPU while the other answers."""
+        ``order`` for even ``i`` and reversed for odd ``i`` (`_together`)."""
+        def request_order(i: int) -> list[str]:
+            first = stats.first_in_request(order, i)
+            return [first, order.replace(first, "")]
+
+        yield from self._together(list(order), systems, prompts, request_order)
+
+    def _together(self, names: list[str], systems: dict[str, System], prompts: list[list[int]], request_order):
+        """(name, outputs, seconds, failure) of each of ``names``, their fresh workers alive at once:
+        each started and warmed up alone (the others paused), then request ``i`` answered by each
+        system in ``request_order(i)``; a worker not being timed is paused (``Sandbox.pause``), so it
+        takes no CPU while another answers. On a failure only the failing system is yielded."""
         workers: dict[str, Worker] = {}
-        outs: dict[str, list[list[int]]] = {w: [] for w in order}
-        secs: dict[str, list[float]] = {w: [] for w in order}
-        who = order[0]
+        outs: dict[str, list[list[int]]] = {n: [] for n in names}
+        secs: dict[str, list[float]] = {n: [] for n in names}
+        who = names[0]
         with contextlib.ExitStack() as stack:
             try:
-                for who in order:  # start and warm up each worker alone, the other paused
+                for who in names:
                     for other in workers.values():
                         other.sandbox.pause()
                     workers[who] = stack.enter_context(self._warm_worker(systems[who], prompts, self.device))
                 for i, p in enumerate(prompts):
-                    first = stats.first_in_request(order, i)
-                    for who in (first, order.replace(first, "")):
+                    for who in request_order(i):
                         for other, w in workers.items():
                             (w.sandbox.resume if other == who else w.sandbox.pause)()
                         tokens, t = workers[who].generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
@@ -428,8 +443,8 @@ class Evaluator:
             finally:
                 for w in workers.values():
                     w.sandbox.resume()  # a stopped process would not see its stdin close
-        for w in order:
-            yield w, outs[w], secs[w], None
+        for n in names:
+            yield n, outs[n], secs[n], None
 
     # --- phase 0 and phase 4 ---------------------------------------------------------------------
 
@@ -448,6 +463,7 @@ class Evaluator:
         ar_outputs, ar_s = self.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
         n = len(prompts)
         steps = sum(int(r["steps"]) for r in replies)
+        verified = sum(int(r.get("verified", 0)) for r in replies)
         new_tokens = sum(len(r["tokens"]) for r in replies)
         classes: dict[str, float] = {}
         launches: dict[str, float] = {}
@@ -461,6 +477,7 @@ class Evaluator:
             "step_s": sum(system_s) / (steps + n),
             "t_ar_s": sum(ar_s) / sum(len(t) for t in ar_outputs),
             "tau": (new_tokens - n) / max(1, steps),
+            "verified_tokens": verified / max(1, steps),
             "classes_s": classes,
             "launches": launches,
             "context": round(sum(int(r["context"]) for r in replies) / n),
@@ -473,21 +490,32 @@ class Evaluator:
                      ) -> tuple[dict, dict[str, list[list[int]]]]:
         """Phase 4: every system answers the sealed requests ``trials`` times (order: `sealed_order`).
 
-        Returns per system its tokens/s and, per other system, the speedup over the one named "ar"
-        and over "stock" (geometric mean of per-trial time ratios, two-sided 95% t-interval), plus
-        the outputs of the first trial (for forcing)."""
+        With ``interleave`` (one device) every system's fresh worker of a trial is alive at once and
+        each request is answered by all of them in turn, the trial's order forward on even requests
+        and reversed on odd ones, as in the paired timing (`_together`); else whole runs one after
+        another. Returns per system its tokens/s and, per other system, the speedup over the one
+        named "ar" and over "stock" (geometric mean of per-trial time ratios, two-sided 95%
+        t-interval), plus the outputs of the first trial (for forcing)."""
         prompts = self.prompts("sealed")[: n_requests or None]
         names = list(systems)
         seconds: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, list[list[int]]] = {}
+        interleave = self.interleave and len(self.devices) < 2
         for t in range(trials):
-            for name in sealed_order(names, t):
-                outs, secs = self.run(systems[name], prompts)
+            order = sealed_order(names, t)
+            if interleave:
+                runs = self._together(order, systems, prompts, lambda i, order=order: order if i % 2 == 0 else order[::-1])
+            else:
+                runs = ((name, *self.run(systems[name], prompts), None) for name in order)
+            for name, outs, secs, failure in runs:
+                if failure is not None:
+                    raise failure
                 if name in outputs and outs != outputs[name]:
                     raise WorkerFailed(f"{name} changed its tokens between trials")
                 outputs[name] = outs
                 seconds[name].append(sum(secs))
-        results: dict = {"requests": len(prompts), "trials": trials, "max_new_tokens": self.max_new_tokens}
+        results: dict = {"requests": len(prompts), "trials": trials, "max_new_tokens": self.max_new_tokens,
+                         "interleaved": interleave}
         for name in names:
             tokens = sum(len(o) for o in outputs[name])
             row = {"tok_s": tokens * trials / sum(seconds[name]), "seconds": seconds[name],

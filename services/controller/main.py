@@ -299,7 +299,8 @@ class Controller:
         shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Shape)}
         await self.emit(schema.ProfileMeasured(
             device=hw["device"], system_commit=best.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
-            block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens, context=m["context"],
+            block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens,
+            verified_tokens=m["verified_tokens"], context=m["context"],
             dtype=dtype, shape=shape, replay_depths=m["replay_depths"], chain_depths=m["chain_depths"],
             launches=m["launches"], drafters=m["drafters"]), event)
 

@@ -31,7 +31,6 @@ console = Console(stderr=True)
 out = Console()
 # Timing settings the round gives the controller it starts: a round on 2 CPU cores must end in
 # about 15 minutes, so fewer trials than a verdict on a GPU would take (see docs/FIGURES.md).
-CONTROLLER_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 1}
 ROUND_MINUTES = 15.0  # the default round's wall-clock budget (the master stops trying candidates in time)
 
 
@@ -51,10 +50,13 @@ def add_commands(sub) -> None:
     p.add_argument("--minutes", type=float, default=ROUND_MINUTES,
                    help="wall-clock budget: once earlier timings show that another candidate would not end "
                         "before the sealed final must start, no more are tried (0: no budget)")
-    for name, value in CONTROLLER_DEFAULTS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
-                       help=f"controller timing: {name} (only when this command starts the controller)")
-    p.add_argument("--device", default="cpu", help="device the controller times on")
+    from engine.deployment import TIMING_DEFAULTS
+
+    for name, value in TIMING_DEFAULTS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"controller timing: {name} (default: the deployment's [timing] table, else {value}; "
+                            "only when this command starts the controller)")
+    p.add_argument("--device", default=None, help="device the controller times on (default: the deployment's)")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="controller timing: both workers of a trial alive, taking turns request by request "
                         "(default: on for one device; only when this command starts the controller)")
@@ -67,9 +69,14 @@ def add_commands(sub) -> None:
 
 
 def controller_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--device", args.device]
-    for name in CONTROLLER_DEFAULTS:
-        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    """The controller's flags for this round: each setting from the command line, else from the
+    deployment (its device, its [timing] table), else `TIMING_DEFAULTS`."""
+    from engine.deployment import load_deployment
+
+    dep = load_deployment(args.deployment)
+    flags = ["--device", args.device or dep.device]
+    for name, value in dep.timing_settings().items():
+        flags += [f"--{name.replace('_', '-')}", str(value if getattr(args, name) is None else getattr(args, name))]
     if args.interleave is not None:
         flags.append("--interleave" if args.interleave else "--no-interleave")
     if args.pin_cpus is not None:

@@ -380,6 +380,7 @@ def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     drafters = {name: (pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
                 for name, d in prof.drafters.items() if d.get("chain_depths")}
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
+                               verified_tokens=prof.verified_tokens,
                                replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {},
                                drafters=drafters)
 

@@ -97,3 +97,18 @@ def test_gpu_work_left_queued_for_the_next_system_is_caught_and_timed_again_run_
     assert timings[0].carryover["effect"] > 0.05 and timings[0].carryover["p_value"] < 0.001
     assert not timings[1].carryover  # whole runs: no carry-over test, none possible
     assert any(isinstance(e, schema.VerdictIssued) for e in ctl.events)
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_the_sealed_final_interleaves_all_its_systems_and_keeps_their_tokens(tmp_path):
+    ev = Evaluator(tmp_path, "tiny-cpu", n_requests=2, max_new_tokens=12, threads=1, limits=Limits(wall_s=60.0))
+    stock = System(ev.prepare())
+    systems = {"final": System(stock.commit, {"verify": "tree"}), "stock": stock,
+               "ar": System(stock.commit, {"drafter": "none"})}
+    results, outputs = ev.sealed_final(systems, n_requests=3, trials=2)
+    assert results["interleaved"] and results["requests"] == 3
+    assert all(len(results[n]["seconds"]) == 2 for n in systems)
+    # greedy and lossless: every system gives the same tokens, which are those of a whole run alone
+    assert outputs["final"] == outputs["stock"] == outputs["ar"] == ev.run(stock, ev.prompts("sealed")[:3])[0]
+    assert results["final"]["identical_to_stock"] and results["final"]["over_ar_ci95"][0] > 0

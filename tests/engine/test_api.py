@@ -22,6 +22,11 @@ def test_generate_returns_tokens_and_step_stats(tiny_engine):
     # The prefill emits the first token; every step commits the rest.
     assert sum(r.accepted_per_step) == len(r.tokens) - 1
     assert r.tau == sum(r.accepted_per_step) / r.steps
+    # each step's forward ran the root and its drafts (at most block_size), and committed no more
+    assert len(r.verified_per_step) == r.steps
+    assert all(c <= v <= 1 + tiny_engine.options.block_size
+               for c, v in zip(r.accepted_per_step, r.verified_per_step, strict=True))
+    assert set(load_engine("tiny-cpu", {"drafter": "none"}).generate(ids, 8).verified_per_step) == {1}
 
 
 def test_tokenize_chat_and_detokenize(tiny_engine):

@@ -68,3 +68,19 @@ def test_chat_prompts_are_unique_and_substantial():
     reqs = REQUEST_SETS["chat"]()
     assert len(reqs) >= 40 and len({r.id for r in reqs}) == len(reqs)
     assert all(len(r.text) > 15 for r in reqs)
+
+
+def test_a_timing_table_is_checked_and_layered_on_the_defaults(tmp_path):
+    from engine.deployment import TIMING_DEFAULTS, load_deployment
+
+    assert load_deployment("smollm2-cpu").timing_settings() == TIMING_DEFAULTS
+    base = 'target = "tiny"\n'
+    ok = tmp_path / "ok.toml"
+    ok.write_text(base + "[timing]\nrequests = 12\n")
+    assert load_deployment(ok).timing_settings() == {**TIMING_DEFAULTS, "requests": 12}
+    for body, message in (("trails = 3", "unknown \\[timing\\] key"), ("trials = 0", "positive integer"),
+                          ('trials = "6"', "positive integer")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(base + "[timing]\n" + body + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_deployment(bad)

@@ -169,3 +169,20 @@ def test_chains_are_predicted_from_the_first_candidate():
     stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
     assert cm.predicted_gain(model, "block_size", 2, {}, stock) == pytest.approx((1.5 / 1.2) / (2.0 / 1.4))
     assert cm.predicted_gain(model, "tree_nodes", 4, {"verify": "tree"}, stock) == pytest.approx((2.0 / 1.4) / (2.0 / 1.4))
+
+
+def test_a_full_chain_drafter_pays_for_the_tokens_the_profiled_steps_really_verified():
+    # The n-gram's 14 ms step (AR 10 ms) verified 2 tokens on average, not its nominal 5: each
+    # verified draft token costs 0.4 AR steps, and a drafter proposing 4 every step pays 1 + 1.6.
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={1: 1.5, 4: 2.0},
+                         drafters={"parallel": ({4: 3.0}, 0.001)}, verified_tokens=2.0)
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
+    assert model.slope == pytest.approx(0.1) and model.token_cost == pytest.approx(0.4)
+    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) == pytest.approx(
+        (3.0 / (1.0 + 1.6 + 0.1)) / (2.0 / 1.4))
+    # the n-gram's own settings keep the nominal slope (they will not fill every step either)
+    assert cm.predicted_gain(model, "block_size", 1, {}, stock) == pytest.approx((1.5 / 1.1) / (2.0 / 1.4))
+    # unmeasured: the nominal tokens; nearly nothing verified: at least a quarter of the drafts
+    assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={}).token_cost == pytest.approx(0.1)
+    assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={},
+                        verified_tokens=1.01).token_cost == pytest.approx(0.4)

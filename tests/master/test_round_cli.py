@@ -18,3 +18,17 @@ def test_controller_flags_carry_timing_settings_and_interleave_only_when_given()
     assert not any("interleave" in f for f in flags)  # the controller's own default decides
     assert cli.controller_flags(_parse("--interleave"))[-1] == "--interleave"
     assert cli.controller_flags(_parse("--no-interleave"))[-1] == "--no-interleave"
+
+
+def _value(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def test_the_deployment_sets_the_device_and_timing_the_command_line_does_not():
+    cpu = cli.controller_flags(_parse())
+    assert _value(cpu, "--device") == "cpu" and _value(cpu, "--trials") == "6" and _value(cpu, "--requests") == "3"
+    gpu = cli.controller_flags(_parse("--deployment", "smollm2-h200"))
+    assert _value(gpu, "--device") == "cuda" and _value(gpu, "--trials") == "8" and _value(gpu, "--requests") == "8"
+    assert _value(gpu, "--max-new-tokens") == "64"  # not in its [timing] table: the default
+    mine = cli.controller_flags(_parse("--deployment", "smollm2-h200", "--device", "cuda:1", "--requests", "4"))
+    assert _value(mine, "--device") == "cuda:1" and _value(mine, "--requests") == "4"
