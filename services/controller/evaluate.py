@@ -10,7 +10,8 @@ A *system* is a commit of the systems repository plus engine option settings. Th
    survives between trials), sends every timing request, and times each reply on the controller's
    clock (with ``interleave``, both workers of a trial are alive and take turns request by request,
    the idle one stopped). On a GPU each worker starts from a fresh copy of its system's compile
-   cache (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel. Every reply is checked: the incumbent must reproduce its reference, and the candidate must
+   cache (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel.
+   Every reply is checked: the incumbent must reproduce its reference, and the candidate must
    give the same tokens in every trial (a system that changes its answers between runs — caching,
    warm-up detection — is rejected).
 Outputs, timings and decisions come back as events for the service to publish.
@@ -138,10 +139,11 @@ class Evaluator:
         self.device = self.devices[0]
         # two devices run both systems at once: nothing to interleave
         self.interleave = len(self.devices) == 1 and self.interleave is not False
-        self.pin_cpus = self.pin_cpus if self.pin_cpus is not None else self.device.startswith("cuda")
+        gpu = self.device.startswith("cuda")
+        self.pin_cpus = gpu if self.pin_cpus is None else self.pin_cpus
+        self.compile_cache = gpu if self.compile_cache is None else self.compile_cache
         self._cpus: dict[str, tuple[int, ...]] | None = None
         self._starts: dict[str, int] = {}  # workers started per system key (`_compile_cache`)
-        self.compile_cache = self.compile_cache if self.compile_cache is not None else self.device.startswith("cuda")
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -266,9 +268,9 @@ class Evaluator:
             return None
         self._starts[system.key()] = starts = self._starts.get(system.key(), 0) + 1
         kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
-        if not kept.exists() and starts < 2:
-            return None
         if not kept.exists():
+            if starts < 2:
+                return None
             with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
                 with self._worker(system, device, lambda _: Path(filling)) as worker:
                     for p, n in compile_fill_requests(prompts, self.max_new_tokens):
@@ -500,7 +502,7 @@ class Evaluator:
         names = list(systems)
         seconds: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, list[list[int]]] = {}
-        interleave = self.interleave and len(self.devices) < 2
+        interleave = self.interleave  # False for two devices (`__post_init__`)
         for t in range(trials):
             order = sealed_order(names, t)
             if interleave:

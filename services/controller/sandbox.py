@@ -14,9 +14,9 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   session, capabilities dropped, and the whole tree dies with the controller (``--die-with-parent``).
 - **Resources**: a cgroup (v1 or v2) per sandbox caps processes (``pids.max``) and memory; the
   controller enforces wall-clock timeouts and kills the tree. ``cpus`` pins the whole tree to a set
-  of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`). Where cgroups are not writable,
-  ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose address-space reservations it breaks)
-  and the process cap is best effort.
+  of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`).
+  Where cgroups are not writable, ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose
+  address-space reservations it breaks) and the process cap is best effort.
 - **The clock, the harness and the reference tokens** stay in the controller's process: the worker
   only receives prompt ids and returns tokens; the controller times each request from its own
   clock, from sending the request to reading the reply.

@@ -29,8 +29,6 @@ from specpilot.service import add_connection_flags
 
 console = Console(stderr=True)
 out = Console()
-# Timing settings the round gives the controller it starts: a round on 2 CPU cores must end in
-# about 15 minutes, so fewer trials than a verdict on a GPU would take (see docs/FIGURES.md).
 ROUND_MINUTES = 15.0  # the default round's wall-clock budget (the master stops trying candidates in time)
 
 
@@ -76,7 +74,8 @@ def controller_flags(args: argparse.Namespace) -> list[str]:
     dep = load_deployment(args.deployment)
     flags = ["--device", args.device or dep.device]
     for name, value in dep.timing_settings().items():
-        flags += [f"--{name.replace('_', '-')}", str(value if getattr(args, name) is None else getattr(args, name))]
+        given = getattr(args, name)
+        flags += [f"--{name.replace('_', '-')}", str(value if given is None else given)]
     if args.interleave is not None:
         flags.append("--interleave" if args.interleave else "--no-interleave")
     if args.pin_cpus is not None:
