@@ -15,7 +15,8 @@ machine, or random ones of HumanEval-like lengths.
   run's first tokens (greedy outputs are prefixes of longer ones when nothing stops them).
 - peer: transformers' ``generate`` (greedy, and prompt lookup) on the same weights
   (`engine.bench.peer`), on ``--peer-prompts`` prompts, when transformers is installed.
-- ``--fused``: the ``fused_kernels`` option (`engine.fused`) on the model for every run above;
+- ``--fused``: the ``fused_kernels`` option (`engine.fused`) on the model for every run above
+  (``--gemv``: and ``fused_gemv``);
   ``--outputs FILE`` saves the graph run's tokens and ``--reference FILE`` compares them with
   another run's (how many requests are identical, and the mean length of the common prefix).
 - profile (``--profile``): the kernels of one static decode forward (torch.profiler): count and
@@ -75,7 +76,7 @@ def _tok_s(engine: Engine, prompts, max_new) -> tuple[float, list[list[int]], fl
 
 def _kernel_class(name: str) -> str:
     n = name.lower()
-    if any(k in n for k in ("gemv", "gemm", "cutlass", "xmma", "sm90", "cublas", "splitk")):
+    if any(k in n for k in ("gemv", "gemm", "cutlass", "xmma", "sm90", "cublas", "splitk", "norm_linear")):
         return "matmul"
     if any(k in n for k in ("fmha", "attention", "flash", "attn")):
         return "attention"
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-max-new-tokens", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--fused", action="store_true", help="the fused_kernels option (engine.fused)")
+    ap.add_argument("--gemv", action="store_true", help="with --fused: the fused_gemv option (norm + GEMV kernels)")
     ap.add_argument("--attention-slots-per-program", type=int, default=None,
                     help="with --fused: split the attention kernel's context over programs of this many slots "
                          "(kernels.fused.kernel.SLOTS_PER_PROGRAM; default: one program per KV head)")
@@ -157,14 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tok, weights = _load(args.model, args.random)
+    if args.gemv and not args.fused:
+        ap.error("--gemv needs --fused (the fused_gemv option folds into the fused blocks)")
     if args.fused:
-        fuse_model(model)
+        fuse_model(model, gemv=args.gemv)
     if args.attention_slots_per_program:
         from kernels.fused import kernel as fused_kernel
 
         fused_kernel.SLOTS_PER_PROGRAM = args.attention_slots_per_program
     result: dict = {"bench": "graphs_ar", "model": args.model, "weights": weights, "dtype": "bf16",
-                    "fused_kernels": args.fused, "attention_slots_per_program": args.attention_slots_per_program,
+                    "fused_kernels": args.fused, "fused_gemv": args.gemv, "attention_slots_per_program": args.attention_slots_per_program,
                     "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if args.profile or args.profile_only:
         result["profile"] = [kernel_profile(model, T) for T in (1, 5)]

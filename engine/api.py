@@ -131,7 +131,7 @@ def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
     if opts.fused_kernels:  # first: it rebuilds the blocks, and later options swap their linears
         from engine.fused import fuse_model
 
-        fuse_model(model)
+        fuse_model(model, gemv=opts.fused_gemv)
     if opts.weight_format == "w12":
         try:
             from kernels.w12 import quantize_model_linears

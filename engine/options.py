@@ -40,6 +40,7 @@ class EngineOptions:
     compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (engine.graphs); no-op off CUDA
     fused_kernels: bool = False  # fused norm/RoPE/SiLU kernels + concatenated QKV, gate/up GEMMs (engine.fused)
+    fused_gemv: bool = False  # with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in
     ngram_max_match: int = 4  # longest context suffix the n-gram drafter tries to match
     ngram_min_match: int = 2  # shortest; below it the n-gram drafter proposes nothing
     drafter_weights: str = ""  # parallel drafter weights file; "": the one shipped for the target
@@ -47,6 +48,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_value(f, getattr(self, f.name))
+        if self.fused_gemv and not self.fused_kernels:
+            raise ValueError("option 'fused_gemv' needs fused_kernels = true (it folds into the fused blocks)")
         if self.ngram_min_match > self.ngram_max_match:
             raise ValueError(
                 f"ngram_min_match ({self.ngram_min_match}) must not exceed ngram_max_match ({self.ngram_max_match})"

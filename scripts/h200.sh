@@ -14,6 +14,7 @@
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
+#           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -116,6 +117,32 @@ for v in ("stock", "fused", "fused_split64"):
           f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
+  gemv)  # the norm + GEMV kernels: CUDA tests, per-launch bench (--sweep: tiles), fused vs fused_gemv AR
+    shift
+    P=bench/results/cuda_graphs_2026-11-29/humaneval10_prompt_ids.json
+    rand=""; sweep=""
+    for a in "$@"; do case $a in --random) rand=--random ;; --sweep) sweep=--sweep ;; esac; done
+    python3 -m pytest -q --noconftest -m gpu tests/kernels/test_fused_kernels.py 2>&1 | tail -15 > "$OUT/pytest_fused.txt" || true
+    tail -2 "$OUT/pytest_fused.txt"
+    python3 bench/gemv_bench.py $sweep --json "$OUT/gemv_bench.json" 2>&1 | tail -16
+    for v in fused gemv; do
+      python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --no-peer --fused $rand \
+        $([ $v = gemv ] && echo "--gemv --reference /tmp/fused_out.json" || echo "--outputs /tmp/fused_out.json") \
+        > "$OUT/smol_$v.json" 2> "$OUT/smol_$v.err" || tail -5 "$OUT/smol_$v.err"
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for v in ("fused", "gemv"):
+    f = out / f"smol_{v}.json"
+    if not f.exists() or not f.read_text().strip():
+        print(v, "no result"); continue
+    s = json.loads(f.read_text().splitlines()[-1])
+    prof = {p["T"]: (p["kernels"], p["graph_replay_us"]) for p in s.get("profile", [])}
+    print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
+          f"kernels/replay_us {prof} vs_fused {s.get('vs_reference')}")
+PY
+    ;;
   startup)  # seconds from a worker's start to its exit once ready, empty vs filled Triton cache
     dep=${2:-tiny-cuda}; opts=${3:-'{"cuda_graphs": true, "fused_kernels": true}'}; c=$(mktemp -d)
     s=$(date +%s.%N); python3 -c 'import torch; torch.zeros(1, device="cuda")'; e=$(date +%s.%N)
@@ -141,6 +168,6 @@ PY
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac

@@ -1,8 +1,10 @@
-"""Fused decode-step kernels: residual add + RMSNorm, RoPE + KV-cache write (+ attention), SiLU·mul.
+"""Fused decode-step kernels: residual add + RMSNorm, RoPE + KV-cache write (+ attention), SiLU·mul,
+and small-M GEMVs with the add + norm before and SiLU·mul after them (`norm_linear`).
 
 Each op runs its Triton kernel (`kernel`) on CUDA tensors, or anywhere under
 ``TRITON_INTERPRET=1``, and its PyTorch reference (`reference`, the normative semantics) otherwise.
-The engine uses them when ``fused_kernels`` is on (`engine.fused`). README.md: why, what each
+The engine uses them when ``fused_kernels`` is on (`engine.fused`; `norm_linear` with
+``fused_gemv``). README.md: why, what each
 kernel does, where it can differ from the reference, tests and figures.
 """
 
@@ -64,5 +66,22 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return reference.silu_mul(gate_up)
 
 
-__all__ = ["ATTENTION_KERNEL_MAX_SLOTS", "INTERPRET", "add_rms_norm", "reference", "rope_attention", "rope_qkv",
-           "silu_mul", "uses_triton"]
+def gemv_applies(x: Tensor) -> bool:
+    """Whether `norm_linear` runs its Triton kernel on ``x`` (else the reference: norm, F.linear)."""
+    from .kernel import GEMV_MAX_ROWS
+
+    return uses_triton(x) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+
+
+def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
+                silu: bool = False) -> tuple[Tensor, Tensor]:
+    """(y, h + delta): y = [silu_mul of] RMSNorm(h + delta) @ weight.T, one kernel at small M;
+    ``norm_weight`` None: a plain ``h @ weight.T``. See `reference.norm_linear`."""
+    if gemv_applies(h):
+        from .kernel import norm_linear as fused
+        return fused(h, delta, norm_weight, eps, weight, silu)
+    return reference.norm_linear(h, delta, norm_weight, eps, weight, silu)
+
+
+__all__ = ["ATTENTION_KERNEL_MAX_SLOTS", "INTERPRET", "add_rms_norm", "gemv_applies", "norm_linear", "reference",
+           "rope_attention", "rope_qkv", "silu_mul", "uses_triton"]

@@ -10,6 +10,7 @@ Under ``TRITON_INTERPRET=1`` (CPU) only fp32 is exact: the interpreter's bf16 ar
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -270,3 +271,131 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
             1.0 / hd ** 0.5, span, G=G, ROWS=rows, HALF=hd // 2, BLOCK_N=ATTENTION_BLOCK_N, SPLITS=splits,
             IEEE=qkv.dtype == torch.float32, num_warps=4, enable_fp_fusion=False)
     return y
+
+
+@triton.jit
+def _norm_linear_kernel(h_ptr, delta_ptr, nw_ptr, w_ptr, h_out_ptr, y_ptr, M, N, K, eps,
+                        NORM: tl.constexpr, HAS_DELTA: tl.constexpr, SILU: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT: tl.constexpr, IEEE: tl.constexpr):
+    """y[rows, cols] of ``norm(h + delta) @ W.T`` (then SiLU·mul); program (n, m) owns BLOCK_N
+    output columns of BLOCK_M rows and walks K in BLOCK_K steps, in one fixed order."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dtype = y_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_live = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = cols < N
+    x_rows = rows.to(tl.int64)[:, None] * K
+    w_rows = cols.to(tl.int64)[:, None] * K
+    if NORM:  # pass 1: each row's sum of squares (program column 0 also stores h + delta)
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            live = row_live[:, None] & (ks < K)[None, :]
+            x = tl.load(h_ptr + x_rows + ks[None, :], mask=live, other=0.0)
+            if HAS_DELTA:
+                d = tl.load(delta_ptr + x_rows + ks[None, :], mask=live, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(dtype)
+                if pid_n == 0:
+                    tl.store(h_out_ptr + x_rows + ks[None, :], x, mask=live)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+        inv = tl.rsqrt(squares / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 2: the (normed) rows against BLOCK_N weight rows
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_live = ks < K
+        live = row_live[:, None] & k_live[None, :]
+        x = tl.load(h_ptr + x_rows + ks[None, :], mask=live, other=0.0)
+        if NORM:
+            if HAS_DELTA:
+                d = tl.load(delta_ptr + x_rows + ks[None, :], mask=live, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(dtype)
+            normed = (x.to(tl.float32) * inv[:, None]).to(dtype)
+            nw = tl.load(nw_ptr + ks, mask=k_live, other=0.0)
+            x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
+        w_live = col_live[:, None] & k_live[None, :]
+        w = tl.load(w_ptr + w_rows + ks[None, :], mask=w_live, other=0.0)
+        if DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if SILU:  # the up rows sit N rows below the gate rows
+            u = tl.load(w_ptr + w_rows + N * K + ks[None, :], mask=w_live, other=0.0)
+            if DOT:
+                if IEEE:
+                    acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
+                else:
+                    acc_up += tl.dot(x, tl.trans(u))
+            else:
+                acc_up += tl.sum(x.to(tl.float32)[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
+    y = acc.to(dtype)
+    if SILU:  # silu_mul of the rounded gate and up, as the reference rounds them
+        g = y.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)
+        y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(y_ptr + out, y, mask=row_live[:, None] & col_live[None, :])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A tile of `_norm_linear_kernel`: rows x output columns x K step, and the launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def dot(self) -> bool:  # tl.dot needs 16 rows; fewer rows multiply-add in registers
+        return self.block_m >= 16
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+# Measured on the H200 (bench/gemv_bench.py); keys (rows up to, N at least): see `pick_gemv_config`.
+GEMV_MAX_ROWS = 64  # beyond this a GEMM library does better: prefill keeps the unfused path
+
+
+def pick_gemv_config(M: int, N: int, K: int) -> GemvConfig:
+    """The tile for an M x K by K x N product (N: output columns). Pure function of the shape."""
+    if M <= 4:
+        block_m = triton.next_power_of_2(M)
+        block_n = 4 if N <= 1024 else 8
+        return GemvConfig(block_m, block_n, 256 // block_m if block_m <= 2 else 64, num_warps=4)
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    return GemvConfig(block_m, 16, 64, num_warps=4, num_stages=3)
+
+
+def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
+                silu: bool = False, config: GemvConfig | None = None) -> tuple[Tensor, Tensor]:
+    K = h.shape[-1]
+    if weight.shape[1] != K or weight.dtype != h.dtype:
+        raise ValueError(f"norm_linear: weight {tuple(weight.shape)} {weight.dtype} does not fit h [.., {K}] {h.dtype}")
+    if delta is not None and norm_weight is None:
+        raise ValueError("norm_linear: a delta needs a norm (the residual add is the norm's)")
+    N = weight.shape[0] // 2 if silu else weight.shape[0]
+    h = h.contiguous()
+    M = h.numel() // K
+    y = torch.empty(*h.shape[:-1], N, dtype=h.dtype, device=h.device)
+    h_out = torch.empty_like(h) if delta is not None else h
+    cfg = config or pick_gemv_config(M, N, K)
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    with on_device(h):
+        _norm_linear_kernel[grid](
+            h, delta.contiguous() if delta is not None else h, norm_weight if norm_weight is not None else h,
+            weight.contiguous(), h_out, y, M, N, K, eps,
+            NORM=norm_weight is not None, HAS_DELTA=delta is not None, SILU=silu, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot, IEEE=h.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y, h_out

@@ -17,6 +17,11 @@ cannot: reduction order of the norm, ``exp``).
   first ``length`` cache slots) in one op; returns ``[B, T, H * hd]``. The Triton kernel computes
   the same attention in another order (online softmax), so its values differ in the last bits.
 - `silu_mul(gate_up)`: ``silu(gate) * up`` over a fused gate/up projection ``[..., 2 I]``.
+- `norm_linear(h, delta, norm_weight, eps, weight, silu=False)`: `add_rms_norm` (skipped when
+  ``norm_weight`` is None), the linear layer ``normed @ weight.T`` (accumulated in fp32, rounded to
+  the dtype, as ``F.linear``), then `silu_mul` when ``silu`` (``weight`` is then the concatenated
+  gate/up weight ``[2 I, K]``). Returns ``(y, h')``. The Triton kernel reduces the norm and the
+  dot products in its own order (another reduction order than cuBLAS's), nothing else differs.
 """
 
 from __future__ import annotations
@@ -69,3 +74,15 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
     y = F.scaled_dot_product_attention(q.view(B, n_kv, G * T, hd), k_cache[:, :, :length], v_cache[:, :, :length],
                                        attn_mask=bias)
     return y.view(B, n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, n_heads * hd)
+
+
+def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
+                silu: bool = False) -> tuple[Tensor, Tensor]:
+    if norm_weight is None:
+        if delta is not None:
+            raise ValueError("norm_linear: a delta needs a norm (the residual add is the norm's)")
+        x = h
+    else:
+        x, h = add_rms_norm(h, delta, norm_weight, eps)
+    y = F.linear(x, weight)
+    return (silu_mul(y) if silu else y), h

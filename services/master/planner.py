@@ -43,6 +43,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
     "overhead": [
         ("cuda_graphs", [True], ("cuda",)),
         ("fused_kernels", [True], ("cuda",)),  # fewer kernels per step: what a graph replay costs
+        ("fused_gemv", [True], ("cuda",)),  # fewer still: norms and SiLU·mul inside Triton GEMVs
         ("compile", [True], ("cuda",)),
     ],
     "kernel": [
@@ -51,7 +52,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
     ],
 }
 # Options that only mean something when another one is set.
-DEPENDS: dict[str, tuple[str, Any]] = {"tree_nodes": ("verify", "tree")}
+DEPENDS: dict[str, tuple[str, Any]] = {"tree_nodes": ("verify", "tree"), "fused_gemv": ("fused_kernels", True)}
 LLM_TASKS = {
     "tau": "raise tokens per step (tau): a better drafter or tree shape, without changing what the target accepts",
     "kernel": "make the step's kernels closer to their byte floors (fewer bytes moved, fused work)",

@@ -53,3 +53,30 @@ def test_fused_with_w12_reference_path():
     a = load_engine("tiny", {"weight_format": "w12"}).generate(prompt, 16).tokens
     b = load_engine("tiny", {"weight_format": "w12", "fused_kernels": True}).generate(prompt, 16).tokens
     assert a == b
+
+
+@pytest.mark.parametrize("opts", [{}, {"verify": "tree", "tree_nodes": 8}])
+def test_fused_gemv_tokens_equal_stock(opts):
+    """``fused_gemv`` off CUDA: the GEMV modules run F.linear after the reference norm (stock's values)."""
+    from engine.fused import GemvLinear
+
+    prompt = list(range(40, 90))
+    stock = load_engine("tiny", opts).generate(prompt, 32)
+    engine = load_engine("tiny", {**opts, "fused_kernels": True, "fused_gemv": True})
+    block = engine.model.layers[0]
+    assert all(type(m) is GemvLinear for m in (block.attn.qkv_proj, block.attn.o_proj, block.mlp.gate_up_proj,
+                                               block.mlp.down_proj))
+    assert not block.folds(torch.zeros(1, 1, 64))  # CPU tensors: the kernels stay out
+    assert engine.generate(prompt, 32).tokens == stock.tokens
+
+
+def test_fused_gemv_needs_fused_kernels_and_yields_to_weight_formats():
+    with pytest.raises(ValueError, match="fused_gemv.*needs fused_kernels"):
+        load_engine("tiny", {"fused_gemv": True})
+    prompt = list(range(40, 70))
+    a = load_engine("tiny", {"weight_format": "w12"}).generate(prompt, 16).tokens
+    w12 = load_engine("tiny", {"weight_format": "w12", "fused_kernels": True, "fused_gemv": True})
+    assert not w12.model.layers[0].folds(torch.zeros(1, 1, 64, device=w12.model.device))  # W12 linears: unfolded
+    assert w12.generate(prompt, 16).tokens == a
+    with pytest.raises(ValueError, match="another fused_gemv"):
+        fuse_model(w12.model)

@@ -26,6 +26,7 @@ def kernel_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "cache": torch.zeros(B, KV, 16, hd), "gate_up": rand(2, 3, 2 * 1500),
         "cache_filled": rand(1, KV, 16, hd), "qkv_one": rand(1, T, (H + 2 * KV) * hd), "bias": step_bias(),
         "cache_long": rand(1, KV, 256, hd), "bias_long": step_bias(length=200, start=190),
+        "w_lin": rand(40, 577) * 0.05, "w_gate_up": rand(2 * 24, 577) * 0.05,
     }
 
 
@@ -60,11 +61,17 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
     k, v = x["cache_long"].clone(), x["cache_long"].clone() * 0.5
     out["attn_long"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots + 183,
                                           x["bias_long"], 200)
+    # norm + GEMV: 15 rows (the tl.dot tile), 3 rows with SiLU·mul and 1 plain row (multiply-adds)
+    out["gemv_norm"], out["gemv_h"] = ops.norm_linear(x["h"], x["delta"], x["norm_w"], 1e-5, x["w_lin"])
+    out["gemv_silu"], out["gemv_h3"] = ops.norm_linear(x["h"][0, :3], x["delta"][0, :3], x["norm_w"], 1e-5,
+                                                       x["w_gate_up"], True)
+    out["gemv_plain"], _ = ops.norm_linear(x["h"][1, :1], None, None, 0.0, x["w_lin"])
     return out
 
 
-def model_forwards(fused: bool) -> dict[str, torch.Tensor]:
-    """Logits of the tiny model (fp32), stock or fused: a prefill, a chain step and a graph-safe tree step."""
+def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
+    """Logits of the tiny model (fp32), stock or fused (``gemv``: with ``fused_gemv``): a prefill,
+    a chain step and a graph-safe tree step."""
     from engine.fused import fuse_model
     from engine.graphs import GraphRunner
     from engine.model import build_random, get_config
@@ -72,7 +79,7 @@ def model_forwards(fused: bool) -> dict[str, torch.Tensor]:
 
     model = build_random(get_config("tiny"), seed=3)
     if fused:
-        fuse_model(model)
+        fuse_model(model, gemv=gemv)
     out = {}
     cache = model.new_cache(64)
     with torch.no_grad():
@@ -90,7 +97,8 @@ def main(path: str) -> None:
     from kernels.fused import kernel
 
     x = kernel_inputs()
-    out = {"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True)}
+    out = {"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True),
+           "model_gemv": model_forwards(fused=True, gemv=True)}
     kernel.SLOTS_PER_PROGRAM = 64  # the context split over 4 programs per KV head, merged by the last
     out["split"] = {"first": run_kernels(x, kernel), "again": run_kernels(x, kernel)}
     out["split_counts"] = counters._COUNTERS[torch.device("cpu")].clone()

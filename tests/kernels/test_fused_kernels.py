@@ -23,8 +23,9 @@ from kernels.fused import reference
 from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v")
+EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v", "gemv_h", "gemv_h3")
 CLOSE = ("norm", "norm_no_delta", "silu", "attn", "attn_long")  # another reduction order, or another exp
+GEMV = ("gemv_norm", "gemv_silu", "gemv_plain")  # a dot over 577 terms in another order than F.linear's
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,8 @@ def test_interpreted_kernels_match_reference(interpreted):
         assert torch.equal(got[name], ref[name]), name
     for name in CLOSE:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
+    for name in GEMV:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-5)
     # the cache rows the slots name were written, the others not
     written = got["k"].abs().sum(-1) != 0
     assert written[:, :, [7, 8, 9]].all() and not written[:, :, :7].any() and not written[:, :, 10:].any()
@@ -61,9 +64,12 @@ def test_interpreted_split_attention_matches_reference(interpreted):
     assert not interpreted["split_counts"].any()
 
 
-def test_interpreted_fused_model_matches_stock(interpreted):
+@pytest.mark.parametrize("variant", ["model", "model_gemv"])
+def test_interpreted_fused_model_matches_stock(interpreted, variant):
+    """The fused tiny model running the kernels (``model_gemv``: its chain and tree steps through
+    the norm + GEMV kernel: every forward here has <= 64 rows) against stock."""
     stock = model_forwards(fused=False)
-    got = interpreted["model"]
+    got = interpreted[variant]
     for name in ("prefill", "chain", "tree_hidden"):
         torch.testing.assert_close(got[name], stock[name], rtol=1e-5, atol=1e-5)
     assert torch.equal(got["tree_argmax"], stock["tree_argmax"])
@@ -71,9 +77,10 @@ def test_interpreted_fused_model_matches_stock(interpreted):
 
 def test_reference_fused_model_is_stock_bit_for_bit():
     """Off CUDA the fused model runs the references: the stock model's values exactly (fp32)."""
-    fused, stock = model_forwards(fused=True), model_forwards(fused=False)
-    for name, value in stock.items():
-        assert torch.equal(fused[name], value), name
+    stock = model_forwards(fused=False)
+    for fused in (model_forwards(fused=True), model_forwards(fused=True, gemv=True)):
+        for name, value in stock.items():
+            assert torch.equal(fused[name], value), name
 
 
 def test_rope_kernel_refuses_odd_head_dim():
@@ -111,7 +118,7 @@ def test_cuda_kernels_match_reference(dtype):
     for name in got:
         if name in exact:
             ok = torch.equal(got[name], ref[name])
-        elif dtype == torch.bfloat16 and name not in ("attn", "attn_long"):  # attention: another summation order
+        elif dtype == torch.bfloat16 and name not in ("attn", "attn_long", *GEMV):  # another summation order
             ok = _ulps_bf16(got[name], ref[name]) <= 1
         else:
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -137,8 +144,10 @@ def test_cuda_split_attention_matches_reference(dtype, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_fused_smollm2_shape_step():
-    """SmolLM2-shaped random bf16 model: fused and stock static steps agree to bf16 rounding."""
+@pytest.mark.parametrize("gemv", [False, True])
+def test_cuda_fused_smollm2_shape_step(gemv):
+    """SmolLM2-shaped random bf16 model: fused (``gemv``: + fused_gemv) and stock static steps,
+    captured as CUDA graphs, agree to bf16 rounding."""
     from dataclasses import replace
 
     from engine.fused import fuse_model
@@ -151,7 +160,7 @@ def test_cuda_fused_smollm2_shape_step():
     for fused in (False, True):
         model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=1)
         if fused:
-            fuse_model(model)
+            fuse_model(model, gemv=gemv)
         cache = model.new_cache(512)
         with torch.no_grad():
             model(torch.arange(100, 140, device="cuda").view(1, -1), torch.arange(40, device="cuda"), cache, 0)
