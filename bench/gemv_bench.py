@@ -41,17 +41,19 @@ OPS = {"qkv": (QKV, D, True, False), "o": (D, D, False, False), "gate_up": (INNE
 
 
 def sweep_grid(m: int) -> list[GemvConfig]:
-    if m <= 4:
-        bm = 1 << (m - 1).bit_length()
-        out = []
-        for bn, bk, warps, stages in itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (1, 2, 4), (1, 2)):
+    """Tiles to time at ``m`` rows: multiply-adds in registers up to 8 rows, tl.dot from 5 rows."""
+    bm = 1 << (m - 1).bit_length()
+    out = []
+    if m <= 8:
+        for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (64, 128, 256, 512, 1024), (1, 2, 4), (1, 2)):
             per_thread = bm * bn * bk // (32 * warps)
-            if 4 <= per_thread <= 64:
+            if 4 <= per_thread <= 64 and bk >= 32 * warps:
                 out.append(GemvConfig(bm, bn, bk, warps, stages))
-        return out
-    bm = min(64, max(16, 1 << (m - 1).bit_length()))
-    return [GemvConfig(bm, bn, bk, warps, stages)
-            for bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4,), (2, 3))]
+    if m >= 5:
+        bm = min(64, max(16, bm))
+        out += [GemvConfig(bm, bn, bk, warps, stages)
+                for bn, bk, warps, stages in itertools.product((16, 32), (64, 128, 256), (4,), (2, 3))]
+    return out
 
 
 def _compile_worker(job: tuple[str, int, tuple]) -> str:
@@ -121,7 +123,7 @@ def case(op: str, m: int, sweep: bool, reps: int) -> dict:
         return lambda layer: kernel.norm_linear(h, delta, nw, 1e-5, weights[layer], silu, cfg)[0]
 
     ref = reference.norm_linear(h, delta, nw, 1e-5, weights[3], silu)[0].float()
-    picked = pick_gemv_config(m, n, k)
+    picked = pick_gemv_config(m, n, k, silu)
     got = gemv(picked)(3).float()
     err = float((got - ref).abs().max())
     out = {"op": op, "m": m, "n": n, "k": k, "baseline_us": graph_us(baseline, reps),

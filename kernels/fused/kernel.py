@@ -363,18 +363,29 @@ class GemvConfig:
         return f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
 
-# Measured on the H200 (bench/gemv_bench.py); keys (rows up to, N at least): see `pick_gemv_config`.
-GEMV_MAX_ROWS = 64  # beyond this a GEMM library does better: prefill keeps the unfused path
+# Tiles from the H200 sweep of 2026-12-01 (bench/gemv_bench.py --sweep, SmolLM2's four layer shapes,
+# README.md). Past 16 rows cuBLAS (after the norm kernel) was faster: 17-row steps take the unfolded path.
+GEMV_MAX_ROWS = 16
 
 
-def pick_gemv_config(M: int, N: int, K: int) -> GemvConfig:
-    """The tile for an M x K by K x N product (N: output columns). Pure function of the shape."""
-    if M <= 4:
-        block_m = triton.next_power_of_2(M)
-        block_n = 4 if N <= 1024 else 8
-        return GemvConfig(block_m, block_n, 256 // block_m if block_m <= 2 else 64, num_warps=4)
+def pick_gemv_config(M: int, N: int, K: int, silu: bool = False) -> GemvConfig:
+    """The tile for an M x K by K x N product (N: output columns; ``silu``: twice N weight rows).
+
+    One or two rows: multiply-adds in registers, one or two weight rows a program and the whole K
+    (<= 1024) in one step, so each program issues all its loads at once (the step is latency-bound:
+    at M = 1 SmolLM2's four GEMVs took 11.5 us a layer this way against 20.5 for norm + cuBLAS).
+    More rows: tl.dot over 16-row tiles."""
+    block_k = min(1024, triton.next_power_of_2(K))
+    if M == 1:
+        return GemvConfig(1, 1 if silu or K > 1024 else 2, block_k, num_warps=1, num_stages=1)
+    if M == 2:
+        if silu or K > 1024:
+            return GemvConfig(2, 2 if silu else 1, block_k, num_warps=2, num_stages=1)
+        return GemvConfig(2, 4 if N > 640 else 2, block_k, num_warps=4, num_stages=1)
     block_m = min(64, max(16, triton.next_power_of_2(M)))
-    return GemvConfig(block_m, 16, 64, num_warps=4, num_stages=3)
+    if not silu and N <= 640 and K <= 640:
+        return GemvConfig(block_m, 32, 128, num_warps=4, num_stages=3)
+    return GemvConfig(block_m, 32 if silu else 16, 256, num_warps=4, num_stages=3)
 
 
 def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
@@ -389,7 +400,7 @@ def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps
     M = h.numel() // K
     y = torch.empty(*h.shape[:-1], N, dtype=h.dtype, device=h.device)
     h_out = torch.empty_like(h) if delta is not None else h
-    cfg = config or pick_gemv_config(M, N, K)
+    cfg = config or pick_gemv_config(M, N, K, silu)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     with on_device(h):
         _norm_linear_kernel[grid](

@@ -80,7 +80,10 @@ if _t.cuda.is_available():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_work_left_queued_for_the_next_system_is_caught_and_timed_again_run_by_run(tmp_path):
+def test_gpu_work_left_queued_for_the_next_system_wins_nothing(tmp_path):
+    """A candidate queues 0.5 s of GPU work on its own stream before each reply (and its own
+    synchronize skips that stream). If the work slows the system timed next, the carry-over test
+    catches it and the pair is timed again run by run; if not, the timing stands. No promotion."""
     import asyncio
 
     from services.controller.main import Controller
@@ -93,10 +96,15 @@ def test_gpu_work_left_queued_for_the_next_system_is_caught_and_timed_again_run_
         before_ready=WAIT_FOR_OWN_STREAM_ONLY, before_reply=QUEUE_GPU_WORK), options={}, deployment="tiny-cuda", source="subagent")
     asyncio.run(ctl.handle_patch(patch))
     timings = [e for e in ctl.events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate"]
-    assert [t.interleaved for t in timings] == [True, False], timings
-    assert timings[0].carryover["effect"] > 0.05 and timings[0].carryover["p_value"] < 0.001
-    assert not timings[1].carryover  # whole runs: no carry-over test, none possible
-    assert any(isinstance(e, schema.VerdictIssued) for e in ctl.events)
+    verdicts = [e for e in ctl.events if isinstance(e, schema.VerdictIssued)]
+    assert timings and timings[0].interleaved and timings[0].carryover, timings
+    if timings[0].carryover["effect"] > 0.05:  # the queued work reached the next system: caught, re-timed
+        assert timings[0].carryover["p_value"] < 0.001
+        assert [t.interleaved for t in timings] == [True, False]
+        assert not timings[1].carryover  # whole runs: no carry-over test, none possible
+    else:  # it did not (H200, 12-01: effect -0.2%, p 0.53: the processes' GPU contexts time-slice)
+        assert len(timings) == 1
+    assert len(verdicts) == 1 and verdicts[0].decision == "reject", verdicts  # either way: no gain to win
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def test_interpreted_split_attention_matches_reference(interpreted):
 @pytest.mark.parametrize("variant", ["model", "model_gemv"])
 def test_interpreted_fused_model_matches_stock(interpreted, variant):
     """The fused tiny model running the kernels (``model_gemv``: its chain and tree steps through
-    the norm + GEMV kernel: every forward here has <= 64 rows) against stock."""
+    the norm + GEMV kernel, the 20-row prefill through the unfolded path) against stock."""
     stock = model_forwards(fused=False)
     got = interpreted[variant]
     for name in ("prefill", "chain", "tree_hidden"):
