@@ -217,13 +217,17 @@ class Controller:
                 patch_id=patch.patch_id, kind="candidate", device=self.device, incumbent_commit=best.commit,
                 candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=interleave,
                 wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
-            if trial.problem or trial.carryover is None or not trial.carryover.suspect:
+            if trial.problem:
                 break
-            # The candidate slows whatever runs after it (work it leaves queued on the device while
+            # The candidate may slow the other system (work it leaves queued on the device while
             # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
-            # a worker that exits before the other starts, cannot carry over.
-            log.warning("patch %s: carry-over %+.4f (p %.1e) in the interleaved timing; timing again run by run",
-                        patch.patch_id, trial.carryover.effect, trial.carryover.p_value)
+            # a worker that exits before the other starts, cannot (stats.retime_reason).
+            why = stats.retime_reason(interleave, trial.carryover,
+                                      stats.paired_gain(trial.incumbent_s, trial.candidate_s), noise,
+                                      gpu=ev.device.startswith("cuda"))
+            if not why:
+                break
+            log.warning("patch %s: %s; timing again run by run", patch.patch_id, why)
             interleave = False
         if trial.problem:
             await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,

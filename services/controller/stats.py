@@ -39,6 +39,12 @@ Contract (DESIGN §5, steps 4-5):
   ``suspect`` when ``p < CARRYOVER_P`` and the effect exceeds ``CARRYOVER_MIN``, and the
   controller then times the pair again run by run (a worker exits before the other starts, so
   nothing can carry over) rather than promote on it.
+- **GPU confirmation** (`retime_reason`). Work a paused GPU worker queued keeps running, and
+  separate processes' GPU contexts time-slice: a candidate that keeps the GPU busy *all the time*
+  (a growing queue of spin kernels) slows every one of the incumbent's requests alike, which the
+  carry-over test cannot see (12-01 on the H200: a tiny-model candidate queueing 0.5 s a reply was
+  "2.79x faster", carry-over effect 0). So an interleaved GPU timing that would promote is timed
+  again run by run, and the verdict rests on that timing.
 
 What this module does not do: run trials, measure load, choose which runs count as noise runs,
 or publish anything. It trusts that the noise given was measured for the same deployment, device
@@ -136,6 +142,19 @@ def carryover(trials: Sequence[tuple[str, Sequence[float], Sequence[float]]]) ->
 
 
 @lru_cache(maxsize=1024)
+def retime_reason(interleaved: bool, carry: Carryover | None, estimate: GainEstimate, noise: float,
+                  gpu: bool) -> str:
+    """Why a timing must be repeated run by run before a verdict ('' when it stands): a suspect
+    carry-over, or (on a GPU) an interleaved timing that would clear the lowest promotion bar."""
+    if not interleaved:
+        return ""
+    if carry is not None and carry.suspect:
+        return f"carry-over {carry.effect:+.4f} (p {carry.p_value:.1e}) in the interleaved timing"
+    if gpu and estimate.n >= 2 and estimate.lower_bound > promotion_bar(noise, outputs_identical=True):
+        return "an interleaved GPU timing that would promote (confirmed with each worker alone on the device)"
+    return ""
+
+
 def _t_quantile(confidence: float, dof: int) -> float:
     return float(sps.t.ppf(confidence, dof))
 

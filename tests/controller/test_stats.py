@@ -246,3 +246,19 @@ def test_carryover_needs_both_positions_and_several_requests():
     assert stats.carryover(_interleaved(rng, 1, 4, 0.0)) is None  # one trial: each request in one position
     assert stats.carryover(_interleaved(rng, 4, 1, 0.0)) is None  # one request
     assert stats.carryover([]) is None
+
+
+def test_retime_reason_confirms_gpu_promotions_and_suspect_carryover_run_by_run():
+    winning = stats.paired_gain([1.0] * 8, [0.5 + 0.01 * i for i in range(8)])  # ~1.8x, tight
+    flat = stats.paired_gain([1.0, 1.01, 0.99, 1.0], [1.0, 0.99, 1.01, 1.0])
+    noise = 0.01
+    suspect = stats.Carryover(effect=0.2, lower_bound=0.1, p_value=1e-6, n_requests=8)
+    honest = stats.Carryover(effect=0.0, lower_bound=-0.05, p_value=0.5, n_requests=8)
+    # a GPU timing a candidate would win: again with each worker alone (a paused worker's queued
+    # GPU work slows every request of the other alike, which the carry-over test cannot see)
+    assert "GPU" in stats.retime_reason(True, honest, winning, noise, gpu=True)
+    assert stats.retime_reason(True, honest, winning, noise, gpu=False) == ""  # a stopped CPU process does nothing
+    assert stats.retime_reason(True, honest, flat, noise, gpu=True) == ""  # would not promote: stands
+    assert "carry-over" in stats.retime_reason(True, suspect, flat, noise, gpu=False)
+    for gpu in (False, True):  # a run-by-run timing is the confirmation: never again
+        assert stats.retime_reason(False, None, winning, noise, gpu=gpu) == ""
