@@ -24,7 +24,9 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
 What is not isolated: CPU time shares the machine's cores (the controller times one thing at a time
 and records the load average beside each sample; when two workers are alive at once, the idle one is
 stopped with ``SIGSTOP``, ``pause``, while the other is timed, but GPU work it queued before it was
-stopped can still overlap); the candidate can read the rest of the machine's
+stopped can still overlap: the carry-over test catches work that slows the requests right after it,
+and an interleaved GPU timing that would promote is confirmed run by run, `stats.retime_reason`);
+the candidate can read the rest of the machine's
 files (read-only), including the public request sets; a GPU is shared when the device is CUDA. On a
 machine without bubblewrap the sandbox degrades to a scrubbed environment, a temporary working
 directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``PatchTested``).
