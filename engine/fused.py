@@ -22,13 +22,13 @@ With ``fused_gemv`` (on top of ``fused_kernels``) a block's four linears become 
 small M on CUDA (decode and verification steps, <= ``GEMV_MAX_ROWS`` rows) each runs one Triton
 GEMV, and the add + norm before the QKV and gate/up GEMVs and the SiLU·mul after gate/up run inside
 them (`kernels.fused.norm_linear`): 5 kernels a layer (norm+QKV, RoPE+attention, o, norm+gate/up+SiLU,
-down) instead of 8 plus cuBLAS's. Prefill and CPU steps take the path above.
+down) instead of the 8 above. Prefill and CPU steps take the path above.
 
 Contract: the fused model computes the stock model's function. Off CUDA the ops run their PyTorch
 references (same values as stock up to the concatenated GEMMs' reduction order); on CUDA the
 Triton kernels round every intermediate as stock does, except the norm's reduction order and
-``exp`` (kernels/fused/README.md), so outputs may differ at near-ties and a system with this
-option must pass token forcing. Eager and graph-safe (`StaticStep`) forwards are both supported,
+``exp`` (and with ``fused_gemv`` the GEMVs' reduction order; kernels/fused/README.md), so outputs
+may differ at near-ties and a system with this option must pass token forcing. Eager and graph-safe (`StaticStep`) forwards are both supported,
 chains and trees alike. Linear modules stay ``nn.Linear`` (named ``qkv_proj``, ``gate_up_proj``,
 ``o_proj``, ``down_proj``), so weight formats and backends that swap linears apply after fusion.
 """

@@ -120,6 +120,13 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
 
 
 @triton.jit
+def _silu_mul(g, u, dtype: tl.constexpr):
+    """silu(g) * u as the reference rounds it: the activation to the dtype, then the product."""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return (act.to(tl.float32) * u).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, y_ptr, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -127,8 +134,7 @@ def _silu_mul_kernel(gu_ptr, y_ptr, inner, BLOCK: tl.constexpr):
     dtype = y_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * 2 * inner + cols, mask=live, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * inner + inner + cols, mask=live, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    tl.store(y_ptr + row * inner + cols, (act.to(tl.float32) * u).to(dtype), mask=live)
+    tl.store(y_ptr + row * inner + cols, _silu_mul(g, u, dtype), mask=live)
 
 
 SILU_BLOCK = 1024
@@ -274,7 +280,17 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: in
 
 
 @triton.jit
-def _norm_linear_kernel(h_ptr, delta_ptr, nw_ptr, w_ptr, h_out_ptr, y_ptr, M, N, K, eps,
+def _row_products(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BM, BN] + x [BM, BK] . w [BN, BK]^T: tl.dot (fp32 inputs exactly), or multiply-adds."""
+    if DOT:
+        if IEEE:
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        return acc + tl.dot(x, tl.trans(w))
+    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _norm_linear_kernel(h_ptr, delta_ptr, nw_ptr, w_ptr, up_ptr, h_out_ptr, y_ptr, M, N, K, eps,
                         NORM: tl.constexpr, HAS_DELTA: tl.constexpr, SILU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -318,28 +334,13 @@ def _norm_linear_kernel(h_ptr, delta_ptr, nw_ptr, w_ptr, h_out_ptr, y_ptr, M, N,
             nw = tl.load(nw_ptr + ks, mask=k_live, other=0.0)
             x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
         w_live = col_live[:, None] & k_live[None, :]
-        w = tl.load(w_ptr + w_rows + ks[None, :], mask=w_live, other=0.0)
-        if DOT:
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if SILU:  # the up rows sit N rows below the gate rows
-            u = tl.load(w_ptr + w_rows + N * K + ks[None, :], mask=w_live, other=0.0)
-            if DOT:
-                if IEEE:
-                    acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
-                else:
-                    acc_up += tl.dot(x, tl.trans(u))
-            else:
-                acc_up += tl.sum(x.to(tl.float32)[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
+        acc = _row_products(acc, x, tl.load(w_ptr + w_rows + ks[None, :], mask=w_live, other=0.0), DOT, IEEE)
+        if SILU:  # the up rows (up_ptr: the weight's row N on, N rows below the gate rows)
+            up = tl.load(up_ptr + w_rows + ks[None, :], mask=w_live, other=0.0)
+            acc_up = _row_products(acc_up, x, up, DOT, IEEE)
     y = acc.to(dtype)
     if SILU:  # silu_mul of the rounded gate and up, as the reference rounds them
-        g = y.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype)
-        y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        y = _silu_mul(y.to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(y_ptr + out, y, mask=row_live[:, None] & col_live[None, :])
 
@@ -395,8 +396,13 @@ def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps
         raise ValueError(f"norm_linear: weight {tuple(weight.shape)} {weight.dtype} does not fit h [.., {K}] {h.dtype}")
     if delta is not None and norm_weight is None:
         raise ValueError("norm_linear: a delta needs a norm (the residual add is the norm's)")
+    if delta is not None and (delta.shape != h.shape or delta.dtype != h.dtype):
+        raise ValueError(f"norm_linear: delta {tuple(delta.shape)} {delta.dtype} must match h {tuple(h.shape)} {h.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != h.dtype):
+        raise ValueError(f"norm_linear: the norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be "
+                         f"[{K}] {h.dtype}")
     N = weight.shape[0] // 2 if silu else weight.shape[0]
-    h = h.contiguous()
+    h, weight = h.contiguous(), weight.contiguous()
     M = h.numel() // K
     y = torch.empty(*h.shape[:-1], N, dtype=h.dtype, device=h.device)
     h_out = torch.empty_like(h) if delta is not None else h
@@ -404,8 +410,8 @@ def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     with on_device(h):
         _norm_linear_kernel[grid](
-            h, delta.contiguous() if delta is not None else h, norm_weight if norm_weight is not None else h,
-            weight.contiguous(), h_out, y, M, N, K, eps,
+            h, delta.contiguous() if delta is not None else h, norm_weight.contiguous() if norm_weight is not None else h,
+            weight, weight[N:] if silu else weight, h_out, y, M, N, K, eps,
             NORM=norm_weight is not None, HAS_DELTA=delta is not None, SILU=silu, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot, IEEE=h.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -219,12 +219,11 @@ class Controller:
                 wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
             if trial.problem:
                 break
+            estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s)
             # The candidate may slow the other system (work it leaves queued on the device while
             # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
             # a worker that exits before the other starts, cannot (stats.retime_reason).
-            why = stats.retime_reason(interleave, trial.carryover,
-                                      stats.paired_gain(trial.incumbent_s, trial.candidate_s), noise,
-                                      gpu=ev.device.startswith("cuda"))
+            why = stats.retime_reason(interleave, trial.carryover, estimate, noise, gpu=ev.device.startswith("cuda"))
             if not why:
                 break
             log.warning("patch %s: %s; timing again run by run", patch.patch_id, why)
@@ -234,11 +233,12 @@ class Controller:
                                                  noise=noise, timing_event_id=timing.event_id), patch)
             return
 
+        if interleave != ev.interleave:  # a confirmation run by run: a design whose noise is not measured
+            noise = stats.confirmation_noise(noise, estimate)
         identical = trial.candidate_outputs == ev.reference(best)
         forcing_passed = None
         if not identical:
             forcing_passed = await self.force(ev, patch, candidate, trial.candidate_outputs)
-        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s)
         ceiling = self.state.ceiling.get(dep, SANITY_CEILING)
         decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
                                 ceiling=ceiling)

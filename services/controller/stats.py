@@ -44,7 +44,7 @@ Contract (DESIGN §5, steps 4-5):
   (a growing queue of spin kernels) slows every one of the incumbent's requests alike, which the
   carry-over test cannot see (12-01 on the H200: a tiny-model candidate queueing 0.5 s a reply was
   "2.79x faster", carry-over effect 0). So an interleaved GPU timing that would promote is timed
-  again run by run, and the verdict rests on that timing.
+  again run by run, and the verdict rests on that timing, held to `confirmation_noise`.
 
 What this module does not do: run trials, measure load, choose which runs count as noise runs,
 or publish anything. It trusts that the noise given was measured for the same deployment, device
@@ -141,7 +141,6 @@ def carryover(trials: Sequence[tuple[str, Sequence[float], Sequence[float]]]) ->
     return Carryover(effect, effect - _t_quantile(1 - CARRYOVER_P, dof) * se, p, n_req)
 
 
-@lru_cache(maxsize=1024)
 def retime_reason(interleaved: bool, carry: Carryover | None, estimate: GainEstimate, noise: float,
                   gpu: bool) -> str:
     """Why a timing must be repeated run by run before a verdict ('' when it stands): a suspect
@@ -155,6 +154,14 @@ def retime_reason(interleaved: bool, carry: Carryover | None, estimate: GainEsti
     return ""
 
 
+def confirmation_noise(noise: float, estimate: GainEstimate) -> float:
+    """The noise a run-by-run confirmation's verdict is held to: the deployment's noise was measured
+    with interleaved trials (the quieter design), so never less than the confirmation's own
+    standard error of the gain (run-by-run stock-versus-stock noise is not measured)."""
+    return max(noise, estimate.std_err)
+
+
+@lru_cache(maxsize=1024)
 def _t_quantile(confidence: float, dof: int) -> float:
     return float(sps.t.ppf(confidence, dof))
 

@@ -262,3 +262,9 @@ def test_retime_reason_confirms_gpu_promotions_and_suspect_carryover_run_by_run(
     assert "carry-over" in stats.retime_reason(True, suspect, flat, noise, gpu=False)
     for gpu in (False, True):  # a run-by-run timing is the confirmation: never again
         assert stats.retime_reason(False, None, winning, noise, gpu=gpu) == ""
+
+
+def test_a_confirmation_is_held_to_its_own_standard_error_when_that_is_larger():
+    noisy = stats.paired_gain([1.0, 1.3, 0.8, 1.2, 0.9, 1.25], [0.9, 1.0, 0.85, 0.95, 0.8, 1.1])
+    assert stats.confirmation_noise(0.005, noisy) == noisy.std_err > 0.005
+    assert stats.confirmation_noise(0.5, noisy) == 0.5

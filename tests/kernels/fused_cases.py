@@ -61,17 +61,22 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
     k, v = x["cache_long"].clone(), x["cache_long"].clone() * 0.5
     out["attn_long"] = ops.rope_attention(x["qkv_one"], x["cos"], x["sin"], *HEADS, k, v, slots + 183,
                                           x["bias_long"], 200)
-    # norm + GEMV: 15 rows (the tl.dot tile), 3 rows with SiLU·mul and 1 plain row (multiply-adds)
-    out["gemv_norm"], out["gemv_h"] = ops.norm_linear(x["h"], x["delta"], x["norm_w"], 1e-5, x["w_lin"])
-    out["gemv_silu"], out["gemv_h3"] = ops.norm_linear(x["h"][0, :3], x["delta"][0, :3], x["norm_w"], 1e-5,
-                                                       x["w_gate_up"], True)
-    out["gemv_plain"], _ = ops.norm_linear(x["h"][1, :1], None, None, 0.0, x["w_lin"])
+    # norm + GEMV: the tl.dot tiles at 15 and 3 rows, the multiply-add tiles at 1 and 2 rows (the AR
+    # decode step), each with the add + norm, with SiLU·mul and plain
+    h, d, w = x["h"], x["delta"], x["norm_w"]
+    out["gemv_norm"], out["gemv_h"] = ops.norm_linear(h, d, w, 1e-5, x["w_lin"])
+    out["gemv_silu"], out["gemv_h3"] = ops.norm_linear(h[0, :3], d[0, :3], w, 1e-5, x["w_gate_up"], True)
+    out["gemv_norm1"], out["gemv_h1"] = ops.norm_linear(h[0, :1], d[0, :1], w, 1e-5, x["w_lin"])
+    out["gemv_silu1"], _ = ops.norm_linear(h[2, :1], None, w, 1e-5, x["w_gate_up"], True)
+    out["gemv_silu2"], out["gemv_h2"] = ops.norm_linear(h[1, :2], d[1, :2], w, 1e-5, x["w_gate_up"], True)
+    out["gemv_plain"], _ = ops.norm_linear(h[1, :1], None, None, 0.0, x["w_lin"])
+    out["gemv_plain2"], _ = ops.norm_linear(h[1, 2:4], None, None, 0.0, x["w_lin"])
     return out
 
 
 def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
     """Logits of the tiny model (fp32), stock or fused (``gemv``: with ``fused_gemv``): a prefill,
-    a chain step and a graph-safe tree step."""
+    a chain step, a one-token step and a graph-safe tree step."""
     from engine.fused import fuse_model
     from engine.graphs import GraphRunner
     from engine.model import build_random, get_config
@@ -86,9 +91,10 @@ def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
         prompt = torch.arange(10, 30).view(1, -1)
         out["prefill"], _ = model(prompt, torch.arange(20), cache, 0)
         out["chain"], _ = model(torch.tensor([[5, 6, 7]]), torch.arange(20, 23), cache, 20)
+        out["step"], _ = model(torch.tensor([[8]]), torch.arange(23, 24), cache, 23)  # an AR step: 1 row
         tree = DraftTree([9, 4, 5, 6], [-1, 0, 0, 1])
         runner = GraphRunner(model, cache, bucket=16, capture=False)
-        out["tree_argmax"], out["tree_hidden"] = runner.run(tree, 23)
+        out["tree_argmax"], out["tree_hidden"] = runner.run(tree, 24)
     return out
 
 

@@ -23,9 +23,11 @@ from kernels.fused import reference
 from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v", "gemv_h", "gemv_h3")
+EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v", "gemv_h", "gemv_h3", "gemv_h1",
+         "gemv_h2")
 CLOSE = ("norm", "norm_no_delta", "silu", "attn", "attn_long")  # another reduction order, or another exp
-GEMV = ("gemv_norm", "gemv_silu", "gemv_plain")  # a dot over 577 terms in another order than F.linear's
+# a dot over 577 terms in another order than F.linear's
+GEMV = ("gemv_norm", "gemv_silu", "gemv_norm1", "gemv_silu1", "gemv_silu2", "gemv_plain", "gemv_plain2")
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +68,11 @@ def test_interpreted_split_attention_matches_reference(interpreted):
 
 @pytest.mark.parametrize("variant", ["model", "model_gemv"])
 def test_interpreted_fused_model_matches_stock(interpreted, variant):
-    """The fused tiny model running the kernels (``model_gemv``: its chain and tree steps through
-    the norm + GEMV kernel, the 20-row prefill through the unfolded path) against stock."""
+    """The fused tiny model running the kernels (``model_gemv``: its chain, one-token and tree steps
+    through the norm + GEMV kernel, the 20-row prefill through the unfolded path) against stock."""
     stock = model_forwards(fused=False)
     got = interpreted[variant]
-    for name in ("prefill", "chain", "tree_hidden"):
+    for name in ("prefill", "chain", "step", "tree_hidden"):
         torch.testing.assert_close(got[name], stock[name], rtol=1e-5, atol=1e-5)
     assert torch.equal(got["tree_argmax"], stock["tree_argmax"])
 
@@ -165,5 +167,7 @@ def test_cuda_fused_smollm2_shape_step(gemv):
         with torch.no_grad():
             model(torch.arange(100, 140, device="cuda").view(1, -1), torch.arange(40, device="cuda"), cache, 0)
             runner = GraphRunner(model, cache)
-            outs.append(runner.run(DraftTree.chain(7, [8, 9, 10]), 40)[1].float().clone())
+            chain = runner.run(DraftTree.chain(7, [8, 9, 10]), 40)[1].float().clone()
+            step = runner.run(DraftTree.chain(11, []), 44)[1].float().clone()  # AR: the 1-row GEMV tiles
+            outs.append(torch.cat([chain.flatten(), step.flatten()]))
     torch.testing.assert_close(outs[1], outs[0], rtol=5e-2, atol=5e-2)
