@@ -13,7 +13,8 @@ weights do not stay in L2 between layers), replayed ``--reps`` times; microsecon
 the graph's launch gaps are counted, as in a decode-step replay). Outputs are checked against the
 reference (within bf16 rounding of another reduction order).
 
-Prints a table (per case: baseline, gemv, best swept tile) and the per-layer sums; the last line is JSON.
+Prints each case as it ends, then a table (per case: baseline, gemv, speedup, tile, best swept
+tile; then the per-layer sums); the last line is JSON.
 """
 
 from __future__ import annotations
@@ -142,6 +143,26 @@ def case(op: str, m: int, sweep: bool, reps: int) -> dict:
     return out
 
 
+def table(rows: list[dict], layers: dict[int, dict], device: str) -> None:
+    """The cases and the per-layer sums (a layer = the four ops) as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    sweep = any("best_us" in r for r in rows)
+    t = Table(title=f"norm + GEMV vs the fused_kernels launches, microseconds a launch, {device}")
+    for c in ("op", "M", "baseline", "gemv", "speedup", "tile") + (("best", "best tile") if sweep else ()):
+        t.add_column(c, justify="left" if "tile" in c or c == "op" else "right")
+    for r in rows:
+        t.add_row(r["op"], str(r["m"]), f"{r['baseline_us']:.2f}", f"{r['gemv_us']:.2f}",
+                  f"{r['baseline_us'] / r['gemv_us']:.2f}x" + ("" if r["close"] else " MISMATCH"), r["config"],
+                  *((f"{r['best_us']:.2f}", r["best_config"]) if sweep else ()))
+    for m, sums in layers.items():
+        t.add_row("a layer", str(m), f"{sums['baseline_us']:.2f}", f"{sums['gemv_us']:.2f}",
+                  f"{sums['baseline_us'] / sums['gemv_us']:.2f}x", "", *((f"{sums['best_us']:.2f}", "") if sweep else ()),
+                  style="bold")
+    Console(width=150).print(t)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,5,17", help="rows per launch (1: AR; 5: a chain of 4; 17: a 16-node tree)")
@@ -171,7 +192,7 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["m"] == m]
         layers[m] = {k: round(sum(r[k] for r in mine), 2) for k in ("baseline_us", "gemv_us")
                      + (("best_us",) if args.sweep else ())}
-        print(f"per layer, M={m}: " + ", ".join(f"{k} {v}" for k, v in layers[m].items()))
+    table(rows, layers, torch.cuda.get_device_name())
     summary = {"bench": "gemv", "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                "per_layer_us": layers, "all_close": all(r["close"] for r in rows), "seconds": round(time.time() - t0, 1),
                "cases": [{k: v for k, v in r.items() if k != "swept"} for r in rows]}
