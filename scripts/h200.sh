@@ -124,7 +124,7 @@ PY
     for a in "$@"; do case $a in --random) rand=--random ;; --sweep) sweep=--sweep ;; esac; done
     python3 -m pytest -q --noconftest -m gpu tests/kernels/test_fused_kernels.py 2>&1 | tail -15 > "$OUT/pytest_fused.txt" || true
     tail -2 "$OUT/pytest_fused.txt"
-    python3 bench/gemv_bench.py $sweep --json "$OUT/gemv_bench.json" 2>&1 | tail -16
+    python3 bench/gemv_bench.py $sweep --json "$OUT/gemv_bench.json" 2>&1 | grep -v "^{" | tail -24
     for v in fused gemv; do
       python3 bench/graphs_ar_bench.py --prompts $P --profile --eager-prompts 1 --no-peer --fused $rand \
         $([ $v = gemv ] && echo "--gemv --reference /tmp/fused_out.json" || echo "--outputs /tmp/fused_out.json") \
