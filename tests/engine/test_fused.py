@@ -24,9 +24,10 @@ def test_tiny_tokens_equal_stock(opts):
     assert fused.generate(prompt, 32).tokens == stock.tokens
 
 
-def test_smollm2_tokens_and_logits_equal_stock(smollm2):
+@pytest.mark.parametrize("gemv", [False, True])
+def test_smollm2_tokens_and_logits_equal_stock(smollm2, gemv):
     model, tok = smollm2
-    fused = load_engine("smollm2-cpu", {"fused_kernels": True})
+    fused = load_engine("smollm2-cpu", {"fused_kernels": True, "fused_gemv": gemv})
     prompt = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))
     with torch.no_grad():
