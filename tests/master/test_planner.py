@@ -30,6 +30,17 @@ def test_on_a_gpu_overhead_mechanisms_come_first_when_overhead_dominates():
     assert [x.hints["option"] for x in ds] == ["cuda_graphs", "compile", "verify"]
 
 
+def test_fusion_options_follow_graphs_and_fused_gemv_brings_fused_kernels_along():
+    known = KNOWN | {"fused_kernels", "fused_gemv"}
+    ds = _plan({"tau": 1.5, "kernel": 1.0, "overhead": 300.0}, facts=GPU, devices=4, known=known)
+    assert [d.hints["option"] for d in ds] == ["cuda_graphs", "fused_kernels", "fused_gemv", "compile"]
+    assert ds[2].hints["base"] == {"fused_kernels": True}  # the option only means something on fused blocks
+    (d,) = _plan({"overhead": 300.0}, facts=GPU, known=known, best={"cuda_graphs": True, "fused_kernels": True})
+    assert d.hints == {"option": "fused_gemv", "values": [True], "base": {"cuda_graphs": True, "fused_kernels": True}}
+    assert all(d.hints["option"] not in ("fused_kernels", "fused_gemv") for d in _plan({"overhead": 9.0}, known=known,
+                                                                                       devices=10))  # a CPU: none
+
+
 def test_nothing_is_tried_twice_and_unknown_options_are_skipped():
     tried = frozenset({("verify", repr("tree")), ("block_size", repr(2))})
     ds = _plan({"tau": 2.0}, history=History(tried_options=tried), devices=10, known=KNOWN - {"drafter"})
