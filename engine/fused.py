@@ -28,9 +28,10 @@ Contract: the fused model computes the stock model's function. Off CUDA the ops 
 references (same values as stock up to the concatenated GEMMs' reduction order); on CUDA the
 Triton kernels round every intermediate as stock does, except the norm's reduction order and
 ``exp`` (and with ``fused_gemv`` the GEMVs' reduction order; kernels/fused/README.md), so outputs
-may differ at near-ties and a system with this option must pass token forcing. Eager and graph-safe (`StaticStep`) forwards are both supported,
-chains and trees alike. Linear modules stay ``nn.Linear`` (named ``qkv_proj``, ``gate_up_proj``,
-``o_proj``, ``down_proj``), so weight formats and backends that swap linears apply after fusion.
+may differ at near-ties and a system with this option must pass token forcing. Eager and
+graph-safe (`StaticStep`) forwards are both supported, chains and trees alike. Linear modules stay
+``nn.Linear`` (named ``qkv_proj``, ``gate_up_proj``, ``o_proj``, ``down_proj``), so weight formats
+and backends that swap linears apply after fusion.
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ class GemvLinear(nn.Linear):
     def forward(self, x):  # type: ignore[override]
         if isinstance(x, NormInput):
             return ops.norm_linear(x.h, x.delta, x.norm.weight, x.norm.eps, self.weight, x.silu)
-        if ops.gemv_applies(x):
-            return ops.norm_linear(x, None, None, 0.0, self.weight)[0]
-        return super().forward(x)
+        # ops.norm_linear picks the kernel or, off CUDA and past GEMV_MAX_ROWS, F.linear (no bias here)
+        return ops.norm_linear(x, None, None, 0.0, self.weight)[0]
 
 
 class NormInput(NamedTuple):

@@ -4,8 +4,8 @@ and small-M GEMVs with the add + norm before and SiLU·mul after them (`norm_lin
 Each op runs its Triton kernel (`kernel`) on CUDA tensors, or anywhere under
 ``TRITON_INTERPRET=1``, and its PyTorch reference (`reference`, the normative semantics) otherwise.
 The engine uses them when ``fused_kernels`` is on (`engine.fused`; `norm_linear` with
-``fused_gemv``). README.md: why, what each
-kernel does, where it can differ from the reference, tests and figures.
+``fused_gemv``). README.md: why, what each kernel does, where it can differ from the reference,
+tests and figures.
 """
 
 from __future__ import annotations
