@@ -49,6 +49,7 @@ MODEL_OPTIONS = ("weight_format", "lm_head", "compile")  # options that change t
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment name or TOML path")
     ap.add_argument("--limit", type=int, default=None, help="dev requests to use (default: the deployment's bench_requests)")
+    ap.add_argument("--set", default=None, help="only dev requests of this request set (e.g. humaneval, chat)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the deployment's")
     ap.add_argument("--ns", default="1,2,4,8", help="draft lengths N for tau(N), c(N), S(N); '' skips the sweep")
     ap.add_argument("--trials", type=int, default=1, help="paired AR/system runs per request")
@@ -116,21 +117,26 @@ def warm_up(engine: Engine, prompts, max_new) -> None:
 
 def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: int) -> dict:
     """Paired, order-alternating runs of AR and the system on each prompt."""
+    from rich.progress import Progress
     from scipy import stats
 
-    logs, same = [], 0
+    logs, same, committed = [], 0, []
     tok = {"ar": 0, "sys": 0}
     secs = {"ar": 0.0, "sys": 0.0}
-    for t in range(trials):
-        for i, p in enumerate(prompts):
-            order = ("ar", "sys") if (i + t) % 2 == 0 else ("sys", "ar")
-            res = {}
-            for who in order:
-                res[who] = _timed(ar_engine if who == "ar" else sys_engine, p, max_new)
-                tok[who] += len(res[who][0].tokens)
-                secs[who] += res[who][1]
-            logs.append(math.log(res["ar"][1] / res["sys"][1]))
-            same += res["ar"][0].tokens == res["sys"][0].tokens
+    with Progress(transient=True, console=_console()) as progress:
+        task = progress.add_task("end to end (AR, system)", total=trials * len(prompts))
+        for t in range(trials):
+            for i, p in enumerate(prompts):
+                order = ("ar", "sys") if (i + t) % 2 == 0 else ("sys", "ar")
+                res = {}
+                for who in order:
+                    res[who] = _timed(ar_engine if who == "ar" else sys_engine, p, max_new)
+                    tok[who] += len(res[who][0].tokens)
+                    secs[who] += res[who][1]
+                logs.append(math.log(res["ar"][1] / res["sys"][1]))
+                same += res["ar"][0].tokens == res["sys"][0].tokens
+                committed += res["sys"][0].accepted_per_step
+                progress.advance(task)
     n = len(logs)
     mean = statistics.fmean(logs)
     if n > 1:
@@ -142,6 +148,7 @@ def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: 
         "pairs": n, "speedup": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
         "ar_tok_s": tok["ar"] / secs["ar"], "sys_tok_s": tok["sys"] / secs["sys"],
         "identical_outputs": same / n,
+        "tau": sum(committed) / max(1, len(committed)),  # the system's tokens per step, every request
     }
 
 
@@ -401,11 +408,16 @@ def _plots(result: dict, out: Path) -> list[str]:
     return files
 
 
-def _table(result: dict) -> None:
+def _console():
     from rich.console import Console
+
+    return Console(file=sys.stderr)
+
+
+def _table(result: dict) -> None:
     from rich.table import Table
 
-    console = Console(file=sys.stderr)
+    console = _console()
     if "sweep" in result:
         t = Table(title=f"{result['deployment']}: t_AR = {result['sweep']['t_ar_ms']:.2f} ms")
         for col in ("N", "tau", "t_step ms", "c", "S"):
@@ -416,7 +428,7 @@ def _table(result: dict) -> None:
     e = result["e2e"]
     console.print(f"end to end: AR {e['ar_tok_s']:.1f} tok/s, system {e['sys_tok_s']:.1f} tok/s, speedup "
                   f"{e['speedup']:.3f} (95% CI {e['ci95'][0]:.3f}-{e['ci95'][1]:.3f}, {e['pairs']} pairs), "
-                  f"identical outputs {100 * e['identical_outputs']:.0f}%")
+                  f"tau {e['tau']:.2f}, identical outputs {100 * e['identical_outputs']:.0f}%")
     if "profile_ms" in result:
         t = Table(title="per-step profile (ms)")
         t.add_column("class")
@@ -449,7 +461,10 @@ def run(args: argparse.Namespace) -> int:
     if any(getattr(opts, k) != getattr(EngineOptions(), k) for k in MODEL_OPTIONS):
         # AR is measured on the deployment's stock model, so model options count towards the speedup.
         model = apply_model_options(load_model(dep.target, dtype=opts.dtype, device=device, data_dir=args.data_dir)[0], opts)
-    requests = load_requests(dep, "dev")[:limit]
+    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][:limit]
+    if not requests:
+        sets = sorted({r.set for r in load_requests(dep, "dev")})
+        raise SystemExit(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
     prompts = encode_requests(requests, tok)
     sys_engine = Engine(model, tok, opts, dep)
     # AR keeps the deployment's stock CUDA-graph setting, so graphs count towards the speedup too.
@@ -461,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "engine", "deployment": dep.name, "target": dep.target,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "options": opts.to_dict(), "requests": len(prompts), "max_new_tokens": max_new,
+        "options": opts.to_dict(), "requests": len(prompts), "request_set": args.set or "all", "max_new_tokens": max_new,
         "date": time.strftime("%Y-%m-%d"),
     }
     if ns:

@@ -52,3 +52,58 @@ class NgramDrafter:
         # Best first: compare prefix scores depth by depth; a longer candidate wins a tie.
         ranked = sorted(found.items(), key=lambda kv: [-s for s in kv[1]] + [0.0] * (k - len(kv[1])))
         return [Candidate(tokens, scores) for tokens, scores in ranked[: max(n, 1)]]
+
+
+class SuffixIndex:
+    """The most recent earlier occurrence of the context's longest suffix, kept incrementally.
+
+    ``lookup(context, k)`` returns ``(tokens, m)``: the (at most ``k``) tokens that followed the
+    most recent earlier occurrence of the context's last ``m`` tokens, for the longest ``m`` in
+    ``max_match .. min_match`` that occurred (occurrences end before the last token, as in
+    `NgramDrafter`), or ``((), 0)``. Unlike `NgramDrafter`'s chain (the most frequent continuation)
+    it takes the most recent one, and it indexes each new token once instead of re-scanning the
+    context: O(new tokens) per call. A context that does not extend the indexed one (another
+    request) is re-indexed from scratch, so any call sequence gives the same answers.
+
+    The parallel drafter feeds these tokens to its heads (`engine.drafters.parallel`), and its
+    training data is built with the same class, so both see identical features.
+    """
+
+    def __init__(self, max_match: int = 4, min_match: int = 2):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.max_match, self.min_match = max_match, min_match
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq: list[int] = []
+        self.last: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in range(self.min_match, self.max_match + 1)}
+
+    def extend(self, tokens) -> None:
+        """Append ``tokens`` to the indexed sequence."""
+        seq, last = self.seq, self.last
+        for token in tokens:
+            p = len(seq)  # the new token's index: grams ending at p - 1 may now be matched
+            for m, index in last.items():
+                if p - m >= 0:
+                    index[tuple(seq[p - m: p])] = p - m
+            seq.append(int(token))
+
+    def query(self, k: int) -> tuple[tuple[int, ...], int]:
+        """`lookup` of the indexed sequence itself."""
+        seq, p = self.seq, len(self.seq) - 1
+        for m in range(self.max_match, self.min_match - 1, -1):
+            if p - m + 1 < 0:
+                continue
+            start = self.last[m].get(tuple(seq[p - m + 1:]))
+            if start is not None:
+                return tuple(seq[start + m: min(start + m + k, p + 1)]), m
+        return (), 0
+
+    def lookup(self, context: list[int], k: int) -> tuple[tuple[int, ...], int]:
+        n = len(self.seq)
+        if len(context) < n or context[:n] != self.seq:
+            self.reset()
+            n = 0
+        self.extend(context[n:])
+        return self.query(k)

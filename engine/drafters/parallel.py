@@ -15,6 +15,17 @@ trunk, heads and projections are trained (`engine.drafters.train`). Positions ar
 independently, so a candidate's score is the product of its tokens' probabilities; trees come
 from a beam over positions.
 
+With ``lookup`` (a copy path, as in pointer-generator networks) each position also gets the
+token that followed the most recent earlier occurrence of the context's suffix
+(`engine.drafters.ngram.SuffixIndex`: ``l_k``, or none) and the match length ``m``:
+
+    a_k += W_l norm(e(l_k)) + M[m]                        (a learned vector when there is no l_k)
+    logits_k = [u_k . E_d^T + b ;  u_k . e(l_k) + c[m]]   one more column: "copy l_k"
+
+so the heads learn when the context repeats itself, and can propose a token outside the draft
+vocabulary (an identifier of the prompt) by copying it. The copy column's probability is added
+to ``l_k``'s own entry when the draft vocabulary has it.
+
 The weights file records the target it was trained for, the draft vocabulary, the hash of its
 training data and its figures. A drafter only proposes: acceptance stays exact greedy matching
 in `engine.tree`, so a poor drafter costs speed, never correctness.
@@ -31,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.drafters.ngram import SuffixIndex
 from engine.tree import Candidate
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -45,6 +57,9 @@ class ParallelConfig:
     k: int = 4  # positions drafted per pass
     n_context: int = 3  # committed tokens embedded (root included)
     draft_vocab: int = 4096
+    lookup: bool = False  # the copy path over the context's earlier occurrences (see the module docstring)
+    lookup_min: int = 2  # SuffixIndex match lengths
+    lookup_max: int = 4
 
 
 class _Norm(nn.Module):
@@ -81,21 +96,64 @@ class ParallelDrafterNet(nn.Module):
         self.out = nn.Linear(w, d, bias=False)
         self.out_norm = _Norm(d)
         self.bias = nn.Parameter(torch.zeros(cfg.draft_vocab))
+        if cfg.lookup:
+            self.look_norm = _Norm(d)
+            self.look_in = nn.Linear(d, w, bias=False)
+            self.look_none = nn.Parameter(torch.zeros(w))
+            self.match = nn.Parameter(torch.zeros(cfg.lookup_max + 1, w))  # by match length (0: none)
+            self.copy_bias = nn.Parameter(torch.zeros(cfg.lookup_max + 1))
         # Frozen, not saved: they come from the target at load time.
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
         self.register_buffer("embed", target_embed, persistent=False)  # [V, d], the target's
         self.register_buffer("out_embed", target_embed[vocab_ids.long()].clone(), persistent=False)
+        to_draft = torch.full((target_embed.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
+        to_draft[vocab_ids.long()] = torch.arange(len(vocab_ids), device=vocab_ids.device)
+        self.register_buffer("to_draft", to_draft, persistent=False)  # target id -> draft index, -1: none
 
-    def forward(self, hidden: Tensor, ctx_tokens: Tensor) -> Tensor:
-        """hidden [B, d], ctx_tokens [B, n_context] (oldest first, root last) -> logits [B, k, draft_vocab]."""
+    def forward(self, hidden: Tensor, ctx_tokens: Tensor, look: Tensor | None = None,
+                match: Tensor | None = None) -> Tensor:
+        """hidden [B, d], ctx_tokens [B, n_context] (oldest first, root last) -> logits [B, k, draft_vocab].
+
+        With ``cfg.lookup`` also look [B, k] (the lookup's tokens, -1 where none) and match [B]
+        (its match length, 0 for none), and the logits get the copy column: [B, k, draft_vocab + 1].
+        """
         parts = [self.in_norms[0](hidden)]
         e = self.embed[ctx_tokens]  # [B, n_context, d]
         parts += [self.in_norms[1 + i](e[:, -1 - i]) for i in range(self.cfg.n_context)]  # root first
         z = self.inp(torch.cat(parts, dim=-1))
-        a = self.trunk(z[:, None, :] + self.pos)  # [B, k, w]
+        a = z[:, None, :] + self.pos  # [B, k, w]
+        if self.cfg.lookup:
+            has = look >= 0
+            look_e = self.embed[look.clamp(min=0)]  # [B, k, d]
+            a = a + torch.where(has[..., None], self.look_in(self.look_norm(look_e)), self.look_none)
+            a = a + self.match[match][:, None, :]
+        a = self.trunk(a)
         a = torch.stack([head(a[:, i]) for i, head in enumerate(self.heads)], dim=1)
         u = self.out_norm(self.out(a))
-        return u @ self.out_embed.T + self.bias
+        logits = u @ self.out_embed.T + self.bias
+        if not self.cfg.lookup:
+            return logits
+        copy = (u * look_e).sum(-1) + self.copy_bias[match][:, None]
+        return torch.cat([logits, copy.masked_fill(~has, -math.inf)[..., None]], dim=-1)
+
+    def candidates(self, logits: Tensor, look: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(log-probabilities, token ids), both [B, k, C], of every proposable token per position.
+
+        Without the copy path C is the draft vocabulary. With it the copy column's probability is
+        moved onto the looked-up token's own entry when the draft vocabulary has it (the column
+        then holds probability 0); otherwise the column proposes that token itself.
+        """
+        B, k = logits.shape[:2]
+        ids = self.vocab_ids.expand(B, k, -1)
+        if not self.cfg.lookup:
+            return torch.log_softmax(logits.float(), dim=-1), ids
+        probs = torch.softmax(logits.float(), dim=-1)
+        slot = self.to_draft[look.clamp(min=0)].masked_fill(look < 0, -1)  # [B, k]
+        known = slot >= 0
+        copy = probs[..., -1]
+        vocab = probs[..., :-1].scatter_add(-1, slot.clamp(min=0)[..., None], (copy * known)[..., None])
+        probs = torch.cat([vocab, (copy * ~known)[..., None]], dim=-1)
+        return probs.log(), torch.cat([ids, look[..., None]], dim=-1)
 
 
 class ParallelDrafter:
@@ -105,9 +163,11 @@ class ParallelDrafter:
         self.net = net.eval()
         self.cfg = net.cfg
         self.beam_top = beam_top
+        self.index = SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min) if self.cfg.lookup else None
 
     def reset(self) -> None:
-        pass
+        if self.index is not None:
+            self.index.reset()
 
     @torch.no_grad()
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
@@ -118,16 +178,21 @@ class ParallelDrafter:
         ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
         net = self.net
         h = last_hidden.reshape(1, -1).to(net.out_embed.dtype)
-        logits = net(h, torch.tensor([ctx], device=h.device))[0, :k]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        look = match = None
+        if self.index is not None:
+            found, m = self.index.lookup(context, self.cfg.k)
+            look = torch.tensor([[*found, *[-1] * (self.cfg.k - len(found))]], device=h.device)
+            match = torch.tensor([m], device=h.device)
+        logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match), look)
+        logp, ids = logp[0, :k], ids[0, :k]
         if n <= 1:
             best, idx = logp.max(dim=-1)
-            tokens = net.vocab_ids[idx].tolist()
+            tokens = ids.gather(-1, idx[:, None])[:, 0].tolist()
             scores = best.cumsum(0).exp().tolist()
             return [Candidate(tuple(tokens), tuple(scores))]
         top = min(self.beam_top, logp.shape[-1])
         vals, idx = logp.topk(top, dim=-1)
-        vals, toks = vals.tolist(), net.vocab_ids[idx].tolist()
+        vals, toks = vals.tolist(), ids.gather(-1, idx).tolist()
         # Beam over positions (independent marginals): keep the n best prefixes at each depth.
         beams: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = [(0.0, (), ())]
         for d in range(k):

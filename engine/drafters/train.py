@@ -4,9 +4,10 @@
 `engine.drafters.eagle`. Both share steps 1-3 and 5 and the optimisation loop (`fit`).
 
 1. Prompts from text on the machine: code from Python's standard library (the lines before a
-   ``def``) and chat prompts made from standard-library docstrings and functions; the parallel
-   drafter also uses the deployment's *dev* requests (never the sealed ones), the eagle drafter
-   uses standard-library prompts only. All choices are seeded.
+   ``def``), HumanEval-shaped prompts (a standard-library function's ``def`` line and docstring,
+   parallel drafter) and chat prompts made from standard-library docstrings and functions. With
+   ``--dev-prompts`` the parallel drafter also uses the deployment's *dev* requests (never the
+   sealed ones); by default no request of the deployment is used. All choices are seeded.
 2. Self-distillation data: the target greedily continues every prompt (batched, left-padded,
    lockstep), recording the hidden state behind each token. Training on the target's *own*
    outputs is what makes drafts match its argmax. Parallel: each generated position t gives
@@ -22,7 +23,8 @@
    engine (chain, block 4) on a few dev requests. They are saved in the weights file with the
    SHA-256 of the training data and the command line.
 
-Generation and training share one time budget (``--minutes``). Everything runs on the CPU.
+Generation and training share one time budget (``--minutes``). Both run on ``--device`` (the CPU by
+default); the eagle drafter always trains on the CPU.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 
 from engine.deployment import DEFAULT_DEPLOYMENT
 from engine.drafters import eagle
+from engine.drafters.ngram import SuffixIndex
 from engine.drafters.parallel import DEFAULT_WEIGHTS, ParallelConfig, ParallelDrafterNet, save_drafter
 
 KINDS = {"parallel": DEFAULT_WEIGHTS, "eagle": eagle.DEFAULT_WEIGHTS}  # kind -> shipped file per target
@@ -64,6 +67,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--width", type=int, default=None, help="drafter width (default: the target's hidden size)")
     ap.add_argument("--n-context", type=int, default=3, help="parallel: committed tokens embedded")
+    ap.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                    help="parallel: the copy path over the context's earlier occurrences (engine.drafters.parallel)")
+    ap.add_argument("--dev-prompts", action=argparse.BooleanOptionalAction, default=False,
+                    help="parallel: also train on the deployment's dev requests (after the first --eval-requests); "
+                         "off, no request of the deployment is seen and tau on any of them is a held-out figure")
+    ap.add_argument("--docstrings", type=int, default=4000,
+                    help="parallel: HumanEval-shaped prompts (a function's def line and docstring) from the standard library")
     ap.add_argument("--blocks", type=int, default=1, help="eagle: residual blocks per recurrent step")
     ap.add_argument("--reg-weight", type=float, default=0.5,
                     help="eagle: weight of the state-to-target-hidden regression beside the cross-entropy")
@@ -106,19 +116,55 @@ def _read(path: Path) -> str | None:
 
 
 def stdlib_code_prompts(rng: random.Random, n: int) -> list[str]:
-    """The ~24 lines up to and including a ``def`` line (and its docstring's first line)."""
-    out = []
+    """The ~24 lines up to and including a ``def`` line (and its docstring's first line).
+
+    Three ``def``s a file first; when that gives fewer than ``n``, a second pass takes the files'
+    other ``def``s (so a small ``n`` picks the same prompts as before the second pass existed)."""
+    out, rest = [], []
+
+    def prompt(lines: list[str], i: int) -> str:
+        end = i + 2 if i + 1 < len(lines) and '"""' in lines[i + 1] else i + 1
+        return "\n".join(lines[max(0, i - 24): end]) + "\n"
+
     for f in _stdlib_files(rng):
         if (text := _read(f)) is None:
             continue
         lines = text.splitlines()
         defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and line.rstrip().endswith(":")]
-        for i in rng.sample(defs, min(3, len(defs))):
-            end = i + 2 if i + 1 < len(lines) and '"""' in lines[i + 1] else i + 1
-            out.append("\n".join(lines[max(0, i - 24): end]) + "\n")
+        chosen = rng.sample(defs, min(3, len(defs)))
+        out += [prompt(lines, i) for i in chosen]
+        rest += [(lines, i) for i in sorted(set(defs) - set(chosen))]
         if len(out) >= n:
             break
+    if len(out) < n:
+        out += [prompt(lines, i) for lines, i in rng.sample(rest, min(len(rest), n - len(out)))]
     return out[:n]
+
+
+def stdlib_docstring_prompts(rng: random.Random, n: int) -> list[str]:
+    """HumanEval-shaped prompts: a module's imports, then one function's ``def`` line and its
+    whole docstring, ending where the body starts (the target writes the body, or restates the
+    function, as it does on HumanEval)."""
+    found = []
+    for f in _stdlib_files(rng):
+        if (text := _read(f)) is None:
+            continue
+        lines = text.splitlines()
+        imports = [ln for ln in lines[:80] if ln.startswith(("import ", "from ")) and "(" not in ln][:4]
+        for i, line in enumerate(lines[:-1]):
+            if not (line.lstrip().startswith("def ") and line.rstrip().endswith(":")):
+                continue
+            body = lines[i + 1].strip()
+            if not body.startswith(('"""', "r\"\"\"")):
+                continue
+            end = next((j for j in range(i + 1, min(len(lines), i + 40))
+                        if lines[j].rstrip().endswith('"""') and (j > i + 1 or body.count('"""') >= 2)), None)
+            if end is None:
+                continue
+            indent = len(line) - len(line.lstrip())
+            func = "\n".join(ln[indent:] for ln in lines[i: end + 1])
+            found.append(("\n".join(imports) + "\n\n\n" if imports else "") + func + "\n")
+    return rng.sample(found, min(n, len(found)))
 
 
 _CHAT_TEMPLATES = [
@@ -135,9 +181,11 @@ _CHAT_TEMPLATES = [
 
 
 def stdlib_chat_prompts(rng: random.Random, n: int) -> list[str]:
-    """Questions about standard-library modules and functions, from their docstrings and code."""
+    """Questions about standard-library modules and functions, from their docstrings and code
+    (one a file; more passes over the files, with other functions and templates, until ``n``)."""
     out = []
-    for f in _stdlib_files(rng):
+    files = _stdlib_files(rng)
+    for f in (f for _ in range(max(1, math.ceil(n / max(1, len(files))) + 1)) for f in files):
         if (text := _read(f)) is None:
             continue
         s = text.lstrip()
@@ -191,10 +239,11 @@ def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
 
 
 def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each: int,
-                    skip_dev: int = 0, include_dev: bool = True, prose: bool = False) -> list[list[int]]:
+                    skip_dev: int = 0, include_dev: bool = True, prose: bool = False,
+                    docstrings: int = 0) -> list[list[int]]:
     """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them.
     With ``include_dev`` False no request of the deployment is used at all (standard library only);
-    ``prose`` adds `stdlib_prose_prompts`."""
+    ``prose`` adds `stdlib_prose_prompts`, ``docstrings`` that many `stdlib_docstring_prompts`."""
     from engine.requests import encode_requests, load_requests
 
     prompts = []
@@ -203,6 +252,8 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
         prompts = encode_requests(dev, tokenizer)
     prompts += [tokenizer.encode(t) for t in stdlib_code_prompts(rng, n_each)]
     prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_chat_prompts(rng, n_each)]
+    if docstrings:
+        prompts += [tokenizer.encode(t) for t in stdlib_docstring_prompts(rng, docstrings)]
     if prose:
         prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_prose_prompts(rng, n_each)]
     prompts = [p[-max_tokens:] for p in prompts if p]
@@ -219,7 +270,7 @@ def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids, k
     """Greedy continuations of left-padded prompts in lockstep, with the hidden state behind each token.
 
     Returns tokens [B, G], hidden [B, G, d] (hidden[:, g] chose tokens[:, g]), alive [B, G] (False
-    after a stop token) and the prompts' last n tokens for context. With ``keep_prompt`` also the
+    after a stop token), the prompts and their last 8 tokens for context. With ``keep_prompt`` also the
     prefill's view of the prompts: prompt_tokens [B, P] (left-padded), prompt_keys [B, P] (False on
     padding), prompt_hidden [B, P, d] and prompt_argmax [B, P] (the target's greedy next token
     after each prompt position).
@@ -258,16 +309,33 @@ def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids, k
         nxt, h = logits[:, 0].argmax(-1), hidden[:, 0]
         cur = cur + 1
     return {"tokens": torch.stack(out_t, 1).cpu(), "hidden": torch.stack(out_h, 1).cpu(),
-            "alive": torch.stack(alive, 1).cpu(), "prompt_tail": [p[-8:] for p in prompts], **prompt_view}
+            "alive": torch.stack(alive, 1).cpu(), "prompt_tail": [p[-8:] for p in prompts],
+            "prompts": [list(p) for p in prompts], **prompt_view}
 
 
-def make_examples(batches: list[dict], n_context: int, k: int) -> dict:
+def lookup_features(prompt: list[int], tokens: list[int], k: int, index: SuffixIndex) -> tuple[list, list]:
+    """(look [G][k], match [G]) at every generated root: what the parallel drafter's copy path is
+    given there (`SuffixIndex.lookup` of prompt + tokens[:g+1], padded with -1), computed by the
+    same class the drafter uses when it runs."""
+    index.reset()
+    index.extend(prompt)
+    look, match = [], []
+    for token in tokens:  # lookup(prompt + tokens[:g+1]) without re-checking the prefix each time
+        index.extend((token,))
+        found, m = index.query(k)
+        look.append([*found, *[-1] * (k - len(found))])
+        match.append(m)
+    return look, match
+
+
+def make_examples(batches: list[dict], n_context: int, k: int, index: SuffixIndex | None = None) -> dict:
     """Flatten generated batches into (hidden, context tokens, next-K targets) examples.
 
     Position g of a row: hidden[g] chose the root tokens[g]; the context is the n_context tokens
     ending at the root; the targets are tokens[g+1 .. g+k] (-1 past the generation or a stop).
+    With ``index`` also the copy path's features: look [N, k] and match [N] (`lookup_features`).
     """
-    H, C, T = [], [], []
+    H, C, T, LK, MT = [], [], [], [], []
     for b in batches:
         toks, hid, alive = b["tokens"], b["hidden"], b["alive"]
         B, G = toks.shape
@@ -280,7 +348,15 @@ def make_examples(batches: list[dict], n_context: int, k: int) -> dict:
         H.append(hid[alive])
         C.append(ctx[alive])
         T.append(tgt[alive])
-    return {"hidden": torch.cat(H), "ctx": torch.cat(C), "targets": torch.cat(T)}
+        if index is not None:  # alive is a prefix of each row, so row i's examples are its first n
+            for i, n in enumerate(alive.sum(1).tolist()):
+                look, match = lookup_features(b["prompts"][i], toks[i, :n].tolist(), k, index)
+                LK.append(torch.tensor(look, dtype=torch.long).view(n, k))
+                MT.append(torch.tensor(match, dtype=torch.long))
+    out = {"hidden": torch.cat(H), "ctx": torch.cat(C), "targets": torch.cat(T)}
+    if index is not None:
+        out["look"], out["match"] = torch.cat(LK), torch.cat(MT)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,14 +387,24 @@ def to_draft_ids(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int
     return out
 
 
+def _net_inputs(data: dict, idx) -> tuple:
+    """The net's inputs for examples ``idx`` (a slice or an index tensor) of `make_examples` data."""
+    if "look" in data:
+        return data["hidden"][idx], data["ctx"][idx], data["look"][idx], data["match"][idx]
+    return data["hidden"][idx], data["ctx"][idx]
+
+
 def evaluate(net, data: dict, batch: int = 1024) -> dict:
     """Held-out top-1 accuracy per position and the chain tau it implies (accepted prefix + 1)."""
     net.eval()
     correct, accepted, n = None, 0.0, 0
     with torch.no_grad():
         for s in range(0, len(data["hidden"]), batch):
-            logits = net(data["hidden"][s: s + batch], data["ctx"][s: s + batch])
-            hit = logits.argmax(-1) == data["y"][s: s + batch]
+            inputs = _net_inputs(data, slice(s, s + batch))
+            logp, ids = net.candidates(net(*inputs), inputs[2] if len(inputs) > 2 else None)
+            guess = ids.gather(-1, logp.argmax(-1, keepdim=True))[..., 0]
+            targets = data["targets"][s: s + batch]
+            hit = (guess == targets) & (targets >= 0)
             correct = hit.sum(0) if correct is None else correct + hit.sum(0)
             accepted += hit.int().cumprod(1).sum().item()
             n += len(hit)
@@ -333,10 +419,21 @@ def train(net, data: dict, val: dict, seconds: float, lr: float, batch: int, see
 
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
         idx = idx.to(device)
-        logits = net(data["hidden"][idx], data["ctx"][idx])
-        y = data["y"][idx]
-        return sum(weights[j] * F.cross_entropy(logits[:, j], y[:, j], ignore_index=-100)
-                   for j in range(net.cfg.k)) / weights.sum()
+        inputs = _net_inputs(data, idx)
+        logits, y = net(*inputs), data["y"][idx]
+        if not net.cfg.lookup:
+            return sum(weights[j] * F.cross_entropy(logits[:, j], y[:, j], ignore_index=-100)
+                       for j in range(net.cfg.k)) / weights.sum()
+        # Copy path: the target token is right through its vocabulary entry or through the copy
+        # column (when the lookup proposed it): the loss is -log of their summed probability.
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        targets = data["targets"][idx]
+        via_vocab = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0].masked_fill(y < 0, -math.inf)
+        via_copy = logp[..., -1].masked_fill((inputs[2] != targets) | (targets < 0), -math.inf)
+        nll = -torch.logaddexp(via_vocab, via_copy)
+        counted = torch.isfinite(nll)
+        per_pos = nll.masked_fill(~counted, 0).sum(0) / counted.sum(0).clamp(min=1)
+        return (weights * per_pos).sum() / weights.sum()
 
     return fit(net, len(data["hidden"]), batch_loss, lambda: evaluate(net, val), seconds, lr, batch, seed,
                weight_decay)
@@ -491,24 +588,32 @@ def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new:
 # ---------------------------------------------------------------------------------------------
 
 
-def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k: int, seconds: float):
-    """(net, fit figures, data figures) of the parallel drafter trained for ``seconds``."""
+def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k: int, deadline: float):
+    """(net, fit figures, data figures) of the parallel drafter trained until ``deadline`` (perf_counter)."""
     cfg, device = model.cfg, model.device
-    train_data = make_examples(batches, args.n_context, k)
-    val_data = make_examples(val_batches, args.n_context, k)
+    index = SuffixIndex() if args.lookup else None
+    t0 = time.perf_counter()
+    train_data = make_examples(batches, args.n_context, k, index)
+    val_data = make_examples(val_batches, args.n_context, k, index)
+    _log(f"examples built in {time.perf_counter() - t0:.1f} s")
     vocab_ids = draft_vocabulary(train_data["targets"], train_data["ctx"], args.draft_vocab)
     for d in (train_data, val_data):
         d["y"] = to_draft_ids(d["targets"], vocab_ids, cfg.vocab_size)
     coverage = (train_data["y"] >= 0).sum().item() / max(1, (train_data["targets"] >= 0).sum().item())
     for d in (train_data, val_data):
-        for key in ("hidden", "ctx", "y"):
-            d[key] = d[key].to(device)
+        for key in ("hidden", "ctx", "y", "targets", "look", "match"):
+            if key in d:
+                d[key] = d[key].to(device)
     _log(f"{len(train_data['hidden'])} train / {len(val_data['hidden'])} held-out examples; "
          f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
     pcfg = ParallelConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, k=k,
-                          n_context=args.n_context, draft_vocab=len(vocab_ids))
+                          n_context=args.n_context, draft_vocab=len(vocab_ids), lookup=args.lookup)
+    if index is not None:
+        copyable = ((train_data["look"] == train_data["targets"]) & (train_data["targets"] >= 0)).float().mean(0)
+        _log(f"the lookup proposes the target token at {[round(x, 3) for x in copyable.tolist()]} of positions")
     net = ParallelDrafterNet(pcfg, vocab_ids.to(device), model.embed.weight.detach()).to(device)
-    fit_figs = train(net, train_data, val_data, max(10.0, seconds), args.lr, args.train_batch, args.seed,
+    # Building the examples came out of the same budget.
+    fit_figs = train(net, train_data, val_data, max(10.0, deadline - time.perf_counter()), args.lr, args.train_batch, args.seed,
                      args.weight_decay)
     held_out = evaluate(net, val_data)
     _log(f"trained: {fit_figs}; held-out {held_out}")
@@ -517,8 +622,8 @@ def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k
         "draft_vocab_coverage": round(coverage, 4)}
 
 
-def _train_eagle(model, batches: list[dict], val_batches: list[dict], args, k: int, seconds: float):
-    """(net, fit figures, data figures) of the eagle drafter trained for ``seconds`` (on the CPU)."""
+def _train_eagle(model, batches: list[dict], val_batches: list[dict], args, k: int, deadline: float):
+    """(net, fit figures, data figures) of the eagle drafter trained until ``deadline`` (on the CPU)."""
     cfg = model.cfg
     train_data = eagle_streams(batches, k, use_prompt=True)
     val_data = eagle_streams(val_batches, k, use_prompt=False)  # judged on generated text, like the engine
@@ -537,7 +642,7 @@ def _train_eagle(model, batches: list[dict], val_batches: list[dict], args, k: i
                              draft_vocab=len(vocab_ids))
     # The streams live on the CPU, so the (small) net trains there whatever device generated the data.
     net = eagle.build_net(model, ecfg, vocab_ids.to(model.device)).float().cpu()
-    fit_figs = train_eagle(net, train_data, val_data, max(10.0, seconds), args.lr, args.train_batch, args.seed,
+    fit_figs = train_eagle(net, train_data, val_data, max(10.0, deadline - time.perf_counter()), args.lr, args.train_batch, args.seed,
                            args.weight_decay, args.reg_weight)
     held_out = evaluate_eagle(net, val_data)
     _log(f"trained: {fit_figs}; held-out {held_out}")
@@ -568,7 +673,8 @@ def run(args: argparse.Namespace) -> int:
 
     # The eagle drafter never sees a request of the deployment, dev or sealed: standard library only.
     prompts = collect_prompts(dep, tok, rng, args.max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
-                              include_dev=not is_eagle, prose=is_eagle)
+                              include_dev=args.dev_prompts and not is_eagle, prose=is_eagle,
+                              docstrings=0 if is_eagle else args.docstrings)
     _log(f"{len(prompts)} prompts; generating for up to {args.gen_share * budget:.0f} s")
     batches, used = [], []
     gen_deadline = t_start + args.gen_share * budget
@@ -592,12 +698,8 @@ def run(args: argparse.Namespace) -> int:
     # Hold out whole batches (sequences), so held-out examples share no sequence with training ones.
     n_val = max(1, len(batches) // 20)
     eval_reserve = 60.0 if args.eval_requests else 5.0
-    if is_eagle:
-        net, fit_figs, data_figs = _train_eagle(model, batches[n_val:], batches[:n_val], args, k,
-                                                budget - (time.perf_counter() - t_start) - eval_reserve)
-    else:
-        net, fit_figs, data_figs = _train_parallel(model, batches[n_val:], batches[:n_val], args, k,
-                                                   budget - (time.perf_counter() - t_start) - eval_reserve)
+    trainer = _train_eagle if is_eagle else _train_parallel
+    net, fit_figs, data_figs = trainer(model, batches[n_val:], batches[:n_val], args, k, t_start + budget - eval_reserve)
 
     meta = {
         "training_data_sha256": data_hash,

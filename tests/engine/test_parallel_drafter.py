@@ -15,13 +15,14 @@ from engine.drafters.parallel import (
     load_parallel_drafter,
     save_drafter,
 )
-from engine.drafters.train import generate_batch, make_examples, to_draft_ids
+from engine.drafters.ngram import SuffixIndex
+from engine.drafters.train import evaluate, generate_batch, make_examples, to_draft_ids
 from tests.engine.conftest import make_engine
 
 
-def random_drafter(model, k: int = 4, vocab: int = 64, seed: int = 0) -> ParallelDrafter:
+def random_drafter(model, k: int = 4, vocab: int = 64, seed: int = 0, lookup: bool = False) -> ParallelDrafter:
     torch.manual_seed(seed)
-    cfg = ParallelConfig(target=model.cfg.name, dim=model.cfg.dim, width=32, k=k, draft_vocab=vocab)
+    cfg = ParallelConfig(target=model.cfg.name, dim=model.cfg.dim, width=32, k=k, draft_vocab=vocab, lookup=lookup)
     net = ParallelDrafterNet(cfg, torch.randperm(model.cfg.vocab_size)[:vocab], model.embed.weight.detach())
     for p in net.parameters():  # make the (identity-initialised) blocks do something
         torch.nn.init.normal_(p, std=0.5)
@@ -43,6 +44,43 @@ def test_proposals_chain_and_beam(tiny):
     assert [c.scores[-1] for c in beams] == sorted((c.scores[-1] for c in beams), reverse=True)
     assert d.propose([1], None, 4, 1) == [] and d.propose([1], h, 0, 1) == []
     assert len(d.propose([1], h, 9, 1)[0].tokens) == 4  # never more than the drafter's k
+
+
+def test_copy_path_proposes_what_followed_the_suffix_even_outside_the_vocabulary(tiny):
+    model, _ = tiny
+    d = random_drafter(model, vocab=16, lookup=True)
+    outside = [t for t in range(model.cfg.vocab_size) if t not in set(d.net.vocab_ids.tolist())]
+    a, b, x, y, z, w = outside[:6]
+    context = [a, b, x, y, z, w, 3, a, b]  # the suffix (a, b) occurred before, followed by x y z w
+    h = torch.randn(model.cfg.dim)
+    assert d.propose(context, h, 4, 1)[0].tokens != (x, y, z, w)  # random weights do not copy
+    with torch.no_grad():
+        d.net.copy_bias.fill_(1e3)  # the copy column now wins wherever there is a lookup token
+    d.reset()
+    assert d.propose(context, h, 4, 1)[0].tokens == (x, y, z, w)
+    beams = d.propose(context, h, 4, 5)
+    assert beams[0].tokens == (x, y, z, w) and len({c.tokens for c in beams}) == 5
+    # The continuation is cut at the context's end (x a b): copy where the lookup has tokens, the
+    # draft vocabulary after.
+    short = d.propose([a, b, x, a, b], h, 4, 1)[0].tokens
+    assert short[:3] == (x, a, b) and short[3] in set(d.net.vocab_ids.tolist())
+
+
+def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
+    model, _ = tiny
+    d = random_drafter(model, vocab=16, lookup=True)
+    net, inside = d.net, d.net.vocab_ids[3].item()
+    look = torch.tensor([[inside, -1, 7, inside]])
+    with torch.no_grad():
+        logits = net(torch.randn(1, model.cfg.dim), torch.tensor([[1, 2, 3]]), look, torch.tensor([4]))
+    assert logits.shape == (1, 4, 17) and logits[0, 1, -1] == -float("inf")
+    logp, ids = net.candidates(logits, look)
+    probs, raw = logp.exp(), torch.softmax(logits.float(), -1)
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 4))
+    assert ids[0, :, -1].tolist() == look[0].tolist() and ids[0, 0, 3] == inside
+    assert probs[0, 0, 3] == pytest.approx((raw[0, 0, 3] + raw[0, 0, -1]).item()) and probs[0, 0, -1] == 0
+    in_vocab = 7 in net.vocab_ids.tolist()
+    assert (probs[0, 2, -1] == 0) == in_vocab
 
 
 def test_save_load_round_trip_and_target_check(tiny, tmp_path, smollm2):
@@ -69,6 +107,7 @@ def test_shipped_weights_are_small_and_documented(smollm2):
     assert {"heldout", "measured_tau", "generated_tokens"} <= set(meta["figures"])
     d = load_parallel_drafter(smollm2[0])
     assert d.cfg.target == "smollm2-135m" and d.cfg.draft_vocab == len(blob["vocab_ids"])
+    assert d.cfg.lookup and not meta["args"]["dev_prompts"]  # the copy path; trained on no request
 
 
 def test_generate_batch_equals_engine_ar_and_examples_line_up(tiny):
@@ -92,6 +131,16 @@ def test_generate_batch_equals_engine_ar_and_examples_line_up(tiny):
     assert torch.equal(ex["hidden"][0], b["hidden"][0, 0])
     ids = to_draft_ids(torch.tensor([[5, -1, 7]]), torch.tensor([7, 9]), 320)
     assert ids.tolist() == [[-100, -100, 0]]
+    # The copy path's features: what SuffixIndex answers at each root, as the drafter asks it.
+    ex = make_examples([b], n_context=3, k=4, index=SuffixIndex())
+    rows = [(i, g) for i in range(len(prompts)) for g in range(int(b["alive"][i].sum()))]
+    assert len(rows) == len(ex["look"]) == len(ex["match"])
+    for (i, g), look, match in zip(rows, ex["look"].tolist(), ex["match"].tolist(), strict=True):
+        found, m = SuffixIndex().lookup(prompts[i] + b["tokens"][i, : g + 1].tolist(), 4)
+        assert (look, match) == ([*found, *[-1] * (4 - len(found))], m)
+    ex["y"] = to_draft_ids(ex["targets"], torch.arange(320), 320)
+    figures = evaluate(random_drafter(model, vocab=320, lookup=True).net.eval(), ex)
+    assert len(figures["acc_per_pos"]) == 4 and 1.0 <= figures["tau_chain_est"] <= 5.0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -104,4 +153,6 @@ def test_tiny_parallel_drafter_is_lossless(tiny, seed):
         e = make_engine(tiny, drafter="ngram", verify=verify, block_size=block, tree_nodes=nodes)
         # Draft vocabulary = every token, so drafts are sometimes right.
         e.drafter = random_drafter(model, vocab=320, seed=seed)
+        assert [e.generate(p, 48).tokens for p in prompts] == ref
+        e.drafter = random_drafter(model, vocab=64, seed=seed, lookup=True)  # copies, sometimes right
         assert [e.generate(p, 48).tokens for p in prompts] == ref

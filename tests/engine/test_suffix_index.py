@@ -1,0 +1,52 @@
+"""`SuffixIndex`: the copy path's lookup, against a brute-force scan of the context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.drafters.ngram import SuffixIndex
+
+
+def brute_force(context: list[int], k: int, max_match: int = 4, min_match: int = 2):
+    """The longest suffix (max_match..min_match) with an earlier occurrence ending before the last
+    token; the tokens after its most recent occurrence, cut at the context's end."""
+    last = len(context) - 1
+    for m in range(max_match, min_match - 1, -1):
+        if m > len(context):
+            continue
+        suffix = context[len(context) - m:]
+        for start in range(last - m, -1, -1):  # occurrences end at start + m - 1 <= last - 1
+            if context[start: start + m] == suffix:
+                return tuple(context[start + m: min(start + m + k, last + 1)]), m
+    return (), 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_equals_brute_force_while_the_context_grows(seed):
+    rng = random.Random(seed)
+    alphabet = rng.choice([3, 5, 12])  # small alphabets repeat often, large ones rarely
+    seq = [rng.randrange(alphabet) for _ in range(300)]
+    index = SuffixIndex()
+    hits = 0
+    for n in range(1, len(seq) + 1):
+        k = rng.choice([1, 4, 6])
+        got = index.lookup(seq[:n], k)
+        assert got == brute_force(seq[:n], k), (n, k)
+        hits += got[1] > 0
+    assert hits > 100  # the comparison covered real matches, not just misses
+
+
+def test_another_context_is_reindexed_and_answers_the_same():
+    rng = random.Random(7)
+    a = [rng.randrange(4) for _ in range(80)]
+    b = [rng.randrange(4) for _ in range(60)]
+    index = SuffixIndex()
+    index.lookup(a, 4)
+    assert index.lookup(b, 4) == SuffixIndex().lookup(b, 4) == brute_force(b, 4)  # b does not extend a
+    assert index.lookup(b[:30], 3) == brute_force(b[:30], 3)  # a shorter context: re-indexed too
+    assert SuffixIndex(3, 1).lookup([5, 6, 5], 2) == ((6, 5), 1)  # match lengths are parameters
+    assert SuffixIndex().lookup([1, 2, 3], 4) == ((), 0)
+    with pytest.raises(ValueError, match="min_match <= max_match"):
+        SuffixIndex(2, 3)
