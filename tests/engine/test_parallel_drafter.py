@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.drafters.ngram import SuffixIndex
 from engine.drafters.parallel import (
     DEFAULT_WEIGHTS,
     ParallelConfig,
@@ -15,7 +16,6 @@ from engine.drafters.parallel import (
     load_parallel_drafter,
     save_drafter,
 )
-from engine.drafters.ngram import SuffixIndex
 from engine.drafters.train import evaluate, generate_batch, make_examples, to_draft_ids
 from tests.engine.conftest import make_engine
 
