@@ -168,10 +168,25 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 
 class SDPA(nn.Module):
-    """The attention core as a module, so hooks and profilers can time it apart from the linears."""
+    """The attention core as a module, so hooks and profilers can time it apart from the linears.
+
+    q [B, H, T, hd], k/v [B, KV, L, hd]; ``gqa``: H is a multiple of KV (head h reads KV head h // G).
+    With a mask, grouped heads go through SDPA as G*T query rows of their KV head (the mask tiled G
+    times over the rows), because SDPA's own ``enable_gqa`` with a mask falls back to its math path,
+    which copies K/V once per query head: on an H200 that path was half of `drafter train`'s
+    generation time (`bench/gen_profile.py`, 2026-12-01). The graph-safe forward does the same
+    (`Attention._static_attention`).
+    """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 gqa: bool = True) -> Tensor:
+        B, H, T, hd = q.shape
+        KV = k.shape[1]
+        if gqa and mask is not None and KV < H:
+            G = H // KV
+            rows = mask.repeat(G, 1) if mask.ndim == 2 else mask.repeat(1, 1, G, 1)  # row g*T + t: mask row t
+            y = F.scaled_dot_product_attention(q.reshape(B, KV, G * T, hd), k, v, attn_mask=rows)
+            return y.view(B, KV, G, T, hd).reshape(B, H, T, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 

@@ -6,8 +6,9 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from engine.model import CONFIGS, build_random, get_config
+from engine.model import CONFIGS, SDPA, build_random, get_config
 
 
 def test_smollm2_config_matches_gguf_metadata():
@@ -40,6 +41,19 @@ def test_incremental_decoding_matches_one_full_forward(tiny):
             parts.append(logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
     assert full_h.shape == (1, 20, 64)
+
+
+@pytest.mark.parametrize("B,H,KV,T,L", [(1, 9, 3, 5, 40), (4, 4, 2, 1, 17), (3, 9, 3, 7, 7)])
+def test_masked_grouped_query_attention_equals_sdpa_with_repeated_kv(B, H, KV, T, L):
+    """SDPA's masked GQA as G*T rows a KV head (no K/V copies) == every query head against its own
+    copy of its KV head; random masks, so a wrong row order of the tiled mask would show."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, H, T, 64), (B, KV, L, 64), (B, KV, L, 64)))
+    G = H // KV
+    for mask in (torch.rand(T, L, generator=g) > 0.4, torch.rand(B, 1, T, L, generator=g) > 0.4):
+        mask[..., 0] = True  # every query sees something
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
+        torch.testing.assert_close(SDPA()(q, k, v, mask, False), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_last_only_and_cache_overflow(tiny):
