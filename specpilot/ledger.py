@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,6 +34,10 @@ from specpilot.errors import UserError
 
 GENESIS = "0" * 64
 READ_ONLY_TYPES = {"SELECT", "EXPLAIN"}
+# EXPLAIN ANALYZE runs its statement (DuckDB: `EXPLAIN ANALYZE DELETE ...` deletes), so it is refused;
+# comments are removed first so that none can hide the keyword.
+_SQL_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
+_EXPLAIN_ANALYZE = re.compile(r"\s*explain\s*(\([^)]*\banaly[sz]e\b|analy[sz]e\b)", re.I)
 
 DDL = """
 CREATE TABLE IF NOT EXISTS events (
@@ -247,14 +252,22 @@ class Ledger:
         if kind not in READ_ONLY_TYPES:
             raise ReadOnlyViolation(f"refused: {kind} statements are not allowed, the ledger is read-only "
                                     "here (SELECT, WITH … SELECT, DESCRIBE, SHOW and EXPLAIN only)")
+        if kind == "EXPLAIN" and _EXPLAIN_ANALYZE.match(_SQL_COMMENTS.sub(" ", statements[0].query)):
+            raise ReadOnlyViolation("refused: EXPLAIN ANALYZE runs its statement; use EXPLAIN without ANALYZE")
         cur = self.con.cursor()
         try:
+            # Defence in depth: whatever runs does so in a transaction that is always rolled back.
+            cur.execute("BEGIN TRANSACTION")
             res = cur.execute(sql)
             columns = [d[0] for d in res.description or []]
             rows = res.fetchmany(limit)
         except duckdb.Error as exc:
             raise LedgerError(f"query failed: {exc}") from exc
         finally:
+            try:
+                cur.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # the failed statement already ended the transaction
             cur.close()
         return {"columns": columns, "rows": [[_jsonable(v) for v in r] for r in rows]}
 

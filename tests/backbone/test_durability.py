@@ -4,6 +4,7 @@ published, the ack-before-commit variant losing events under the same harness, a
 import asyncio
 import random
 import signal
+import time
 
 import pytest
 
@@ -83,9 +84,12 @@ def test_broker_crash_during_publishing(server):
         events = directions(3000)
         ids: list[str] = []
 
+        killed_at = []
+
         async def crash():
             await asyncio.sleep(0.8)
             server.kill(signal.SIGKILL)
+            killed_at.append(time.monotonic())
             await asyncio.sleep(1.0)
             return server.restart()
 
@@ -93,7 +97,9 @@ def test_broker_crash_during_publishing(server):
         for i in range(0, len(events), 50):
             ids += await publish_all(master, events[i:i + 50])
             await asyncio.sleep(0.02)
+        published_at = time.monotonic()
         restarted = await crasher
+        assert killed_at and killed_at[0] < published_at  # the broker died while events were being published
         await master.close()
         assert await wait_for_rows(restarted, "SELECT count(*) FROM events", len(events), timeout=60) == len(events)
         await asyncio.sleep(1.0)

@@ -96,6 +96,7 @@ def test_poison_message_is_dead_lettered_and_does_not_stall(server, memory):
     "CREATE TABLE t (x INT)", "DROP TABLE events", "ATTACH '/tmp/x.db' AS x", "COPY events TO '/tmp/e.csv'",
     "PRAGMA enable_checkpoint_on_shutdown", "SET threads = 1", "SELECT 1; DELETE FROM events",
     "SELECT * FROM read_csv('/etc/passwd')", "CHECKPOINT", "ALTER TABLE events ADD COLUMN x INT",
+    "EXPLAIN ANALYZE DELETE FROM events", "/* a comment */ explain analyse DELETE FROM events",
 ])
 def test_sql_endpoint_refuses_writes(server, memory, query):
     async def go():
@@ -107,6 +108,22 @@ def test_sql_endpoint_refuses_writes(server, memory, query):
         await admin.close()
 
     asyncio.run(go())
+
+
+def test_readonly_queries_cannot_write_even_past_the_statement_filter(tmp_path, monkeypatch):
+    """EXPLAIN ANALYZE executes its statement (in DuckDB it deletes), so it is refused; and whatever
+    passes the filter runs in a transaction that is rolled back."""
+    led = ledger.Ledger(tmp_path)
+    led.con.execute("CREATE TABLE scratch AS SELECT * FROM range(3) t(x)")
+    for query in ("EXPLAIN ANALYZE DELETE FROM scratch", "-- hidden\nEXPLAIN ANALYZE DELETE FROM scratch",
+                  "/* x */ explain analyse delete from scratch"):
+        with pytest.raises(ledger.ReadOnlyViolation, match="EXPLAIN ANALYZE runs its statement"):
+            led.query_readonly(query)
+    assert led.query_readonly("EXPLAIN SELECT * FROM scratch")["rows"]  # plain EXPLAIN still works
+    monkeypatch.setattr(ledger, "READ_ONLY_TYPES", ledger.READ_ONLY_TYPES | {"DELETE"})  # a filter hole
+    led.query_readonly("DELETE FROM scratch")
+    assert led.con.execute("SELECT count(*) FROM scratch").fetchone() == (3,)
+    led.close()
 
 
 def test_sql_reads_work(server, memory):

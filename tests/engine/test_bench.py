@@ -24,6 +24,7 @@ def test_bench_tiny(tmp_path, capsys):
         assert row["S"] == pytest.approx(row["tau"] / row["c"])
     e = r["e2e"]
     assert e["pairs"] == 2 and e["identical_outputs"] == 1.0 and e["ci95"][0] <= e["speedup"] <= e["ci95"][1]
+    assert 1.0 <= e["tau"] <= r["options"]["block_size"] + 1 and r["request_set"] == "all"
     prof = r["profile_ms"]
     for cls in ("attention", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "lm_head", "norms", "drafter", "host_overhead"):
@@ -33,6 +34,16 @@ def test_bench_tiny(tmp_path, capsys):
     assert r["peer"]["greedy_matches_engine"] == 1.0, r["peer"]
     assert (tmp_path / "tau.png").stat().st_size > 1000 and (tmp_path / "speedup.png").is_file()
     assert json.loads((tmp_path / "bench.json").read_text())["e2e"] == e
+
+
+def test_bench_one_request_set_and_an_unknown_one(tmp_path, capsys):
+    args = ["--deployment", "tiny-cpu", "--limit", "1", "--max-new-tokens", "8", "--ns", "", "--threads", "1",
+            "--no-profile", "--no-peer", "--no-plots", "--out", str(tmp_path)]
+    assert bench.main([*args, "--set", "chat"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["request_set"] == "chat" and r["requests"] == 1
+    with pytest.raises(SystemExit, match="no dev requests of set 'poems' in tiny-cpu; its sets: chat"):
+        bench.main([*args, "--set", "poems"])
 
 
 def test_cli_registers_bench_and_drafter_train():
