@@ -65,14 +65,19 @@ class SuffixIndex:
     context: O(new tokens) per call. A context that does not extend the indexed one (another
     request) is re-indexed from scratch, so any call sequence gives the same answers.
 
+    With ``periodic`` a continuation that the context's end cuts short is continued as the repeat
+    it is: the suffix recurs ``d`` tokens after its earlier occurrence, so token ``j`` of the
+    continuation is ``seq[start + m + j % d]`` (an overlapping copy, as in LZ77). A loop of period
+    ``d < k`` then yields ``k`` tokens instead of ``d``.
+
     The parallel drafter feeds these tokens to its heads (`engine.drafters.parallel`), and its
     training data is built with the same class, so both see identical features.
     """
 
-    def __init__(self, max_match: int = 4, min_match: int = 2):
+    def __init__(self, max_match: int = 4, min_match: int = 2, periodic: bool = False):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
-        self.max_match, self.min_match = max_match, min_match
+        self.max_match, self.min_match, self.periodic = max_match, min_match, periodic
         self.reset()
 
     def reset(self) -> None:
@@ -97,6 +102,9 @@ class SuffixIndex:
                 continue
             start = self.last[m].get(tuple(seq[p - m + 1:]))
             if start is not None:
+                if self.periodic:
+                    period = p - m + 1 - start  # the continuation the context holds: seq[start + m: p + 1]
+                    return tuple(seq[start + m + j % period] for j in range(k)), m
                 return tuple(seq[start + m: min(start + m + k, p + 1)]), m
         return (), 0
 

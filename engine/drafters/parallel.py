@@ -60,6 +60,7 @@ class ParallelConfig:
     lookup: bool = False  # the copy path over the context's earlier occurrences (see the module docstring)
     lookup_min: int = 2  # SuffixIndex match lengths
     lookup_max: int = 4
+    lookup_periodic: bool = False  # SuffixIndex(periodic=...): loops continue past the context's end
 
 
 class _Norm(nn.Module):
@@ -163,7 +164,8 @@ class ParallelDrafter:
         self.net = net.eval()
         self.cfg = net.cfg
         self.beam_top = beam_top
-        self.index = SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min) if self.cfg.lookup else None
+        self.index = (SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min, self.cfg.lookup_periodic)
+                      if self.cfg.lookup else None)
 
     def reset(self) -> None:
         if self.index is not None:

@@ -69,6 +69,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-context", type=int, default=3, help="parallel: committed tokens embedded")
     ap.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                     help="parallel: the copy path over the context's earlier occurrences (engine.drafters.parallel)")
+    ap.add_argument("--lookup-periodic", action=argparse.BooleanOptionalAction, default=False,
+                    help="parallel: continue a looked-up repeat past the context's end (SuffixIndex periodic)")
     ap.add_argument("--dev-prompts", action=argparse.BooleanOptionalAction, default=False,
                     help="parallel: also train on the deployment's dev requests (after the first --eval-requests); "
                          "off, no request of the deployment is seen and tau on any of them is a held-out figure")
@@ -591,7 +593,7 @@ def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new:
 def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k: int, deadline: float):
     """(net, fit figures, data figures) of the parallel drafter trained until ``deadline`` (perf_counter)."""
     cfg, device = model.cfg, model.device
-    index = SuffixIndex() if args.lookup else None
+    index = SuffixIndex(periodic=args.lookup_periodic) if args.lookup else None
     t0 = time.perf_counter()
     train_data = make_examples(batches, args.n_context, k, index)
     val_data = make_examples(val_batches, args.n_context, k, index)
@@ -607,7 +609,8 @@ def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k
     _log(f"{len(train_data['hidden'])} train / {len(val_data['hidden'])} held-out examples; "
          f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
     pcfg = ParallelConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, k=k,
-                          n_context=args.n_context, draft_vocab=len(vocab_ids), lookup=args.lookup)
+                          n_context=args.n_context, draft_vocab=len(vocab_ids), lookup=args.lookup,
+                          lookup_periodic=args.lookup_periodic)
     if index is not None:
         copyable = ((train_data["look"] == train_data["targets"]) & (train_data["targets"] >= 0)).float().mean(0)
         _log(f"the lookup proposes the target token at {[round(x, 3) for x in copyable.tolist()]} of positions")

@@ -50,3 +50,15 @@ def test_another_context_is_reindexed_and_answers_the_same():
     assert SuffixIndex().lookup([1, 2, 3], 4) == ((), 0)
     with pytest.raises(ValueError, match="min_match <= max_match"):
         SuffixIndex(2, 3)
+
+
+def test_periodic_lookup_continues_a_repeat_past_the_context_end():
+    seq = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert SuffixIndex().lookup(seq, 5) == ((3, 1, 2), 4)  # cut where the context ends
+    assert SuffixIndex(periodic=True).lookup(seq, 5) == ((3, 1, 2, 3, 1), 4)  # the period-3 loop goes on
+    assert SuffixIndex(periodic=True).lookup([7, 7, 7], 4) == ((7, 7, 7, 7), 2)
+    rng = random.Random(3)
+    for _ in range(200):  # periodic answers extend the cut ones, and are always k long when found
+        ctx = [rng.randrange(3) for _ in range(rng.randrange(3, 40))]
+        (cut, m), (full, m2) = SuffixIndex().lookup(ctx, 6), SuffixIndex(periodic=True).lookup(ctx, 6)
+        assert m == m2 and full[: len(cut)] == cut and (len(full) == 6 if m else full == ())
