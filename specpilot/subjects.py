@@ -60,6 +60,7 @@ RPC_AUDIT = rpc(MEMORY, "audit")
 RPC_REPLAY = rpc(MEMORY, "replay")
 RPC_EXPORT = rpc(MEMORY, "export")
 RPC_ENTRIES = rpc(MEMORY, "entries")
+SERVICE_RPCS = (RPC_SQL, RPC_AUDIT, RPC_REPLAY, RPC_ENTRIES)  # memory endpoints a service user may call
 MICRO_DISCOVERY = "$SRV.INFO"
 MICRO_ALL = "$SRV.>"
 
@@ -82,15 +83,16 @@ def permissions(service: str) -> dict[str, dict[str, list[str]]]:
     """Server-side permissions of one service user (allow lists; everything else is denied).
 
     A service may publish its own events, fetch from and ack its own consumer, ask memory for
-    read-only queries, and answer micro discovery. It may not touch ``$JS.API.STREAM.*`` nor create
-    or delete consumers.
+    read-only queries (`SERVICE_RPCS`: not ``export``, which writes files where it is told; that is
+    the admin's), and answer micro discovery. It may not touch ``$JS.API.STREAM.*`` nor create or
+    delete consumers.
     """
     publish = [
         event_prefix(service) + ".>",
         js_next(service),
         js_ack(service),
         js_consumer_info(service),
-        rpc(MEMORY, ">"),
+        *SERVICE_RPCS,
     ]
     subscribe = [inbox_prefix(service) + ".>", MICRO_ALL, rpc(service, ">")]
     return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}

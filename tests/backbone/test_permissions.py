@@ -38,6 +38,7 @@ def denied_requests(user: str) -> dict[str, bytes]:
         f"$JS.API.CONSUMER.DURABLE.CREATE.{S}.evil2": evil_consumer("evil2"),
         f"$JS.API.CONSUMER.DELETE.{S}.{user}": b"",
         f"$JS.API.CONSUMER.DELETE.{S}.memory": b"",
+        subjects.RPC_EXPORT: json.dumps({"dir": "/tmp/written-by-a-service"}).encode(),  # the admin's only
     }
     for o in others:
         reqs[f"$JS.API.CONSUMER.MSG.NEXT.{S}.{o}"] = json.dumps({"batch": 1, "no_wait": True}).encode()
