@@ -36,6 +36,8 @@ def test_records_every_event_once_with_chain(server, memory):
 
 def test_republished_ids_are_absorbed(server, memory):
     async def go():
+        admin = await connect_as(server, subjects.ADMIN)
+        before = (await admin.js.stream_info(subjects.STREAM)).state.messages
         master = await connect_as(server, "master")
         events = [master.stamp(e) for e in directions(50)]
         for _ in range(2):
@@ -44,6 +46,9 @@ def test_republished_ids_are_absorbed(server, memory):
         # a different message id with the same event id gets past the server's dedupe: the ledger absorbs it
         await master.publish_raw(subjects.event_subject("master", events[0].tag), schema.encode(events[0]), "other-id")
         await master.close()
+        # the server's Nats-Msg-Id window dropped the 50 republished messages: 50 + the other id stored
+        assert (await admin.js.stream_info(subjects.STREAM)).state.messages - before == 51
+        await admin.close()
         await wait_for_rows(server, "SELECT count(*) FROM events", 50)
         await asyncio.sleep(1.0)
         assert (await sql(server, "SELECT count(*), count(DISTINCT event_id) FROM events"))[0] == [50, 50]
