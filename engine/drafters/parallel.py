@@ -157,6 +157,11 @@ class ParallelDrafterNet(nn.Module):
         return probs.log(), torch.cat([ids, look[..., None]], dim=-1)
 
 
+def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
+    """A `SuffixIndex` answer as the net's ``look`` row: ``k`` tokens, -1 where it has none."""
+    return [*found, *[-1] * (k - len(found))]
+
+
 class ParallelDrafter:
     """The `engine.drafters.Drafter` over a trained `ParallelDrafterNet`."""
 
@@ -183,7 +188,7 @@ class ParallelDrafter:
         look = match = None
         if self.index is not None:
             found, m = self.index.lookup(context, self.cfg.k)
-            look = torch.tensor([[*found, *[-1] * (self.cfg.k - len(found))]], device=h.device)
+            look = torch.tensor([padded_lookup(found, self.cfg.k)], device=h.device)
             match = torch.tensor([m], device=h.device)
         logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match), look)
         logp, ids = logp[0, :k], ids[0, :k]

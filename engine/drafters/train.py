@@ -46,7 +46,13 @@ import torch.nn.functional as F
 from engine.deployment import DEFAULT_DEPLOYMENT
 from engine.drafters import eagle
 from engine.drafters.ngram import SuffixIndex
-from engine.drafters.parallel import DEFAULT_WEIGHTS, ParallelConfig, ParallelDrafterNet, save_drafter
+from engine.drafters.parallel import (
+    DEFAULT_WEIGHTS,
+    ParallelConfig,
+    ParallelDrafterNet,
+    padded_lookup,
+    save_drafter,
+)
 
 KINDS = {"parallel": DEFAULT_WEIGHTS, "eagle": eagle.DEFAULT_WEIGHTS}  # kind -> shipped file per target
 
@@ -117,6 +123,11 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _is_def(line: str) -> bool:
+    """A one-line ``def`` header (a method's too)."""
+    return line.lstrip().startswith("def ") and line.rstrip().endswith(":")
+
+
 def stdlib_code_prompts(rng: random.Random, n: int) -> list[str]:
     """The ~24 lines up to and including a ``def`` line (and its docstring's first line).
 
@@ -132,7 +143,7 @@ def stdlib_code_prompts(rng: random.Random, n: int) -> list[str]:
         if (text := _read(f)) is None:
             continue
         lines = text.splitlines()
-        defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and line.rstrip().endswith(":")]
+        defs = [i for i, line in enumerate(lines) if _is_def(line)]
         chosen = rng.sample(defs, min(3, len(defs)))
         out += [prompt(lines, i) for i in chosen]
         rest += [(lines, i) for i in sorted(set(defs) - set(chosen))]
@@ -154,7 +165,7 @@ def stdlib_docstring_prompts(rng: random.Random, n: int) -> list[str]:
         lines = text.splitlines()
         imports = [ln for ln in lines[:80] if ln.startswith(("import ", "from ")) and "(" not in ln][:4]
         for i, line in enumerate(lines[:-1]):
-            if not (line.lstrip().startswith("def ") and line.rstrip().endswith(":")):
+            if not _is_def(line):
                 continue
             body = lines[i + 1].strip()
             if not body.startswith(('"""', "r\"\"\"")):
@@ -317,15 +328,15 @@ def generate_batch(model, prompts: list[list[int]], new_tokens: int, stop_ids, k
 
 def lookup_features(prompt: list[int], tokens: list[int], k: int, index: SuffixIndex) -> tuple[list, list]:
     """(look [G][k], match [G]) at every generated root: what the parallel drafter's copy path is
-    given there (`SuffixIndex.lookup` of prompt + tokens[:g+1], padded with -1), computed by the
-    same class the drafter uses when it runs."""
+    given there (`SuffixIndex.lookup` of prompt + tokens[:g+1], `padded_lookup`), computed by the
+    same class and padding the drafter uses when it runs."""
     index.reset()
     index.extend(prompt)
     look, match = [], []
     for token in tokens:  # lookup(prompt + tokens[:g+1]) without re-checking the prefix each time
         index.extend((token,))
         found, m = index.query(k)
-        look.append([*found, *[-1] * (k - len(found))])
+        look.append(padded_lookup(found, k))
         match.append(m)
     return look, match
 
