@@ -3,7 +3,7 @@
 Random SmolLM2-shaped weights (no model file needed), one batch of left-padded prompts; prints the
 tokens/s and the top CUDA kernels of the PyTorch profiler, then a JSON line. Usage:
 
-    python bench/gen_profile.py --device cuda --batch 1024 --prompt 160 --new 32 [--dtype bf16]
+    python bench/gen_profile.py --device cuda --batch 1024 --prompt 160 --new 32 [--dtype bf16] [--tf32]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=32, help="tokens generated per row")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--tf32", action="store_true", help="TF32 matmuls (as `drafter train --tf32` generates)")
     args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = build_random(get_config("smollm2-135m"), device=args.device, dtype=dtype).eval()
     model.init_buffers()
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top), file=sys.stderr)
     print(json.dumps({"batch": args.batch, "prompt": args.prompt, "new": args.new, "dtype": args.dtype,
-                      "seconds": round(seconds, 3), "tok_s": round(args.batch * args.new / seconds),
+                      "tf32": args.tf32, "seconds": round(seconds, 3), "tok_s": round(args.batch * args.new / seconds),
                       "ms_per_step": round(1000 * seconds / args.new, 2)}))
     return 0
 

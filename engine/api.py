@@ -126,8 +126,12 @@ def _note_graphs_off_cuda(device: torch.device) -> None:
         log.warning("cuda_graphs=True has no effect on device %s (CUDA only): decoding stays eager", device)
 
 
+# The options `apply_model_options` reads: two systems that differ in one of them need two models.
+MODEL_OPTIONS = ("fused_kernels", "fused_gemv", "weight_format", "lm_head", "linear_backend", "compile")
+
+
 def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
-    """Options that change the target model itself (not the decoding loop)."""
+    """Options that change the target model itself (not the decoding loop): `MODEL_OPTIONS`."""
     if opts.fused_kernels:  # first: it rebuilds the blocks, and later options swap their linears
         from engine.fused import fuse_model
 
@@ -140,10 +144,10 @@ def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
         quantize_model_linears(model, include_lm_head=False)
     if opts.lm_head == "fp32":
         model.use_fp32_head()
-    if opts.linear_backend == "onednn":
+    if opts.linear_backend in ("onednn", "onednn_all"):
         from engine.packed import pack_linears
 
-        pack_linears(model)
+        pack_linears(model, one_row=opts.linear_backend == "onednn_all")
     if opts.compile:
         # dynamic=True: block sizes and cache lengths vary step to step; one graph serves them all.
         model.forward = torch.compile(model.forward, dynamic=True)

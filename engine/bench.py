@@ -37,13 +37,11 @@ from pathlib import Path
 
 import torch
 
-from engine.api import Engine, apply_model_options
+from engine.api import MODEL_OPTIONS, Engine, apply_model_options
 from engine.deployment import DEFAULT_DEPLOYMENT, load_deployment
 from engine.options import EngineOptions, add_option_flags, overrides_from_args
 from engine.requests import encode_requests, load_requests
 from engine.weights import load_model
-
-MODEL_OPTIONS = ("weight_format", "lm_head", "compile")  # options that change the model itself
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -446,6 +444,19 @@ def _table(result: dict) -> None:
                       f"{p['prompt_lookup_tok_s']:.1f} vs greedy {p['greedy_tok_s']:.1f} tok/s = {p['speedup']:.2f}x")
 
 
+def system_and_stock_models(dep, opts: EngineOptions, device, data_dir=None):
+    """(system model, stock model, tokenizer): the target with ``opts``' model options and with the
+    deployment's stock ones (`MODEL_OPTIONS`); one model when they agree. AR is measured on the
+    stock model, so model options count towards the speedup."""
+    stock = dep.options()
+    model, tok = load_model(dep.target, dtype=opts.dtype, device=device, data_dir=data_dir)
+    stock_model = apply_model_options(model, stock)
+    if all(getattr(opts, k) == getattr(stock, k) for k in MODEL_OPTIONS):
+        return stock_model, stock_model, tok
+    fresh = load_model(dep.target, dtype=opts.dtype, device=device, data_dir=data_dir)[0]
+    return apply_model_options(fresh, opts), stock_model, tok
+
+
 def run(args: argparse.Namespace) -> int:
     dep = load_deployment(args.deployment)
     opts = dep.options(overrides_from_args(args))
@@ -456,19 +467,17 @@ def run(args: argparse.Namespace) -> int:
     limit = args.limit or dep.bench_requests
     ns = [int(x) for x in args.ns.split(",") if x.strip()]
 
-    model, tok = load_model(dep.target, dtype=opts.dtype, device=device, data_dir=args.data_dir)
-    stock_model = model
-    if any(getattr(opts, k) != getattr(EngineOptions(), k) for k in MODEL_OPTIONS):
-        # AR is measured on the deployment's stock model, so model options count towards the speedup.
-        model = apply_model_options(load_model(dep.target, dtype=opts.dtype, device=device, data_dir=args.data_dir)[0], opts)
+    model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
+    stock = dep.options()
     requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][:limit]
     if not requests:
         sets = sorted({r.set for r in load_requests(dep, "dev")})
         raise SystemExit(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
     prompts = encode_requests(requests, tok)
     sys_engine = Engine(model, tok, opts, dep)
-    # AR keeps the deployment's stock CUDA-graph setting, so graphs count towards the speedup too.
-    ar_engine = Engine(stock_model, tok, opts.replace(drafter="none", cuda_graphs=dep.options().cuda_graphs), dep)
+    # AR keeps the deployment's stock model and CUDA-graph setting, so they count towards the speedup too.
+    ar_opts = opts.replace(drafter="none", cuda_graphs=stock.cuda_graphs, **{k: getattr(stock, k) for k in MODEL_OPTIONS})
+    ar_engine = Engine(stock_model, tok, ar_opts, dep)
     for e in (sys_engine, ar_engine):
         warm_up(e, prompts, max_new)
 

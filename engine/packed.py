@@ -5,13 +5,16 @@ rows of a verification block: on the 2-core AVX2 machine of the embedded default
 forward costs ~1.9x a 1-token one, while the weights it reads are the same. oneDNN's matmul over a
 weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) avoids
 re-packing the weight on every call and runs those blocks ~15-40% faster (measurements in
-engine/README.md). One-row calls keep the default path, which is faster there and bit-identical to
-stock.
+engine/README.md). With ``linear_backend = "onednn"`` one-row calls keep the default path
+(bit-identical to stock, and faster at one row on session 4's 1-thread measurements); with
+``"onednn_all"`` they take the packed path too: on 12-01's 2-core VM a whole one-token SmolLM2
+forward took 31-33 ms packed against 54-59 ms on MKL's one-row path at 2 threads (42-44 vs
+58-63 ms at 1 thread), interleaved in one process.
 
 Contract: `PackedLinear` computes ``x @ W.T`` like the ``nn.Linear`` it replaces, for any leading
-shape, in fp32 or bf16. Multi-row results may differ from the default path in the last bits
-(another reduction order), so a system with this option can emit other tokens at near-ties and
-must pass token forcing. It holds a second copy of every weight (the packed one). No-op off CPU.
+shape, in fp32 or bf16. Packed results may differ from the default path in the last bits (another
+reduction order), so a system with this option can emit other tokens at near-ties and must pass
+token forcing. It holds a second copy of every weight (the packed one). No-op off CPU.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Module):
+    def __init__(self, linear: nn.Module, one_row: bool = False):
         super().__init__()
+        self.one_row = one_row  # one-row calls packed too (else the default path, bit for bit)
         weight = linear.weight.detach()
         self.weight = weight  # the original (possibly tied) weight: the one-row path reads it
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
@@ -37,14 +41,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 1:
+        if rows.shape[0] == 1 and not self.one_row:
             return F.linear(x, self.weight)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a `PackedLinear`; returns how many."""
+def pack_linears(model: nn.Module, one_row: bool = False) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a `PackedLinear` (``one_row``: see there);
+    returns how many."""
     if next(model.parameters()).device.type != "cpu":
         return 0
     if not available():
@@ -54,6 +59,6 @@ def pack_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, one_row))
                 swapped += 1
     return swapped

@@ -12,7 +12,9 @@
   chain replay for every other drafter of the target with its draft time (`alternative_drafters`),
   and for the system's own drafter under other settings (``ALTERNATIVE_SETTINGS``, keyed
   ``option=value``), so the planner can predict a switch of drafter, or of its setting, before
-  timing it.
+  timing it; and `chain_cost`: the forward of a full chain of ``n`` drafts timed against a
+  one-token forward at the same context (c(n) measured, not extrapolated from the steps the
+  system's own drafter happened to fill).
 
 The timing worker serves `measure` (``engine.worker``); nothing here decides anything.
 """
@@ -148,6 +150,41 @@ def alternative_drafters(engine: Engine, prompt: list[int], output: list[int], d
     return Replay(engine, prompt, output).alternative_drafters(depth)
 
 
+CHAIN_COST_DRAFTS = (2, 4, 8)  # chain lengths `chain_cost` times (and the engine's block size)
+
+
+@torch.no_grad()
+def chain_cost(engine: Engine, prompt: list[int], output: list[int], ns=CHAIN_COST_DRAFTS, reps: int = 3,
+               ) -> dict[int, float]:
+    """c(n) = t(forward of 1 + n tokens) / t(forward of 1 token) for each ``n``, as one decode step
+    runs it (`engine.decode.verify`, with the engine's graph runner), at the context of ``prompt``
+    plus half of ``output``. The chain is the output's own next tokens, so every draft is accepted
+    and the step does its full work. Sizes are interleaved ``reps`` times; medians are compared."""
+    from engine.decode import prefill, verify
+    from engine.tree import DraftTree
+
+    ns = sorted({n for n in ns if 0 < n < len(output)})
+    if not ns:
+        return {}
+    at = max(0, min(len(output) // 2, len(output) - 1 - ns[-1]))
+    context = [*prompt, *output[:at]]
+    cache = engine._cache_for(len(context) + ns[-1] + 2)
+    runner = engine.graph_runner(cache)
+    prefill(engine.model, cache, context[:-1])
+    start, root = len(context) - 1, context[-1]
+    times: dict[int, list[float]] = {n: [] for n in (0, *ns)}
+    for _ in range(reps + 1):  # the first round warms each size up (graph capture, allocations)
+        for n in times:
+            tree = DraftTree.chain(root, output[at: at + n])
+            engine.synchronize()
+            t = time.perf_counter()
+            verify(engine.model, cache, tree, start, runner)
+            engine.synchronize()
+            times[n].append(time.perf_counter() - t)
+    median = {n: sorted(ts[1:])[len(ts[1:]) // 2] for n, ts in times.items()}
+    return {n: round(median[n] / median[0], 4) for n in ns}
+
+
 def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int = 16, nodes: int = 64) -> dict:
     """Profile one request and replay its output (see the module docstring)."""
     from engine.bench import launches, profile
@@ -164,4 +201,6 @@ def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int =
         "chain_depths": replay.depths(own, depth, 1),
         "drafters": replay.alternative_drafters(depth),
         "context": len(prompt) + len(result.tokens) // 2,
+        "chain_cost": chain_cost(engine, prompt, result.tokens,
+                                 (*CHAIN_COST_DRAFTS, engine.options.block_size)),
     }

@@ -120,6 +120,8 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     # Every other drafter of the target, replayed on the same outputs: {"chain_depths": [[...]] per
     # request, "draft_s": seconds per chain proposal} (engine.replay.alternative_drafters)
     drafters: dict[str, dict[str, Any]] = {}
+    # c(n) of a full chain of n drafts, measured (engine.replay.chain_cost): n -> t(1 + n) / t(1)
+    chain_cost: dict[int, float] = {}
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):

@@ -13,7 +13,9 @@
    outputs is what makes drafts match its argmax. Parallel: each generated position t gives
    (hidden state that chose x_{t+1}, last tokens, the target's next K tokens). Eagle: the rows are
    kept as sequences, and the prompt positions count too wherever the prompt text happens to be
-   the target's greedy continuation (see `eagle_streams`).
+   the target's greedy continuation (see `eagle_streams`). With ``--data DIR`` every generated
+   batch is also kept there, and a later run with the same prompts reuses them and generates only
+   the rest (``--generate-only`` gathers data over several runs, e.g. several calls on a GPU).
 3. Draft vocabulary: the most frequent tokens of that data.
 4. Training: AdamW, cross-entropy per drafted position (earlier positions weigh more), until the
    time budget; 5% of the sequences are held out. Eagle unrolls its recurrent step K times on the
@@ -50,6 +52,7 @@ from engine.drafters.parallel import (
     DEFAULT_WEIGHTS,
     ParallelConfig,
     ParallelDrafterNet,
+    copy_span,
     padded_lookup,
     save_drafter,
 )
@@ -77,11 +80,26 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="parallel: the copy path over the context's earlier occurrences (engine.drafters.parallel)")
     ap.add_argument("--lookup-periodic", action=argparse.BooleanOptionalAction, default=False,
                     help="parallel: continue a looked-up repeat past the context's end (SuffixIndex periodic)")
+    ap.add_argument("--copy-min-match", type=int, default=3,
+                    help="parallel: propose a lookup matched at least this deep as a whole span (0: never; "
+                         "ParallelConfig.copy_min_match)")
     ap.add_argument("--dev-prompts", action=argparse.BooleanOptionalAction, default=False,
                     help="parallel: also train on the deployment's dev requests (after the first --eval-requests); "
                          "off, no request of the deployment is seen and tau on any of them is a held-out figure")
     ap.add_argument("--docstrings", type=int, default=4000,
                     help="parallel: HumanEval-shaped prompts (a function's def line and docstring) from the standard library")
+    ap.add_argument("--docstring-variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="parallel: each docstring prompt also with made-up examples, and those with the "
+                         "leads the target writes on HumanEval (train.docstring_variants)")
+    ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: generate with TF32 matmuls (1.46x on an H200; the target's argmax "
+                         "differs from fp32 only at near-ties, and the drafter is only trained on it)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="keep the generated data here (a file a batch) and reuse what an earlier run with the "
+                         "same prompts left: generation resumes where that run stopped")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="stop after generating (with --data: gather data over several runs, then train "
+                         "with --gen-share 0)")
     ap.add_argument("--blocks", type=int, default=1, help="eagle: residual blocks per recurrent step")
     ap.add_argument("--reg-weight", type=float, default=0.5,
                     help="eagle: weight of the state-to-target-hidden regression beside the cross-entropy")
@@ -180,6 +198,96 @@ def stdlib_docstring_prompts(rng: random.Random, n: int) -> list[str]:
     return rng.sample(found, min(n, len(found)))
 
 
+_LITERALS = {
+    "str": ["'abc'", "'hello world'", "''", "'a b c'", "'Hello'", "'12345'", "'xyz'", "'(()())'", "'aaa'", "'test.txt'"],
+    "int": ["0", "1", "2", "3", "5", "10", "-1", "42", "100", "7"],
+    "list": ["[]", "[1, 2, 3]", "[1.0, 2.0, 3.0]", "['a', 'b']", "[3, 1, 2]", "[1, 2, 2, 3, 4]", "[-1, 0, 1]", "[5]"],
+    "other": ["True", "False", "None", "(1, 2)", "{'a': 1}", "2.5"],
+}
+_STR_NAMES = ("name", "text", "string", "str", "path", "prefix", "suffix", "msg", "line", "word", "char", "s", "key",
+              "sep", "url", "file", "filename", "pattern", "source", "data", "fmt", "format", "value")
+_INT_NAMES = ("n", "i", "j", "k", "count", "size", "num", "number", "index", "level", "width", "length", "depth",
+              "start", "stop", "end", "pos", "offset", "x", "y", "base", "limit")
+
+
+def _top_level_split(params: str) -> list[str]:
+    """``params`` split at the commas outside brackets and quotes."""
+    out, depth, cur, quote = [], 0, "", None
+    for c in params:
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += c
+    return [p.strip() for p in [*out, cur] if p.strip()]
+
+
+def _example_literal(param: str, rng: random.Random) -> str:
+    """A plausible literal for a parameter, guessed from its name (it need not be right: only the
+    prompt's shape matters)."""
+    name = param.split(":")[0].split("=")[0].strip().lower()
+    if name in _STR_NAMES or name.endswith(("name", "str", "text")):
+        kind = "str"
+    elif name in _INT_NAMES or name.startswith(("n_", "num")):
+        kind = "int"
+    elif name.endswith("s") or name in ("seq", "items", "iterable", "lst", "arr"):
+        kind = "list"
+    else:
+        kind = rng.choice(sorted(_LITERALS))
+    return rng.choice(_LITERALS[kind])
+
+
+def with_doctest_examples(prompt: str, rng: random.Random) -> str | None:
+    """A `stdlib_docstring_prompts` prompt made more HumanEval-shaped: a method's ``self`` dropped and
+    1-3 made-up ``>>> f(args)`` / result lines closing its docstring (None if its ``def`` line does
+    not parse). On HumanEval the target often answers such a prompt with a code fence and an
+    explanation in English rather than a body; plain standard-library docstrings rarely show it that."""
+    lines = prompt.rstrip("\n").split("\n")
+    at = next((i for i, ln in enumerate(lines) if _is_def(ln) and not ln.startswith(" ")), None)
+    if at is None or not lines[-1].rstrip().endswith('"""') or "(" not in lines[at]:
+        return None
+    head, _, rest = lines[at].partition("(")
+    params_text, close, ret = rest.rpartition(")")
+    if not close:
+        return None
+    params = _top_level_split(params_text)
+    if params and params[0] in ("self", "cls"):
+        params = params[1:]
+    lines[at] = f"{head}({', '.join(params)}){ret}"
+    name = head.removeprefix("def ").strip()
+    positional = [p for p in params if "=" not in p and not p.startswith("*") and p != "/"]
+    examples = []
+    for _ in range(rng.randint(1, 3)):
+        args = ", ".join(_example_literal(p, rng) for p in positional)
+        examples += [f"    >>> {name}({args})", f"    {_example_literal('', rng)}"]
+    last = lines[-1].rstrip()
+    # Closing quotes alone end the docstring; otherwise they end its text (a one-liner included).
+    lines = lines[:-1] if last.strip() == '"""' else [*lines[:-1], last[:-3].rstrip()]
+    lines += [*examples, '    """']
+    return "\n".join(lines) + "\n"
+
+
+# How the target starts its answer to about half of the HumanEval prompts (a code fence and an
+# explanation, or a test): prompts ending with one make it write the rest as it would there.
+_HUMANEVAL_LEADS = ("```\n\n", "\n# Test the function\n", "\n# Example usage:\n")
+
+
+def docstring_variants(prompt: str, rng: random.Random) -> list[str]:
+    """``prompt`` and its HumanEval-shaped variants: with made-up examples (`with_doctest_examples`),
+    and those followed by the fence lead or by one of the test leads (`_HUMANEVAL_LEADS`)."""
+    if (shaped := with_doctest_examples(prompt, rng)) is None:
+        return [prompt]
+    return [prompt, shaped, shaped + _HUMANEVAL_LEADS[0], shaped + rng.choice(_HUMANEVAL_LEADS[1:])]
+
+
 _CHAT_TEMPLATES = [
     "What is the Python module {m} used for? Here is its description: {d}",
     "Explain in simple terms: {d}",
@@ -253,10 +361,11 @@ def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
 
 def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each: int,
                     skip_dev: int = 0, include_dev: bool = True, prose: bool = False,
-                    docstrings: int = 0) -> list[list[int]]:
+                    docstrings: int = 0, variants: bool = False) -> list[list[int]]:
     """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them.
     With ``include_dev`` False no request of the deployment is used at all (standard library only);
-    ``prose`` adds `stdlib_prose_prompts`, ``docstrings`` that many `stdlib_docstring_prompts`."""
+    ``prose`` adds `stdlib_prose_prompts`, ``docstrings`` that many `stdlib_docstring_prompts` (each
+    with its `docstring_variants` when ``variants``)."""
     from engine.requests import encode_requests, load_requests
 
     prompts = []
@@ -266,7 +375,10 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
     prompts += [tokenizer.encode(t) for t in stdlib_code_prompts(rng, n_each)]
     prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_chat_prompts(rng, n_each)]
     if docstrings:
-        prompts += [tokenizer.encode(t) for t in stdlib_docstring_prompts(rng, docstrings)]
+        texts = stdlib_docstring_prompts(rng, docstrings)
+        if variants:
+            texts = [v for t in texts for v in docstring_variants(t, rng)]
+        prompts += [tokenizer.encode(t) for t in texts]
     if prose:
         prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_prose_prompts(rng, n_each)]
     prompts = [p[-max_tokens:] for p in prompts if p]
@@ -401,10 +513,12 @@ def to_draft_ids(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int
 
 
 def _net_inputs(data: dict, idx) -> tuple:
-    """The net's inputs for examples ``idx`` (a slice or an index tensor) of `make_examples` data."""
+    """The net's inputs for examples ``idx`` (a slice or an index tensor) of `make_examples` data
+    (hidden states may be kept in half precision: they are cast back here)."""
+    hidden = data["hidden"][idx].float()
     if "look" in data:
-        return data["hidden"][idx], data["ctx"][idx], data["look"][idx], data["match"][idx]
-    return data["hidden"][idx], data["ctx"][idx]
+        return hidden, data["ctx"][idx], data["look"][idx], data["match"][idx]
+    return hidden, data["ctx"][idx]
 
 
 def evaluate(net, data: dict, batch: int = 1024) -> dict:
@@ -416,6 +530,8 @@ def evaluate(net, data: dict, batch: int = 1024) -> dict:
             inputs = _net_inputs(data, slice(s, s + batch))
             logp, ids = net.candidates(net(*inputs), inputs[2] if len(inputs) > 2 else None)
             guess = ids.gather(-1, logp.argmax(-1, keepdim=True))[..., 0]
+            if len(inputs) > 2:  # what the drafter proposes: long matches' spans whole
+                guess = copy_span(guess, inputs[2], inputs[3], net.cfg.copy_min_match)
             targets = data["targets"][s: s + batch]
             hit = (guess == targets) & (targets >= 0)
             correct = hit.sum(0) if correct is None else correct + hit.sum(0)
@@ -448,7 +564,9 @@ def train(net, data: dict, val: dict, seconds: float, lr: float, batch: int, see
         per_pos = nll.masked_fill(~counted, 0).sum(0) / counted.sum(0).clamp(min=1)
         return (weights * per_pos).sum() / weights.sum()
 
-    return fit(net, len(data["hidden"]), batch_loss, lambda: evaluate(net, val), seconds, lr, batch, seed,
+    # Large evaluation batches: with millions of examples the periodic held-out score would
+    # otherwise take as long as the training between two scores.
+    return fit(net, len(data["hidden"]), batch_loss, lambda: evaluate(net, val, batch=8192), seconds, lr, batch, seed,
                weight_decay)
 
 
@@ -598,6 +716,26 @@ def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new:
     return out
 
 
+def save_shard(path: Path, batch: dict) -> None:
+    """One generated batch as a `--data` file (hidden states in half precision), written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({k: v.half() if k.endswith("hidden") else v for k, v in batch.items()}, tmp)
+    tmp.replace(path)
+
+
+def load_shard(path: Path, prompts: list[list[int]], new_tokens: int, half: bool) -> dict:
+    """A `save_shard` file, checked to hold ``prompts`` continued by ``new_tokens`` tokens."""
+    try:
+        batch = torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or foreign file
+        raise SystemExit(f"{path} is not a generated batch ({e}); delete it or use another --data directory") from e
+    if batch.get("prompts") != prompts or batch["tokens"].shape[1] != new_tokens:
+        raise SystemExit(f"{path} was generated from other prompts or lengths (another --seed, prompt flag, "
+                         f"--batch or --new-tokens): use another --data directory")
+    return batch if half else {k: v.float() if k.endswith("hidden") else v for k, v in batch.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -621,7 +759,8 @@ def _train_parallel(model, batches: list[dict], val_batches: list[dict], args, k
          f"draft vocab {len(vocab_ids)} covers {100 * coverage:.1f}% of targets")
     pcfg = ParallelConfig(target=cfg.name, dim=cfg.dim, width=args.width or cfg.dim, k=k,
                           n_context=args.n_context, draft_vocab=len(vocab_ids), lookup=args.lookup,
-                          lookup_periodic=args.lookup_periodic)
+                          lookup_periodic=args.lookup_periodic,
+                          copy_min_match=args.copy_min_match if args.lookup else 0)
     if index is not None:
         copyable = ((train_data["look"] == train_data["targets"]) & (train_data["targets"] >= 0)).float().mean(0)
         _log(f"the lookup proposes the target token at {[round(x, 3) for x in copyable.tolist()]} of positions")
@@ -679,7 +818,7 @@ def run(args: argparse.Namespace) -> int:
     out_path = args.out or KINDS[args.kind].get(dep.target)
     is_eagle = args.kind == "eagle"
     k = args.k or (6 if is_eagle else 4)
-    if out_path is None:
+    if out_path is None and not args.generate_only:
         raise SystemExit(f"no default weights path for target {dep.target!r}: pass --out")
     device = torch.device(args.device)
     model, tok = load_model(dep.target, dtype="fp32", device=device, data_dir=args.data_dir)
@@ -688,7 +827,8 @@ def run(args: argparse.Namespace) -> int:
     # The eagle drafter never sees a request of the deployment, dev or sealed: standard library only.
     prompts = collect_prompts(dep, tok, rng, args.max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
                               include_dev=args.dev_prompts and not is_eagle, prose=is_eagle,
-                              docstrings=0 if is_eagle else args.docstrings)
+                              docstrings=0 if is_eagle else args.docstrings,
+                              variants=args.docstring_variants)
     _log(f"{len(prompts)} prompts; generating for up to {args.gen_share * budget:.0f} s")
     batches, used = [], []
     gen_deadline = t_start + args.gen_share * budget
@@ -696,16 +836,36 @@ def run(args: argparse.Namespace) -> int:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     groups = [order[i: i + args.batch] for i in range(0, len(order), args.batch)]
     rng.shuffle(groups)
-    t_gen = time.perf_counter()
-    for grp in groups:
-        if time.perf_counter() > gen_deadline:
-            break
+    t_gen, generated = time.perf_counter(), 0
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32 and device.type == "cuda"
+    for gi, grp in enumerate(groups):
         ps = [prompts[i] for i in grp]
-        batches.append(generate_batch(model, ps, args.new_tokens, cfg.stop_ids, keep_prompt=is_eagle))
+        shard = args.data / f"batch-{gi:05d}.pt" if args.data else None
+        if shard is not None and shard.is_file():
+            batches.append(load_shard(shard, ps, args.new_tokens, half=not is_eagle))
+        elif time.perf_counter() > gen_deadline:
+            break
+        else:
+            b = generate_batch(model, ps, args.new_tokens, cfg.stop_ids, keep_prompt=is_eagle)
+            if not is_eagle:  # the parallel drafter's examples keep hidden states in half precision
+                b["hidden"] = b["hidden"].half()
+            if shard is not None:
+                save_shard(shard, b)
+            batches.append(b)
+            generated += int(b["alive"].sum())
         used += ps
         n_tok = sum(int(b["alive"].sum()) for b in batches)
-        _log(f"generated {len(used)} prompts, {n_tok} tokens ({n_tok / (time.perf_counter() - t_gen):.0f} tok/s)")
+        _log(f"{len(used)} prompts, {n_tok} tokens ({generated / (time.perf_counter() - t_gen):.0f} tok/s generated "
+             f"here, {len(batches)} batches)")
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     gen_seconds = time.perf_counter() - t_gen
+    if args.generate_only:
+        _log(f"generated {generated} tokens in {gen_seconds:.0f} s; {len(batches)} batches in {args.data}")
+        print(json.dumps({"data": str(args.data), "batches": len(batches), "prompts": len(used),
+                          "tokens": sum(int(b["alive"].sum()) for b in batches), "generated_tokens": generated,
+                          "generation_seconds": round(gen_seconds, 1)}, separators=(",", ":")))
+        return 0
     data_hash = hashlib.sha256(json.dumps({"prompts": used, "outputs": [b["tokens"].tolist() for b in batches]},
                                           separators=(",", ":")).encode()).hexdigest()
 

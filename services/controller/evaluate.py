@@ -486,6 +486,7 @@ class Evaluator:
             "replay_depths": [[int(d) for d in r["depths"]] for r in replies],
             "chain_depths": [[int(d) for d in r.get("chain_depths", [])] for r in replies],
             "drafters": _alternative_drafters(replies),
+            "chain_cost": _mean_chain_cost(replies),
         }
 
     def sealed_final(self, systems: dict[str, System], n_requests: int = 0, trials: int = 3,
@@ -529,6 +530,15 @@ class Evaluator:
                     row[f"over_{base}_ci95"] = [math.exp(est.lower_bound), math.exp(est.upper_bound)]
             results[name] = row
         return results, outputs
+
+
+def _mean_chain_cost(replies: list[dict]) -> dict[int, float]:
+    """Per chain length, the mean over requests of the measured c(n) (`engine.replay.chain_cost`)."""
+    by_n: dict[int, list[float]] = {}
+    for r in replies:
+        for n, c in r.get("chain_cost", {}).items():
+            by_n.setdefault(int(n), []).append(float(c))
+    return {n: round(sum(cs) / len(cs), 4) for n, cs in sorted(by_n.items())}
 
 
 def _alternative_drafters(replies: list[dict]) -> dict[str, dict]:

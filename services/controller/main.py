@@ -306,7 +306,7 @@ class Controller:
             block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens,
             verified_tokens=m["verified_tokens"], context=m["context"],
             dtype=dtype, shape=shape, replay_depths=m["replay_depths"], chain_depths=m["chain_depths"],
-            launches=m["launches"], drafters=m["drafters"]), event)
+            launches=m["launches"], drafters=m["drafters"], chain_cost=m.get("chain_cost", {})), event)
 
     def peer(self, ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
         """transformers' prompt-lookup assisted generation on the same sealed prompts, in this process.

@@ -191,7 +191,10 @@ class StepModel:
     that proposes a full chain every step (parallel, eagle) pays ``token_cost`` per draft token
     instead, the step's cost over the tokens its forwards actually ran (``verified_tokens``): on
     12-01's CPU round the nominal slope (0.063) predicted the parallel drafter at +27% and it
-    measured -13%, the n-gram having verified far fewer than 5 tokens a step."""
+    measured -13%, the n-gram having verified far fewer than 5 tokens a step. Where the profile
+    measured full chains directly (``chain_cost``: n -> c(n), `engine.replay.chain_cost`) those
+    figures are used instead (`full_chain_cost`): round 11 extrapolated c(4) = 1.69 from the n-gram's
+    steps where HumanEval measured 1.41, and never tried the parallel drafter."""
 
     t_ar_s: float
     step_s: float
@@ -201,6 +204,7 @@ class StepModel:
     chain_replay: dict[int, float] = field(default_factory=dict)
     drafters: dict[str, tuple[dict[int, float], float]] = field(default_factory=dict)
     verified_tokens: float = 0.0  # mean tokens per profiled forward, root included (0: n_tokens)
+    chain_cost: dict[int, float] = field(default_factory=dict)  # measured c(n) of full chains
 
     @property
     def slope(self) -> float:
@@ -216,6 +220,19 @@ class StepModel:
         drafts = max((self.verified_tokens or self.n_tokens) - 1.0, 0.25 * (self.n_tokens - 1))
         return max(0.0, (self.step_s / self.t_ar_s - 1.0) / drafts)
 
+    def full_chain_cost(self, n: int) -> float:
+        """c(n) of a step verifying a full chain of ``n`` drafts, in AR steps: the measured figures
+        (`chain_cost`) interpolated linearly from c(0) = 1, extended past the longest with the
+        last segment's slope; ``1 + token_cost * n`` where none was measured."""
+        if not self.chain_cost:
+            return 1.0 + self.token_cost * n
+        points = [(0, 1.0), *sorted((int(k), float(v)) for k, v in self.chain_cost.items())]
+        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+            if n <= n1:
+                return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        (n0, c0), (n1, c1) = points[-2], points[-1]
+        return c1 + max(0.0, (c1 - c0) / (n1 - n0)) * (n - n1)
+
     def replay_tau(self, n: int, chain: bool = False) -> float:
         return _at_budget(self.chain_replay if chain and self.chain_replay else self.replay, n)
 
@@ -226,7 +243,7 @@ class StepModel:
     def drafter_speedup(self, drafter: str, n: int) -> float:
         """Predicted speedup over AR of a chain of ``n`` tokens from another replayed drafter."""
         table, draft_s = self.drafters[drafter]
-        return _at_budget(table, n) / (1.0 + self.token_cost * n + draft_s / self.t_ar_s)
+        return _at_budget(table, n) / (self.full_chain_cost(n) + draft_s / self.t_ar_s)
 
     @property
     def current(self) -> float:

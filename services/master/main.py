@@ -382,7 +382,7 @@ def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
                                verified_tokens=prof.verified_tokens,
                                replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {},
-                               drafters=drafters)
+                               drafters=drafters, chain_cost=dict(prof.chain_cost))
 
 
 def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> costmodel.Ceiling:

@@ -48,7 +48,7 @@ SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
     ],
     "kernel": [
         ("weight_format", ["w12"], ("cuda",)),
-        ("linear_backend", ["onednn"], ("cpu",)),
+        ("linear_backend", ["onednn_all", "onednn"], ("cpu",)),
     ],
 }
 # Options that only mean something when another one is set.

@@ -74,3 +74,17 @@ def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
     assert prof["q_proj"] > 0 and prof["norms"] > 0
     assert kernel_ms < 0.5 * prof["step_total"], prof
     assert prof["host_overhead"] > kernel_ms, prof
+
+
+def test_bench_applies_every_model_option_to_the_system_and_none_to_ar():
+    # Session 10 found `--linear-backend` (and fused kernels) silently left out of the system's model.
+    from engine.bench import system_and_stock_models
+    from engine.deployment import load_deployment
+    from engine.packed import PackedLinear
+
+    dep = load_deployment("tiny-cpu")
+    system, stock, _ = system_and_stock_models(dep, dep.options({"linear_backend": "onednn_all"}), "cpu")
+    assert any(isinstance(m, PackedLinear) for m in system.modules())
+    assert not any(isinstance(m, PackedLinear) for m in stock.modules())
+    system, stock, _ = system_and_stock_models(dep, dep.options({"drafter": "none"}), "cpu")
+    assert system is stock  # no model option differs: one model

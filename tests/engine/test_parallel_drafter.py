@@ -13,6 +13,7 @@ from engine.drafters.parallel import (
     ParallelConfig,
     ParallelDrafter,
     ParallelDrafterNet,
+    copy_span,
     load_parallel_drafter,
     save_drafter,
 )
@@ -20,9 +21,11 @@ from engine.drafters.train import evaluate, generate_batch, make_examples, to_dr
 from tests.engine.conftest import make_engine
 
 
-def random_drafter(model, k: int = 4, vocab: int = 64, seed: int = 0, lookup: bool = False) -> ParallelDrafter:
+def random_drafter(model, k: int = 4, vocab: int = 64, seed: int = 0, lookup: bool = False,
+                   copy_min_match: int = 0) -> ParallelDrafter:
     torch.manual_seed(seed)
-    cfg = ParallelConfig(target=model.cfg.name, dim=model.cfg.dim, width=32, k=k, draft_vocab=vocab, lookup=lookup)
+    cfg = ParallelConfig(target=model.cfg.name, dim=model.cfg.dim, width=32, k=k, draft_vocab=vocab, lookup=lookup,
+                         copy_min_match=copy_min_match)
     net = ParallelDrafterNet(cfg, torch.randperm(model.cfg.vocab_size)[:vocab], model.embed.weight.detach())
     for p in net.parameters():  # make the (identity-initialised) blocks do something
         torch.nn.init.normal_(p, std=0.5)
@@ -64,6 +67,26 @@ def test_copy_path_proposes_what_followed_the_suffix_even_outside_the_vocabulary
     # draft vocabulary after.
     short = d.propose([a, b, x, a, b], h, 4, 1)[0].tokens
     assert short[:3] == (x, a, b) and short[3] in set(d.net.vocab_ids.tolist())
+
+
+def test_a_long_enough_match_is_proposed_as_a_whole_span(tiny):
+    model, _ = tiny
+    d = random_drafter(model, vocab=16, lookup=True, copy_min_match=3)
+    outside = [t for t in range(model.cfg.vocab_size) if t not in set(d.net.vocab_ids.tolist())]
+    a, b, c, x, y, z = outside[:6]
+    h = torch.randn(model.cfg.dim)
+    # (b, c) matched two deep: below copy_min_match, the net's own picks (random: not the copy)
+    assert d.propose([a, b, c, x, y, z, 5, b, c], h, 4, 1)[0].tokens != (x, y, z, 5)
+    # (a, b, c) matched three deep: the continuation whole, cut at the context's end, then the net
+    d.reset()
+    assert d.propose([a, b, c, x, y, a, b, c], h, 4, 1)[0].tokens == (x, y, a, b)
+    chain = d.propose([a, b, c, a, b, c], h, 4, 1)[0].tokens
+    assert chain[:3] == (a, b, c) and chain[3] in set(d.net.vocab_ids.tolist())
+    beams = d.propose([a, b, c, x, y, z, 5, a, b, c], h, 4, 3)
+    assert beams[0].tokens == (x, y, z, 5) and len(beams) == 3  # trees: the span first
+    ids = copy_span(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[7, 8, -1], [7, 8, 9]]),
+                    torch.tensor([3, 2]), 3)
+    assert ids.tolist() == [[7, 8, 3], [1, 2, 3]]
 
 
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
@@ -156,3 +179,37 @@ def test_tiny_parallel_drafter_is_lossless(tiny, seed):
         assert [e.generate(p, 48).tokens for p in prompts] == ref
         e.drafter = random_drafter(model, vocab=64, seed=seed, lookup=True)  # copies, sometimes right
         assert [e.generate(p, 48).tokens for p in prompts] == ref
+        e.drafter = random_drafter(model, vocab=64, seed=seed, lookup=True, copy_min_match=2)  # whole spans
+        assert [e.generate(p, 48).tokens for p in prompts] == ref
+
+
+def test_training_data_resumes_from_its_directory(tmp_path):
+    """--data keeps each generated batch; a later run loads them (and generates only the rest),
+    and a run with other prompts is refused rather than mixing data."""
+    from engine.drafters.train import main as train_main
+
+    data, out = tmp_path / "data", tmp_path / "tiny_parallel.pt"
+    base = ["--deployment", "tiny-cpu", "--prompts", "12", "--docstrings", "4", "--batch", "8", "--new-tokens", "10",
+            "--draft-vocab", "64", "--eval-requests", "0", "--train-batch", "32", "--data", str(data)]
+    assert train_main([*base, "--minutes", "0.3", "--gen-share", "1.0", "--generate-only"]) == 0
+    shards = sorted(data.glob("batch-*.pt"))
+    assert shards and not out.exists()
+    before = {p: p.stat().st_mtime_ns for p in shards}
+    assert train_main([*base, "--minutes", "0.2", "--gen-share", "0", "--out", str(out)]) == 0
+    assert {p: p.stat().st_mtime_ns for p in shards} == before  # loaded, not generated again
+    blob = torch.load(out, weights_only=True)
+    assert blob["meta"]["figures"]["generated_tokens"] > 0 and blob["config"]["lookup"]
+    with pytest.raises(SystemExit, match="other prompts"):
+        train_main([*base, "--seed", "1", "--minutes", "0.2", "--gen-share", "0", "--out", str(out)])
+
+
+def test_docstring_variants_are_humaneval_shaped():
+    from engine.drafters.train import docstring_variants
+
+    prompt = 'import os\n\n\ndef join(self, path, *rest, sep="/"):\n    """Join paths."""\n'
+    plain, shaped, fenced, tested = docstring_variants(prompt, random.Random(0))
+    assert plain == prompt
+    assert shaped.startswith('import os\n\n\ndef join(path, *rest, sep="/"):\n    """Join paths.\n    >>> join(')
+    assert shaped.endswith('\n    """\n') and shaped.count('"""') == 2
+    assert fenced == shaped + "```\n\n" and tested.startswith(shaped) and tested.endswith(":\n")
+    assert docstring_variants("def broken(:\n    x\n", random.Random(0)) == ["def broken(:\n    x\n"]

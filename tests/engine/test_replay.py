@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from engine.replay import matched_depth, matched_depths, measure
+from engine.replay import chain_cost, matched_depth, matched_depths, measure
 from services.master.costmodel import replay_tau
 from specpilot.paths import REPO_ROOT
 from tests.engine.conftest import make_engine
@@ -48,6 +48,7 @@ def test_measure_through_the_worker_protocol():
     reply = lines[1]
     assert len(reply["tokens"]) == 24 and reply["steps"] >= 1 and len(reply["depths"]) == 24
     assert reply["profile_ms"]["step_total"] > 0 and "lm_head" in reply["profile_ms"]
+    assert sorted(map(int, reply["chain_cost"])) == [2, 4, 8]  # JSON keys: the controller casts them back
 
 
 def test_measure_in_process(tiny):
@@ -78,3 +79,14 @@ def test_other_drafters_are_replayed_on_the_same_output(tiny):
     loose = make_engine(tiny, drafter="ngram", block_size=4, ngram_min_match=1)
     assert own["ngram_min_match=1"]["chain_depths"] == matched_depths(loose, prompt, output, depth=4, nodes=1)
     assert own["ngram_min_match=1"]["draft_s"] > 0
+
+
+def test_chain_cost_times_full_chains_without_disturbing_generation(tiny):
+    engine = make_engine(tiny, drafter="ngram")
+    prompt = _tiny_prompts(5, n=1)[0]
+    tokens = engine.generate(prompt, 24).tokens
+    cost = chain_cost(engine, prompt, tokens, ns=(2, 4, 8, 30))
+    assert sorted(cost) == [2, 4, 8]  # a chain longer than the output cannot be timed
+    assert all(0.3 < c < 30 for c in cost.values())
+    assert engine.generate(prompt, 24).tokens == tokens  # the engine's cache was reused, not spoiled
+    assert chain_cost(engine, prompt, tokens[:1]) == {}

@@ -186,3 +186,18 @@ def test_a_full_chain_drafter_pays_for_the_tokens_the_profiled_steps_really_veri
     assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={}).token_cost == pytest.approx(0.1)
     assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={},
                         verified_tokens=1.01).token_cost == pytest.approx(0.4)
+
+
+def test_a_measured_full_chain_cost_replaces_the_extrapolated_one():
+    # Round 11's case: the n-gram's steps imply 0.4 AR steps a draft (c(4) = 2.6), but full chains
+    # were timed at c(2) = 1.2 and c(4) = 1.4: the parallel drafter is predicted with the latter.
+    measured = {2: 1.2, 4: 1.4, 8: 2.0}
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={1: 1.5, 4: 2.0},
+                         drafters={"parallel": ({4: 3.0}, 0.001)}, verified_tokens=2.0, chain_cost=measured)
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16}
+    assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) == pytest.approx(
+        (3.0 / (1.4 + 0.1)) / (2.0 / 1.4))
+    # between and past the measured lengths: linear from c(0) = 1, then the last slope onward
+    assert [model.full_chain_cost(n) for n in (1, 3, 6, 12)] == pytest.approx([1.1, 1.3, 1.7, 2.6])
+    assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={}, verified_tokens=2.0,
+                        ).full_chain_cost(4) == pytest.approx(2.6)
