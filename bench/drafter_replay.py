@@ -5,7 +5,7 @@ proposes from the committed context (and, for hidden-state drafters, the target'
 before the root), the target accepts the longest matching prefix and adds its bonus token. So
 the AR outputs are generated once (cached in ``--outputs``) and any drafter, weights file or
 drafter setting is then scored in about a minute on 72 requests instead of a timed bench's
-eleven (`engine.replay.Replay`, the same walk as `services.master.costmodel.replay_tau`). On
+eleven (`engine.replay.Replay`, pooled as the planner pools it: `costmodel.pooled_replay`). On
 2026-12-01 the replayed tau of the 72 HumanEval dev requests matched `specpilot bench`'s
 measured 2.4599 to four digits. Prints a table and a JSON line.
 
@@ -31,15 +31,7 @@ from engine.api import load_engine
 from engine.deployment import DEFAULT_DEPLOYMENT, load_deployment
 from engine.replay import Replay
 from engine.requests import encode_requests, load_requests
-
-
-def chain_tau(depths: list[int], k: int) -> tuple[int, int]:
-    """(tokens, steps) of a chain of ``k`` drafts over one output's matched depths."""
-    n, pos, steps = len(depths), 1, 0
-    while pos < n:
-        pos += min(depths[pos], k, n - pos - 1) + 1
-        steps += 1
-    return n - 1, steps
+from services.master.costmodel import pooled_replay
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,23 +68,23 @@ def main(argv: list[str] | None = None) -> int:
         outputs = cached["outputs"]
 
     changes = json.loads(args.parallel_config)
-    t0, rows = time.perf_counter(), []
-    for req, prompt, out in track(list(zip(reqs, prompts, outputs, strict=True)), "replay"):
+    t0, depth_lists = time.perf_counter(), []
+    for prompt, out in track(list(zip(prompts, outputs, strict=True)), "replay"):
         replay = Replay(engine, prompt, out)
         drafter = replay.drafter(args.drafter)
         if changes and drafter is not None:
             drafter.cfg = drafter.net.cfg = dataclasses.replace(drafter.cfg, **changes)
-        tokens, steps = chain_tau(replay.depths(args.drafter, args.block_size, 1), args.block_size)
-        rows.append({"id": req.id, "tokens": tokens, "steps": steps})
-    tokens, steps = sum(r["tokens"] for r in rows), sum(r["steps"] for r in rows)
-    result = {"bench": "drafter_replay", "deployment": dep.name, "set": args.set, "requests": len(rows),
+        depth_lists.append(replay.depths(args.drafter, args.block_size, 1))  # the first candidate: a chain
+    tau = pooled_replay(depth_lists, budgets=(args.block_size,))[args.block_size]
+    tokens = sum(len(d) - 1 for d in depth_lists)
+    result = {"bench": "drafter_replay", "deployment": dep.name, "set": args.set, "requests": len(depth_lists),
               "drafter": args.drafter, "block_size": args.block_size, "options": json.loads(args.options),
-              "parallel_config": changes, "tau": round(tokens / max(1, steps), 4),
+              "parallel_config": changes, "tokens": tokens, "tau": round(tau, 4),
               "replay_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
-    table = Table(title=f"{args.drafter} chain of {args.block_size}, {len(rows)} {args.set or 'dev'} requests")
+    table = Table(title=f"{args.drafter} chain of {args.block_size}, {len(depth_lists)} {args.set or 'dev'} requests")
     for col in ("tokens", "steps", "tau"):
         table.add_column(col, justify="right")
-    table.add_row(str(tokens), str(steps), f"{result['tau']:.4f}")
+    table.add_row(str(tokens), f"{tokens / tau:.0f}", f"{tau:.4f}")
     Console(stderr=True).print(table)
     print(json.dumps(result, separators=(",", ":")))
     return 0

@@ -21,6 +21,7 @@ The timing worker serves `measure` (``engine.worker``); nothing here decides any
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -163,10 +164,11 @@ def chain_cost(engine: Engine, prompt: list[int], output: list[int], ns=CHAIN_CO
     from engine.decode import prefill, verify
     from engine.tree import DraftTree
 
-    ns = sorted({n for n in ns if 0 < n < len(output)})
+    ns = sorted({n for n in ns if 0 < n < len(output) - 1})
     if not ns:
         return {}
-    at = max(0, min(len(output) // 2, len(output) - 1 - ns[-1]))
+    # The root is an output token (so the prefill is never empty), with the longest chain after it.
+    at = max(1, min(len(output) // 2, len(output) - 1 - ns[-1]))
     context = [*prompt, *output[:at]]
     cache = engine._cache_for(len(context) + ns[-1] + 2)
     runner = engine.graph_runner(cache)
@@ -181,7 +183,7 @@ def chain_cost(engine: Engine, prompt: list[int], output: list[int], ns=CHAIN_CO
             verify(engine.model, cache, tree, start, runner)
             engine.synchronize()
             times[n].append(time.perf_counter() - t)
-    median = {n: sorted(ts[1:])[len(ts[1:]) // 2] for n, ts in times.items()}
+    median = {n: statistics.median(ts[1:]) for n, ts in times.items()}
     return {n: round(median[n] / median[0], 4) for n in ns}
 
 

@@ -204,19 +204,17 @@ class ParallelDrafter:
             look = torch.tensor([padded_lookup(found, self.cfg.k)], device=h.device)
             match = torch.tensor([m], device=h.device)
         logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match), look)
-        spans = []
-        if look is not None and 0 < self.cfg.copy_min_match <= m and found:
-            # The matched span as one candidate, ahead of the net's own (for trees: scored first).
-            span = found[:k]
-            spans = [Candidate(tuple(span), (1.0,) * len(span))]
         logp, ids = logp[0, :k], ids[0, :k]
         if n <= 1:
             best, idx = logp.max(dim=-1)
             tokens = ids.gather(-1, idx[:, None])[:, 0]
-            if spans:
+            if look is not None:
                 tokens = copy_span(tokens[None], look[:, :k], match, self.cfg.copy_min_match)[0]
             scores = best.cumsum(0).exp().tolist()
             return [Candidate(tuple(tokens.tolist()), tuple(scores))]
+        # Trees: a long enough match's span is one more candidate, ahead of the beam (scored first).
+        spans = ([Candidate(found[:k], (1.0,) * len(found[:k]))]
+                 if look is not None and 0 < self.cfg.copy_min_match <= m and found else [])
         top = min(self.beam_top, logp.shape[-1])
         vals, idx = logp.topk(top, dim=-1)
         vals, toks = vals.tolist(), ids.gather(-1, idx).tolist()

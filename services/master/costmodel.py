@@ -116,6 +116,19 @@ def replay_tau(depths: Sequence[int], budgets: Sequence[int] = NODE_BUDGETS) -> 
     return out
 
 
+def pooled_replay(depth_lists: Sequence[Sequence[int]], budgets: Sequence[int] = NODE_BUDGETS) -> dict[int, float]:
+    """`replay_tau` pooled over requests, each weighted by its steps."""
+    totals: dict[int, tuple[float, float]] = {}
+    for depths in depth_lists:
+        n = len(depths) - 1
+        if n <= 0:
+            continue
+        for budget, tau in replay_tau(depths, budgets).items():
+            tokens, steps = totals.get(budget, (0.0, 0.0))
+            totals[budget] = (tokens + n, steps + n / tau)
+    return {b: tokens / steps for b, (tokens, steps) in totals.items()} or {1: 1.0}
+
+
 # --- ceiling and factors --------------------------------------------------------------------------
 
 @dataclass(frozen=True)

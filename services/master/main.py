@@ -360,24 +360,11 @@ def check_providers(planner_name: str, coder: str) -> None:
 def replay(prof: schema.ProfileMeasured, chain: bool = False) -> dict[int, float]:
     """Replayed tau per node budget, pooled over the profiled requests (steps weighted): the best tree
     in hindsight, or (``chain``) the drafter's first candidate cut to the budget."""
-    return pooled_replay(prof.chain_depths if chain else prof.replay_depths)
-
-
-def pooled_replay(depth_lists: list[list[int]]) -> dict[int, float]:
-    """`costmodel.replay_tau` pooled over requests, each weighted by its steps."""
-    totals: dict[int, tuple[float, float]] = {}
-    for depths in depth_lists:
-        n = len(depths) - 1
-        if n <= 0:
-            continue
-        for budget, tau in costmodel.replay_tau(depths).items():
-            tokens, steps = totals.get(budget, (0.0, 0.0))
-            totals[budget] = (tokens + n, steps + n / tau)
-    return {b: tokens / steps for b, (tokens, steps) in totals.items()} or {1: 1.0}
+    return costmodel.pooled_replay(prof.chain_depths if chain else prof.replay_depths)
 
 
 def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
-    drafters = {name: (pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
+    drafters = {name: (costmodel.pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
                 for name, d in prof.drafters.items() if d.get("chain_depths")}
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
                                verified_tokens=prof.verified_tokens,
