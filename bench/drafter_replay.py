@@ -57,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no dev requests in set {args.set!r} of {dep.name}: sets are {dep.request_sets}")
     engine = load_engine(dep, {**json.loads(args.options), "drafter": args.drafter, "block_size": args.block_size})
     prompts = encode_requests(reqs, engine.tokenizer)
-    key = {"deployment": dep.name, "requests": [r.id for r in reqs], "max_new_tokens": args.max_new_tokens}
+    # AR runs with the same engine options (dtype, backend) as the drafter's engine: its outputs are
+    # what that system must reproduce.
+    ar_options = {**json.loads(args.options), "drafter": "none"}
+    ar_options.pop("block_size", None)
+    key = {"deployment": dep.name, "requests": [r.id for r in reqs], "max_new_tokens": args.max_new_tokens,
+           **({"options": ar_options} if len(ar_options) > 1 else {})}
     cached = json.loads(args.outputs.read_text()) if args.outputs and args.outputs.is_file() else None
     if cached is None or cached.get("key") != key:
-        ar = load_engine(dep, {"drafter": "none"})
+        ar = load_engine(dep, ar_options)
         outputs = [ar.generate(p, args.max_new_tokens).tokens for p in track(prompts, "AR outputs")]
         if args.outputs:
             args.outputs.write_text(json.dumps({"key": key, "outputs": outputs}))

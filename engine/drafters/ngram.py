@@ -94,6 +94,17 @@ class SuffixIndex:
                     index[tuple(seq[p - m: p])] = p - m
             seq.append(int(token))
 
+    def continuation(self, tail: list[int], k: int, min_match: int) -> tuple[int, ...]:
+        """What followed the most recent indexed occurrence of ``tail``'s longest suffix of at least
+        ``min_match`` tokens (at most ``k`` tokens, () when none): `query` for a sequence that
+        continues the indexed one by tokens not yet committed (a draft), without indexing them."""
+        seq = self.seq
+        for m in range(min(self.max_match, len(tail)), max(min_match, self.min_match) - 1, -1):
+            start = self.last[m].get(tuple(tail[len(tail) - m:]))
+            if start is not None:
+                return tuple(seq[start + m: start + m + k])
+        return ()
+
     def query(self, k: int) -> tuple[tuple[int, ...], int]:
         """`lookup` of the indexed sequence itself."""
         seq, p = self.seq, len(self.seq) - 1

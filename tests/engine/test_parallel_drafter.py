@@ -84,9 +84,53 @@ def test_a_long_enough_match_is_proposed_as_a_whole_span(tiny):
     assert chain[:3] == (a, b, c) and chain[3] in set(d.net.vocab_ids.tolist())
     beams = d.propose([a, b, c, x, y, z, 5, a, b, c], h, 4, 3)
     assert beams[0].tokens == (x, y, z, 5) and len(beams) == 3  # trees: the span first
+    # A block asked longer than the net's k: a whole copied span runs on to that length...
+    d.reset()
+    long = [a, b, c, x, y, z, 5, 6, 7, 8, 9, a, b, c]
+    assert d.propose(long, h, 8, 1)[0].tokens == (x, y, z, 5, 6, 7, 8, 9)
+    assert d.propose(long, h, 4, 1)[0].tokens == (x, y, z, 5)
+    # ... and after the net's own picks, copying goes on where their tail recurs in the context.
+    d.reset()
+    picks = d.propose([1, 2, 3], h, 4, 1)[0].tokens
+    d.reset()
+    context = [*picks[1:], 11, 12, 13, 14, 1, 2, 3]  # the picks' last 3 tokens occurred, then 11..14
+    assert d.propose(context, h, 4, 1)[0].tokens == picks
+    assert d.propose(context, h, 7, 1)[0].tokens == (*picks, 11, 12, 13)
     ids = copy_span(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[7, 8, -1], [7, 8, 9]]),
                     torch.tensor([3, 2]), 3)
     assert ids.tolist() == [[7, 8, 3], [1, 2, 3]]
+
+
+def test_batched_heads_equal_the_heads_one_by_one(tiny):
+    """The forward runs the k heads as one bmm; each head module applied to its position (what
+    training's state dict holds) is the reference."""
+    model, _ = tiny
+    d = random_drafter(model, vocab=16, lookup=True)
+    net = d.net
+    h, ctx = torch.randn(3, model.cfg.dim), torch.randint(0, 256, (3, 3))
+    look, match = torch.tensor([[5, -1, 7, 9]] * 3), torch.tensor([2, 0, 4])
+    heads_out = []  # what the output projection receives: the heads' result
+    hook = net.out.register_forward_pre_hook(lambda mod, inp: heads_out.append(inp[0]))
+    with torch.no_grad():
+        got = net(h, ctx, look, match, d.heads)
+        trunk = net.trunk(_trunk_input(net, h, ctx, look, match))
+        want = torch.stack([head(trunk[:, i]) for i, head in enumerate(net.heads)], dim=1)
+        assert torch.equal(got, net(h, ctx, look, match))  # stacked once == stacked per call
+    hook.remove()
+    assert (want - trunk).abs().max() > 0.1  # the heads do change their input
+    torch.testing.assert_close(heads_out[0], want, rtol=1e-5, atol=1e-5)
+
+
+def _trunk_input(net, hidden, ctx, look, match):
+    """The trunk's input, written out position by position (the unbatched formulation)."""
+    parts = [net.in_norms[0](hidden)]
+    e = net.embed[ctx]
+    parts += [net.in_norms[1 + i](e[:, -1 - i]) for i in range(net.cfg.n_context)]
+    a = net.inp(torch.cat(parts, dim=-1))[:, None, :] + net.pos
+    has = look >= 0
+    look_e = net.embed[look.clamp(min=0)]
+    a = a + torch.where(has[..., None], net.look_in(net.look_norm(look_e)), net.look_none)
+    return a + net.match[match][:, None, :]
 
 
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
@@ -172,7 +216,7 @@ def test_tiny_parallel_drafter_is_lossless(tiny, seed):
     rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 20))] for _ in range(3)]
     ref = [make_engine(tiny, drafter="none").generate(p, 48).tokens for p in prompts]
-    for verify, block, nodes in (("chain", 4, 16), ("tree", 4, 12), ("tree", 3, 30)):
+    for verify, block, nodes in (("chain", 4, 16), ("chain", 10, 16), ("tree", 4, 12), ("tree", 7, 30)):
         e = make_engine(tiny, drafter="ngram", verify=verify, block_size=block, tree_nodes=nodes)
         # Draft vocabulary = every token, so drafts are sometimes right.
         e.drafter = random_drafter(model, vocab=320, seed=seed)

@@ -62,3 +62,29 @@ def test_periodic_lookup_continues_a_repeat_past_the_context_end():
         ctx = [rng.randrange(3) for _ in range(rng.randrange(3, 40))]
         (cut, m), (full, m2) = SuffixIndex().lookup(ctx, 6), SuffixIndex(periodic=True).lookup(ctx, 6)
         assert m == m2 and full[: len(cut)] == cut and (len(full) == 6 if m else full == ())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuation_of_a_draft_equals_a_lookup_of_the_extended_context(seed):
+    """``continuation(tail, k, min_match)`` answers for context + draft what `lookup` would, with the
+    occurrence searched in the committed context only and nothing indexed."""
+    rng = random.Random(seed)
+    seq = [rng.randrange(5) for _ in range(200)]
+    index = SuffixIndex()
+    found = 0
+    for n in range(10, len(seq) - 6, 7):
+        index.lookup(seq[:n], 4)
+        draft = seq[n: n + rng.randrange(1, 6)]
+        tail = seq[:n][-4:] + draft
+        for min_match in (2, 3):
+            got = index.continuation(tail, 6, min_match)
+            want = ()
+            for m in range(4, min_match - 1, -1):  # the most recent occurrence inside seq[:n]
+                hits = [s for s in range(n - m - 1, -1, -1) if seq[s: s + m] == tail[-m:]]
+                if hits:
+                    want = tuple(seq[hits[0] + m: min(hits[0] + m + 6, n)])
+                    break
+            assert got == want, (n, draft, min_match)
+            found += bool(got)
+        assert index.seq == seq[:n]  # nothing was indexed
+    assert found > 20
