@@ -88,3 +88,28 @@ def test_bench_applies_every_model_option_to_the_system_and_none_to_ar():
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())
     system, stock, _ = system_and_stock_models(dep, dep.options({"drafter": "none"}), "cpu")
     assert system is stock  # no model option differs: one model
+
+
+def test_drafter_settings_bench_on_the_tiny_deployment():
+    """bench/drafter_settings.py: every setting beside AR on the same requests; fp32 on a CPU is
+    lossless, so every output equals AR's, and a setting that rebuilds the model is refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "bench/drafter_settings.py", "--deployment", "tiny-cpu", "--limit", "3",
+           "--max-new-tokens", "20", "--threads", "1", "--setting", "block_size=2",
+           "--setting", "drafter=ngram,block_size=6,verify=tree,tree_nodes=8"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["bench"] == "drafter_settings" and r["requests"] == 3
+    assert [row["setting"] for row in r["rows"]] == [
+        "AR", "block_size=2", "drafter=ngram,block_size=6,verify=tree,tree_nodes=8"]
+    assert r["rows"][0]["speedup"] == 1.0 and r["rows"][0]["T"] == 1.0
+    assert all(row["identical"] == "3/3" for row in r["rows"])
+    assert r["rows"][2]["T"] > r["rows"][1]["T"] > 1.0  # a tree of 8 verifies more than a chain of 2
+    bad = subprocess.run([*cmd[:2], "--deployment", "tiny-cpu", "--setting", "linear_backend=onednn"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "put it in --options" in bad.stderr
