@@ -233,13 +233,13 @@ class ParallelDrafter:
         if self.index is not None:
             found, m = self.index.lookup(context, max(span_k, self.cfg.k))
             found_all, found = found, found[: self.cfg.k]
+            if n <= 1 and self.copies_whole(m) and len(found) >= k:
+                # A chain whose every position is copied: the net's picks would all be replaced. The
+                # span may run on past the net's k, to the asked length.
+                span = found_all[:span_k]
+                return [Candidate(tuple(span), (1.0,) * len(span))]
             look = torch.tensor([padded_lookup(found, self.cfg.k)], device=h.device)
             match = torch.tensor([m], device=h.device)
-        if n <= 1 and self.copies_whole(m) and len(found) >= k:
-            # A chain whose every position is copied: the net's picks would all be replaced.
-            # Its span may run on past the net's k, to the asked length (``k`` here is the block size).
-            span = found_all[:span_k]
-            return [Candidate(tuple(span), (1.0,) * len(span))]
         logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match, self.heads), look)
         logp, ids = logp[0, :k], ids[0, :k]
         if n <= 1:
