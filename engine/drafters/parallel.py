@@ -200,15 +200,14 @@ def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
 
 class _ChainGraph:
     """A chain proposal's tensor work as one static computation: the net, the copy column's merge,
-    each position's best token and the copied span. On CUDA it is captured once as a CUDA graph (an
-    eager proposal is ~40 small kernels and a host sync: 1.5 ms a step on an H200, where an AR step
-    of SmolLM2 takes 0.87 ms; 12-02); a call copies its inputs into static buffers (one transfer),
-    replays, and reads the k tokens and scores back (one sync). ``capture=False`` runs the same
-    computation eagerly (the tests check it on the CPU)."""
+    each position's best token and the copied span. A call copies its inputs into static buffers (one
+    transfer) and reads the k tokens and scores back (one sync). With ``capture`` (CUDA) the
+    computation is captured once as a CUDA graph and replayed: eagerly it is ~40 small kernels, 1.5 ms
+    a step on an H200 where an AR step of SmolLM2 takes 0.87 ms (12-02). Without, it runs eagerly."""
 
     def __init__(self, drafter: ParallelDrafter, capture: bool):
         net, cfg = drafter.net, drafter.cfg
-        self.net, self.cfg, self.heads = net, cfg, drafter.heads
+        self.drafter = drafter  # its cfg is read at each computation (a capture fixes copy_min_match)
         device = net.out_embed.device
         n_ids = cfg.n_context + (cfg.k + 1 if cfg.lookup else 0)  # context, then the lookup's row and match
         self.ids = torch.zeros(n_ids, dtype=torch.int64, device=device)
@@ -227,11 +226,11 @@ class _ChainGraph:
 
     def _compute(self) -> Tensor:
         """[2, k] float64: each position's token id, then the chain's cumulative probability."""
-        cfg, net = self.cfg, self.net
+        cfg, net = self.drafter.cfg, self.drafter.net
         ctx = self.ids[None, : cfg.n_context]
         look = self.ids[None, cfg.n_context: cfg.n_context + cfg.k] if cfg.lookup else None
         match = self.ids[-1:] if cfg.lookup else None
-        logp, ids = net.candidates(net(self.hidden, ctx, look, match, self.heads), look)
+        logp, ids = net.candidates(net(self.hidden, ctx, look, match, self.drafter.heads), look)
         best, idx = logp[0].max(dim=-1)
         tokens = ids[0].gather(-1, idx[:, None])[:, 0]
         if look is not None:
@@ -253,8 +252,8 @@ class _ChainGraph:
 
 
 class ParallelDrafter:
-    """The `engine.drafters.Drafter` over a trained `ParallelDrafterNet`. ``graph``: chain proposals
-    run as a `_ChainGraph` (captured on CUDA, the same static computation elsewhere)."""
+    """The `engine.drafters.Drafter` over a trained `ParallelDrafterNet`. Chain proposals run through a
+    `_ChainGraph`, captured as a CUDA graph when ``graph`` is set and the net is on CUDA."""
 
     def __init__(self, net: ParallelDrafterNet, beam_top: int = 4, graph: bool = False):
         self.net = net.eval()
@@ -265,7 +264,7 @@ class ParallelDrafter:
         self.index = (SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min, self.cfg.lookup_periodic)
                       if self.cfg.lookup else None)
         self.graph = graph
-        self._chain: _ChainGraph | None = None  # built at the first chain proposal
+        self._chain: _ChainGraph | None = None  # built at the first chain proposal (on the net's device)
 
     def reset(self) -> None:
         if self.index is not None:
@@ -296,30 +295,22 @@ class ParallelDrafter:
                 span = found_all[:span_k]
                 return [Candidate(tuple(span), (1.0,) * len(span))]
         lookup_row = padded_lookup(found, self.cfg.k) + [m] if self.index is not None else []
-        if n <= 1 and self.graph:
+        if n <= 1:
             if self._chain is None:
-                self._chain = _ChainGraph(self, capture=h.device.type == "cuda")
+                self._chain = _ChainGraph(self, capture=self.graph and h.device.type == "cuda")
             tokens, scores = self._chain(h, ctx + lookup_row)
             tokens, scores = tokens[:k], scores[:k]
-        else:
-            if self.index is not None:
-                look = torch.tensor([lookup_row[:-1]], device=h.device)
-                match = torch.tensor([m], device=h.device)
-            logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match, self.heads), look)
-            logp, ids = logp[0, :k], ids[0, :k]
-        if n <= 1:
-            if not self.graph:
-                best, idx = logp.max(dim=-1)
-                tokens = ids.gather(-1, idx[:, None])[:, 0]
-                if look is not None:
-                    tokens = copy_span(tokens[None], look[:, :k], match, self.cfg.copy_min_match)[0]
-                tokens, scores = tokens.tolist(), best.cumsum(0).exp().tolist()
             if span_k > k and self.index is not None and self.cfg.copy_min_match > 0:
                 # Past the net's block, copy on where the drafted tail recurs in the context.
                 extra = self.index.continuation(context[-self.cfg.lookup_max:] + tokens, span_k - k,
                                                 self.cfg.copy_min_match)
                 tokens, scores = tokens + list(extra), scores + [scores[-1]] * len(extra)
             return [Candidate(tuple(tokens), tuple(scores))]
+        if self.index is not None:
+            look = torch.tensor([lookup_row[:-1]], device=h.device)
+            match = torch.tensor([m], device=h.device)
+        logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match, self.heads), look)
+        logp, ids = logp[0, :k], ids[0, :k]
         # Trees: a long enough match's span is one more candidate, ahead of the beam (scored first).
         spans = ([Candidate(found_all[:span_k], (1.0,) * len(found_all[:span_k]))]
                  if look is not None and self.copies_whole(m) and found else [])
