@@ -43,9 +43,8 @@ def make_drafter(opts, model) -> Drafter | None:
     if opts.drafter == "parallel":
         from engine.drafters.parallel import load_parallel_drafter
 
-        # With CUDA graphs on a CUDA target the chain proposal is captured too (one replay a step).
-        graph = opts.cuda_graphs and model.embed.weight.device.type == "cuda"
-        return load_parallel_drafter(model, opts.drafter_weights or None, graph=graph)
+        # With CUDA graphs the chain proposal is captured too (on a CUDA target; one replay a step).
+        return load_parallel_drafter(model, opts.drafter_weights or None, graph=opts.cuda_graphs)
     if opts.drafter == "eagle":
         from engine.drafters.eagle import load_eagle_drafter
 
