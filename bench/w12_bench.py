@@ -49,13 +49,28 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
+# The swapped dot (weights as the MMA's A operand, fed from registers; x.T the 8- or 16-column shared
+# operand; Config.swap): no warp holds a copy of x's tile, so a program stages only its planes. 64
+# weight rows a warpgroup (the sm_90 MMA's M). sm_90 SASS (Triton 3.9): 2.9-3.3 instructions a weight,
+# 44-119 KB of shared memory. (bn, bj, stages, warps).
+WA_TILES = ((64, 64, 3, 4), (64, 64, 4, 4), (64, 64, 6, 4), (64, 128, 2, 4), (64, 128, 3, 4), (64, 128, 4, 4),
+            (128, 64, 3, 4), (128, 64, 4, 4), (128, 128, 2, 4), (128, 128, 3, 4), (128, 64, 4, 8), (128, 128, 3, 8),
+            (256, 64, 3, 8), (128, 32, 6, 4), (256, 32, 4, 4))
+KINDS = ("fma", "dot", "wa")
 
 
-def sweep_configs(m: int) -> list[Config]:
-    """Candidates for batch ``m``: the tl.dot path, and the CUDA-core path for M <= 8."""
+def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
+    """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``), the swapped dot
+    (``wa``, M <= 16) and the CUDA-core path (``fma``, M <= 8)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    out = [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st) for bn, bj, st, w in DOT_TILES]
-    if m <= 8:
+    out = []
+    if "dot" in kinds:
+        out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
+                for bn, bj, st, w in DOT_TILES]
+    if "wa" in kinds and m <= 16:
+        out += [Config(bm=8 if m <= 8 else 16, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st,
+                       swap=True) for bn, bj, st, w in WA_TILES]
+    if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
             words = bn * bj // (128 * warps)  # int32 words per thread and plane
@@ -176,17 +191,24 @@ class ShapeBench:
         return float((y - ref).norm() / ref.norm())
 
 
-def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out) -> dict:
-    """Time every swept configuration (and split) per shape and M class; return the best."""
-    jobs = [(m, c) for m in SWEEP_MS for c in sweep_configs(m)]
+def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tuple[str, ...] = KINDS,
+              sweep_ms: list[int] = SWEEP_MS) -> dict:
+    """Time every swept configuration (and split) per shape and M class, and ``pick_config``'s own;
+    return the best."""
+    def candidates(m: int, n: int, k: int) -> list[Config]:
+        cfgs = sweep_configs(m, kinds)
+        own = replace(pick_config(m, n, k), split=1)
+        return cfgs if own in cfgs else [own, *cfgs]
+
+    jobs = list({(m, c.key()): (m, c) for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)}.values())
     status = precompile(jobs, workers)
     best: dict[tuple[int, int, int], tuple[float, Config]] = {}
     for n, k in shapes:
         sb = ShapeBench(n, k, min_bytes)
-        for m in SWEEP_MS:
+        for m in sweep_ms:
             x = sb.x(m)
             rows = []
-            for cfg in sweep_configs(m):
+            for cfg in candidates(m, n, k):
                 if status.get((m, cfg.key())) != "ok":
                     continue
                 for s in splits_for(cfg, n, k):
@@ -205,6 +227,7 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out) -> dict:
                        "best": asdict(rows[0][1]), "rel_err": err,
                        "top5": [[round(u, 2), c.key()] for u, c in rows[:5]],
                        "default_us": round(next((u for u, c in rows if c == pick_config(m, n, k)), float("nan")), 2),
+                       "default": pick_config(m, n, k).key(),
                        "tried": len(rows)}
                 print(json.dumps(rec), flush=True)
                 if out:
@@ -221,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-bytes", type=float, default=1e9, help="weight bytes per format to cycle through")
     ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
+                    "choice is always timed too): fma, dot, wa")
+    ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -238,7 +264,11 @@ def main(argv=None) -> int:
     print(json.dumps(env), flush=True)
     if out:
         out.write(json.dumps(env) + "\n")
-    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out) if args.sweep else {}
+    kinds = tuple(args.kinds.split(","))
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    sweep_ms = [int(v) for v in args.sweep_m.split(",")]
+    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms) if args.sweep else {}
 
     results = []
     for n, k in shapes:
