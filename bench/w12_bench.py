@@ -49,27 +49,17 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
-# The swapped dot (weights as the MMA's A operand, fed from registers; x.T the 8- or 16-column shared
-# operand; Config.swap): no warp holds a copy of x's tile, so a program stages only its planes. 64
-# weight rows a warpgroup (the sm_90 MMA's M). sm_90 SASS (Triton 3.9): 2.9-3.3 instructions a weight,
-# 44-119 KB of shared memory. (bn, bj, stages, warps).
-WA_TILES = ((64, 64, 3, 4), (64, 64, 4, 4), (64, 64, 6, 4), (64, 128, 2, 4), (64, 128, 3, 4), (64, 128, 4, 4),
-            (128, 64, 3, 4), (128, 64, 4, 4), (128, 128, 2, 4), (128, 128, 3, 4), (128, 64, 4, 8), (128, 128, 3, 8),
-            (256, 64, 3, 8), (128, 32, 6, 4), (256, 32, 4, 4))
-KINDS = ("fma", "dot", "wa")
+KINDS = ("fma", "dot")
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
-    """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``), the swapped dot
-    (``wa``, M <= 16) and the CUDA-core path (``fma``, M <= 8)."""
+    """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``) and the CUDA-core path
+    (``fma``, M <= 8)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
     if "dot" in kinds:
         out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
                 for bn, bj, st, w in DOT_TILES]
-    if "wa" in kinds and m <= 16:
-        out += [Config(bm=8 if m <= 8 else 16, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st,
-                       swap=True) for bn, bj, st, w in WA_TILES]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -245,7 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=float, default=1e9, help="weight bytes per format to cycle through")
     ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
-                    "choice is always timed too): fma, dot, wa")
+                    "choice is always timed too): fma, dot")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")

@@ -9,7 +9,6 @@ instructions and ran slower (kernels/w12/README.md).
 
     python bench/w12_sass.py fma --bm 2 --bn 4 --bj 256 --warps 1
     python bench/w12_sass.py dot --bn 32 --bj 256 --stages 3 --sass /tmp/dot.sass
-    python bench/w12_sass.py wa --bm 8 --bn 64 --bj 128 --stages 3     (the swapped dot, Config.swap)
 
 Prints one line per loop and, last, one JSON line.
 """
@@ -82,8 +81,8 @@ def loops(sass: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=("fma", "dot", "wa"), help="wa: the dot path with the weights as the A operand")
-    ap.add_argument("--bm", type=int, default=None, help="rows of x a program (default: 1 fma, 16 dot and wa)")
+    ap.add_argument("kind", choices=("fma", "dot"))
+    ap.add_argument("--bm", type=int, default=None, help="rows of x a program (default: 1 fma, 16 dot)")
     ap.add_argument("--bn", type=int, default=8)
     ap.add_argument("--bj", type=int, default=256, help="nib bytes a step (2*bj weights a row)")
     ap.add_argument("--warps", type=int, default=None, help="default: 1 fma, 4 dot")
@@ -99,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.kind == "fma":
         cx |= {"XWORDS": not a.x_by_column, "FP16": False}
     else:
-        cx |= {"DOT_BF16": True, "SWAP": a.kind == "wa"}
-    sass, shared = compile_sass("fma" if a.kind == "fma" else "dot", cx, warps, 1 if a.kind == "fma" else a.stages)
+        cx |= {"DOT_BF16": True}
+    sass, shared = compile_sass(a.kind, cx, warps, a.stages if a.kind == "dot" else 1)
     if a.sass:
         a.sass.write_text(sass)
     # weights a thread decodes in one step of the main loop: BN rows x 2*BJ weights over the threads

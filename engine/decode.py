@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.drafters import Drafter
-from engine.model import KVCache, Transformer
+from engine.model import KVCache, Transformer, greedy_ids
 from engine.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def prefill(model: Transformer, cache: KVCache, prompt: list[int]) -> tuple[int,
     tokens = torch.tensor([prompt], dtype=torch.int64, device=model.device)
     positions = torch.arange(len(prompt), device=model.device)
     logits, hidden = model(tokens, positions, cache, 0, last_only=True)
-    return int(logits[0, -1].argmax()), hidden[0, -1]
+    return int(greedy_ids(logits[0, -1])), hidden[0, -1]
 
 
 def draft(drafter: Drafter | None, context: list[int], last_hidden: Tensor, k: int,
@@ -98,7 +98,7 @@ def verify(model: Transformer, cache: KVCache, tree: DraftTree, start: int,
         # A chain is causal, which SDPA handles without an explicit mask.
         mask = None if tree.is_chain else tree.attention_mask(device)
         logits, hidden = model(tokens, tree.positions(start, device), cache, start, mask)
-        argmax = logits[0].argmax(dim=-1).tolist()  # the one device sync of the step
+        argmax = greedy_ids(logits[0]).tolist()  # the one device sync of the step
         hidden = hidden[0]
     path, bonus = tree.accept(argmax)
     cache.compact(start, path)

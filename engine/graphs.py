@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.model import KVCache, Transformer
+from engine.model import KVCache, Transformer, greedy_ids
 from engine.tree import DraftTree
 
 DEFAULT_BUCKET = 256  # cache slots per attention-length bucket
@@ -132,7 +132,7 @@ class GraphRunner:
     def _forward(self, inputs: _Inputs, length: int) -> tuple[Tensor, Tensor]:
         tokens, positions, start, mask = inputs.views()
         logits, hidden = self.model.forward_static(tokens, positions, start, mask != 0, self.cache, length)
-        return logits[0].argmax(dim=-1), hidden[0]
+        return greedy_ids(logits[0]), hidden[0]
 
     @torch.no_grad()
     def _capture(self, inputs: _Inputs, length: int) -> _Captured:

@@ -365,6 +365,14 @@ class Transformer(nn.Module):
         return torch.cat([prefix, mask.to(self.device)], dim=1), False
 
 
+def greedy_ids(logits: Tensor) -> Tensor:
+    """The index of each row's largest logit (the first one on ties; NaN counts as largest), as
+    ``argmax(-1)`` gives. ``max(-1).indices`` is the same index, and on CPU bf16 logits it is 3.7x
+    faster than ``argmax``: 0.21 against 0.76 ms for SmolLM2's 7 x 49,152 logits on 2 cores
+    (2026-12-02), 3% of a verification step."""
+    return logits.max(dim=-1).indices
+
+
 def init_random(model: Transformer, seed: int = 0) -> Transformer:
     """Random weights that give peaked, well separated logits (so greedy ties are rare)."""
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -166,40 +166,6 @@ def _dot_step(acc, q, la, lb, X, rm, M, j, kh, K, stride_xm,
 
 
 @triton.jit
-def _dot_step_wa(acc, q, la, lb, X, rm, M, j0, kh, K, stride_xm, BN: tl.constexpr, BJ: tl.constexpr,
-                 MASK_K: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
-    """One ``tl.dot`` step with the weights as the A operand, ``acc[BN, BM] += W @ x.T`` (``nib`` bytes
-    ``j0 .. j0 + BJ``). On Hopper the decoded weights feed the MMA from registers and ``x.T`` (a few
-    columns) is the shared-memory operand, so no warp holds a copy of ``x``'s tile.
-
-    The columns are taken in a permuted order, the same for ``W`` and ``x``, so the sum is unchanged
-    (only its order inside each MMA): within every 16 columns, memory column ``4c + 2e + i`` is
-    column ``8e + 2c + i`` of the dot (``c < 4``, ``e, i < 2``). A thread's operand registers hold
-    exactly those columns (``2c, 2c+1, 2c+8, 2c+9`` of a 16-column block), so the four contiguous
-    bytes it reads decode in place, with no byte shuffles (sm_90 SASS: 3.3 against 6.1 instructions a
-    weight without the permutation, `bench/w12_sass.py`)."""
-    kl = tl.arange(0, BJ)
-    kmem = (kl // 16) * 16 + ((kl // 2) % 4) * 4 + ((kl // 8) % 2) * 2 + kl % 2
-    for h in tl.static_range(2):
-        if h == 0:
-            w = _decode(q, la, 0, DOT_BF16, ASM)
-        else:
-            w = _decode(q, lb, 1, DOT_BF16, ASM)
-        w = tl.reshape(tl.permute(tl.reshape(w, (BN, BJ // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (BN, BJ))
-        k = j0 + kmem + h * kh
-        xm = (rm < M)[None, :]
-        if MASK_K:
-            xm = xm & (k < K)[:, None]
-        xt = tl.load(X + rm[None, :] * stride_xm + k[:, None], mask=xm, other=0.0)  # [BJ, BM]: x.T
-        xt = xt.to(tl.float32) * 18446744073709551616.0  # 2**64, exact
-        if DOT_BF16:
-            acc = tl.dot(w, xt.to(tl.bfloat16), acc)
-        else:
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _x4(X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr, FP16: tl.constexpr,
         MASK_K: tl.constexpr):
     """Row ``m`` of ``x`` at columns ``c0 + 4w + b`` (``w < BW``), in fp32 times ``2**64`` (exact), as four
@@ -328,9 +294,8 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
                     M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
                     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
                     DOT_BF16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                    EC: tl.constexpr, GROUP: tl.constexpr, SWAP: tl.constexpr):
-    """``tl.dot`` path; the compiler pipelines the plane loads (``cp.async``, ``num_stages``).
-    ``SWAP``: the weights are the MMA's A operand (`_dot_step_wa`), the accumulator ``[BN, BM]``."""
+                    EC: tl.constexpr, GROUP: tl.constexpr):
+    """``tl.dot`` path; the compiler pipelines the plane loads (``cp.async``, ``num_stages``)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -343,20 +308,14 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     j_lo = pid_s * cols_per_split
     j_hi = tl.minimum(j_lo + cols_per_split, KH)
     j_full = j_lo + ((j_hi - j_lo) // BJ) * BJ
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j0 in range(j_lo, j_full, BJ):
         j = tl.max_contiguous(tl.multiple_of(j0 + rj, BJ), BJ)
         jj = j[None, :]
         q = tl.load(nib_p + jj)
         la = tl.load(low_p + jj)
         lb = tl.load(low_p + (KH + jj))
-        if SWAP:
-            acc = _dot_step_wa(acc, q, la, lb, X, rm, M, j0, KH, K, stride_xm, BN, BJ, not EVEN_K, DOT_BF16, ASM)
-        else:
-            acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, not EVEN_K, DOT_BF16, ASM)
+        acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, not EVEN_K, DOT_BF16, ASM)
     if j_full < j_hi:  # tail: fewer than BJ columns left (masked; padding decodes to 0)
         j = j_full + rj
         jj = j[None, :]
@@ -364,12 +323,7 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
         q = tl.load(nib_p + jj, mask=jm, other=0)
         la = tl.load(low_p + jj, mask=jm, other=0)
         lb = tl.load(low_p + (KH + jj), mask=jm, other=0)
-        if SWAP:
-            acc = _dot_step_wa(acc, q, la, lb, X, rm, M, j_full, KH, K, stride_xm, BN, BJ, True, DOT_BF16, ASM)
-        else:
-            acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
-    if SWAP:
-        acc = tl.trans(acc)
+        acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
     if not SPLIT_K:
         _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
                 BN, EC, GROUP)
@@ -493,11 +447,9 @@ class Config:
     num_warps: int = 4
     num_stages: int = 2
     asm: bool = True  # inline-PTX decode (GPU); the interpreter always uses plain integer ops
-    swap: bool = False  # dot path with the weights as the MMA's A operand (`_dot_step_wa`)
 
     def key(self) -> str:
-        kind = ("wa" if self.swap else "dot") if self.use_dot else "fma"
-        return (f"{kind}_bm{self.bm}_bn{self.bn}_bj{self.bj}_s{self.split}"
+        return (f"{'dot' if self.use_dot else 'fma'}_bm{self.bm}_bn{self.bn}_bj{self.bj}_s{self.split}"
                 f"_w{self.num_warps}_st{self.num_stages}{'' if self.asm else '_noasm'}")
 
 
@@ -598,7 +550,7 @@ def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | None = None) -> t
                   EC=_esc_chunk(cfg.bm, cfg.bn), GROUP=ESC_GROUP, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, enable_fp_fusion=True)
     if cfg.use_dot:
-        _w12_dot_kernel[grid](x, *planes, DOT_BF16=dot_bf16, SWAP=cfg.swap, **common)
+        _w12_dot_kernel[grid](x, *planes, DOT_BF16=dot_bf16, **common)
     else:  # the FMA path reads the planes as int32 words, and a 16-bit x as int64 words of 4 columns
         # rows of x 16-byte aligned (pairs of int64 words): K % 8 == 0 and an aligned start
         xwords = x.dtype != torch.float32 and k % 8 == 0 and x.storage_offset() % 8 == 0

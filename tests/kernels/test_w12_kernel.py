@@ -102,11 +102,6 @@ def _configs(m, n, k):
     base = pick_config(m, n, k)
     out = [base, replace(base, split=3), replace(base, asm=False)]
     bm = 16 if m <= 16 else 64
-    if m <= 16:  # the swapped dot: 64 weight rows a warpgroup, x.T as an 8- or 16-column operand
-        wa = 8 if m <= 8 else 16
-        out += [Config(bm=wa, bn=64, bj=128, split=1, use_dot=True, num_stages=3, swap=True),
-                Config(bm=wa, bn=128, bj=64, split=3, use_dot=True, num_warps=8, num_stages=4, swap=True),
-                Config(bm=wa, bn=64, bj=64, split=2, use_dot=True, num_stages=2, swap=True, asm=False)]
     out += [Config(bm=bm, bn=16, bj=256 if bm == 16 else 64, split=1, use_dot=True, num_stages=4),
             Config(bm=bm, bn=64, bj=64, split=2, use_dot=True, num_stages=3, asm=False),
             Config(bm=bm, bn=256, bj=32, split=4, use_dot=True, num_stages=3)]

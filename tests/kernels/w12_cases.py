@@ -80,11 +80,6 @@ def kernel_cases() -> list[dict]:
     cases.append({"name": "bf16_m3_split3", "m": 3, "n": 37, "k": 96, "seed": 92, "dtype": "bfloat16", "split": 3})
     cases.append({"name": "bf16_m3_k33", "m": 3, "n": 37, "k": 33, "seed": 91, "dtype": "bfloat16"})
     cases.append({"name": "split4_m16", "m": 16, "n": 40, "k": 256, "seed": 90, "split": 4})
-    # the swapped dot (weights as the MMA's A operand, columns permuted within 16): odd K, escapes, split-K
-    cases.append({"name": "swap_m1_k1001", "m": 1, "n": 37, "k": 1001, "seed": 89, "swap": True})
-    cases.append({"name": "swap_escapes_m3", "m": 3, "n": 24, "k": 80, "seed": 88, "escapes": True, "swap": True})
-    cases.append({"name": "swap_m16_split2", "m": 16, "n": 40, "k": 300, "seed": 87, "split": 2, "swap": True})
-    cases.append({"name": "swap_bf16_m5", "m": 5, "n": 33, "k": 64, "seed": 86, "dtype": "bfloat16", "swap": True})
     return cases
 
 
@@ -109,16 +104,13 @@ def run_cases(cases: list[dict]) -> dict[str, list[torch.Tensor]]:
     from dataclasses import replace
 
     from kernels.w12.format import pack
-    from kernels.w12.kernel import Config, pick_config, w12_matmul
+    from kernels.w12.kernel import pick_config, w12_matmul
 
     out = {}
     for c in cases:
         x, w = case_inputs(c)
         p = pack(w)
         cfg = pick_config(c["m"], c["n"], c["k"])
-        if c.get("swap"):
-            cfg = Config(bm=8 if c["m"] <= 8 else 16, bn=16, bj=32, split=1, use_dot=True, num_warps=1, num_stages=1,
-                         swap=True)
         if "split" in c:
             cfg = replace(cfg, split=c["split"])
         out[c["name"]] = [w12_matmul(x, p, cfg), w12_matmul(x, p, cfg)]
