@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import CONFIGS, SDPA, build_random, get_config
+from engine.model import CONFIGS, SDPA, build_random, get_config, greedy_ids
 
 
 def test_smollm2_config_matches_gguf_metadata():
@@ -114,3 +114,19 @@ def test_logits_match_transformers_from_the_same_gguf(smollm2):
             ours, _ = model(torch.tensor([ids]), torch.arange(len(ids)), model.new_cache(len(ids)), 0)
             torch.testing.assert_close(ours[0], ref, rtol=1e-4, atol=2e-4)
             assert torch.equal(ours[0].argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_ids_is_argmax_on_ties_nan_and_inf(dtype):
+    """`greedy_ids` replaces argmax for speed; it must pick the same index: the first of tied maxima,
+    a NaN before anything, +inf before finite values."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows, vocab = 1 + trial % 7, int(torch.randint(2, 3000, (), generator=g))
+        logits = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # many ties
+        if trial % 5 == 0:
+            logits[trial % rows, int(torch.randint(vocab, (), generator=g))] = float("nan")
+        if trial % 3 == 0:
+            logits[:, int(torch.randint(vocab, (), generator=g))] = float("inf")
+        assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1)), trial
+    assert greedy_ids(torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=dtype)).tolist() == [1]
