@@ -53,7 +53,8 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     with on_device(h):
         _add_rms_norm_kernel[(h.numel() // D,)](
             h, delta.contiguous() if delta is not None else h, weight, h_out, y, D, eps,
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+            enable_fp_fusion=True)  # as measured; Triton 3.10 turns the default off
     return y, h_out
 
 
@@ -414,5 +415,6 @@ def norm_linear(h: Tensor, delta: Tensor | None, norm_weight: Tensor | None, eps
             weight, weight[N:] if silu else weight, h_out, y, M, N, K, eps,
             NORM=norm_weight is not None, HAS_DELTA=delta is not None, SILU=silu, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot, IEEE=h.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True)  # FMA contraction, as its tiles were measured (Triton 3.10 defaults to off)
     return y, h_out
