@@ -6,7 +6,9 @@ works): policy → ``PatchRefused``; else apply + sandboxed default check → ``
 versus stock noise once per deployment and device → ``TimingMeasured(kind="noise")``; paired ABBA
 timing → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's,
 ``ForcingRequested`` and a wait for the forcer's ``ForcingReported``; then ``VerdictIssued`` with every
-statistic and, on promotion, ``BestAdvanced`` and a ``MemoryEntryProposed`` (the whole delta from
+statistic (a promotion that changes the model itself, e.g. its linear backend, is first profiled:
+``ProfileMeasured``, so the round's cost model plans the next wave from the new step costs) and, on
+promotion, ``BestAdvanced`` and a ``MemoryEntryProposed`` (the whole delta from
 stock, the promoted system's file hashes, the deployment's facts as requirements). Decisions are pure
 (``policy``, ``stats``); this module does the I/O. A patch whose verdict is already in the ledger is not
 evaluated again (redelivery).
@@ -242,6 +244,12 @@ class Controller:
         ceiling = self.state.ceiling.get(dep, SANITY_CEILING)
         decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
                                 ceiling=ceiling)
+        if decision.decision == "promote" and changes_model(dep, best.options, candidate.options):
+            # The round's cost model reads the latest profile: after a promotion that changes the model
+            # (a linear backend, a weight format, ...) the old one's step costs no longer hold (12-02:
+            # c(4) 1.68 on MKL against ~1.05 with onednn_all made the parallel drafter look 5% slower).
+            # Emitted before the verdict, so the master's next plan, made after it, cannot miss it.
+            await self.emit(await asyncio.to_thread(self.profile, ev, dep, candidate, self.device), timing)
         verdict = await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=timing.event_id,
                                                        **decision.verdict_fields()), patch)
         if decision.decision == "promote":
@@ -281,9 +289,7 @@ class Controller:
     async def handle_round_started(self, event: schema.RoundStarted) -> None:
         """Phase 0: measure the device and profile the current best on the dev requests."""
         from engine.deployment import load_deployment
-        from engine.model import CONFIGS
         from services.controller import hardware
-        from services.master.costmodel import Shape
 
         if await self._already_reported("profile.measured", event.round_id):
             return
@@ -295,18 +301,28 @@ class Controller:
         dtype = str(best.options.get("dtype") or deployment.dtype)
         hw = await asyncio.to_thread(hardware.measure, ev.device, dtype, ev.threads)
         await self.emit(schema.HardwareMeasured(**hw), event)
-        m = await asyncio.to_thread(ev.measure, best)
-        opts = {**deployment.stock_options().to_dict(), **best.options}
+        await self.emit(await asyncio.to_thread(self.profile, ev, dep, best, hw["device"]), event)
+
+    def profile(self, ev: Evaluator, dep: str, system: System, device: str) -> schema.ProfileMeasured:
+        """``system`` measured on the dev requests as the cost model reads it (`Evaluator.measure`)."""
+        from engine.deployment import load_deployment
+        from engine.model import CONFIGS
+        from services.master.costmodel import Shape
+
+        deployment = load_deployment(dep)
+        m = ev.measure(system)
+        opts = {**deployment.stock_options().to_dict(), **system.options}
         tree = opts.get("verify") == "tree" and opts.get("drafter") != "none"
         n_tokens = 1 + (int(opts.get("tree_nodes", 16)) if tree else int(opts.get("block_size", 0)))
         cfg = CONFIGS[deployment.target]
         shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Shape)}
-        await self.emit(schema.ProfileMeasured(
-            device=hw["device"], system_commit=best.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
+        return schema.ProfileMeasured(
+            device=device, system_commit=system.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
             block_size=int(opts.get("block_size", 0)), t_ar_s=m["t_ar_s"], n_tokens=n_tokens,
             verified_tokens=m["verified_tokens"], context=m["context"],
-            dtype=dtype, shape=shape, replay_depths=m["replay_depths"], chain_depths=m["chain_depths"],
-            launches=m["launches"], drafters=m["drafters"], chain_cost=m.get("chain_cost", {})), event)
+            dtype=str(opts.get("dtype") or deployment.dtype), shape=shape, replay_depths=m["replay_depths"],
+            chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
+            chain_cost=m.get("chain_cost", {}))
 
     def peer(self, ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
         """transformers' prompt-lookup assisted generation on the same sealed prompts, in this process.
@@ -400,6 +416,17 @@ class Controller:
             self.forcing.pop(request_id, None)
             return False
         return bool(report.passed)
+
+
+def changes_model(deployment: str, old: dict, new: dict) -> bool:
+    """Whether going from options ``old`` to ``new`` (overrides on the deployment's stock) changes the
+    target model itself (`engine.api.MODEL_OPTIONS`, or its dtype), so its step costs change."""
+    from engine.api import MODEL_OPTIONS
+    from engine.deployment import load_deployment
+
+    stock = load_deployment(deployment).stock_options().to_dict()
+    before, after = {**stock, **old}, {**stock, **new}
+    return any(before.get(k) != after.get(k) for k in (*MODEL_OPTIONS, "dtype"))
 
 
 def _default_deployment() -> str:

@@ -9,7 +9,8 @@ The offline planner (``rules``) works in this order:
    and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
    Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
    drafter setting) are kept only when it predicts a gain; timing a candidate costs minutes,
-   predicting it nothing;
+   predicting it nothing. A sweep it cannot rank at all (a kernel option) offers its first value a
+   wave, the next one in a later wave;
 3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
 One direction per free device per wave. A direction is a `Direction` (the master publishes it as
 ``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
@@ -124,8 +125,14 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             fresh = [v for v in fresh if predicted.get(repr(v)) is None or predicted[repr(v)] >= MIN_PREDICTED_GAIN]
             if not fresh:
                 continue
-            hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
             guesses = {k: round(g, 3) for k, g in predicted.items() if g is not None and k in map(repr, fresh)}
+            if predict is not None and not guesses:
+                # Values the cost model cannot rank (a kernel, graphs) cost a whole timing each: the first
+                # (the prior's best) now, the next in a later wave if it still ranks first then. 12-02: a
+                # 15-minute CPU round spent its second candidate on linear_backend = "onednn" (-30%) after
+                # "onednn_all" (+50%) and had no time left for the parallel drafter.
+                fresh = fresh[:1]
+            hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
             if guesses:
                 hints["predicted_gain"] = guesses
                 fresh.sort(key=lambda v: -guesses.get(repr(v), 1.0))

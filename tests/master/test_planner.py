@@ -138,3 +138,21 @@ def test_entries_taught_by_this_deployments_promotions_are_not_applied_again():
     dirs = planner.plan(factors={"tau": 1.2}, facts={"device_kind": "cpu"}, best_options={}, known_options=set(),
                         entries=entries, history=planner.History(applied_entries=frozenset(applied)))
     assert [d.memory_entry_id for d in dirs] == ["entry-other"]
+
+
+def test_values_the_cost_model_cannot_rank_go_one_a_wave():
+    """With a profile (``predict``) that cannot judge an option, a sweep times only its first value a
+    wave; the next value comes in a later wave, once the first is tried (a candidate costs a timing)."""
+    known = KNOWN | {"linear_backend"}
+    (d,) = _plan({"kernel": 3.0}, known=known, predict=lambda option, value, base: None)
+    assert d.hints["option"] == "linear_backend" and d.hints["values"] == ["onednn_all"]
+    tried = History(tried_options=frozenset({("linear_backend", repr("onednn_all"))}))
+    (d,) = _plan({"kernel": 3.0}, known=known, predict=lambda option, value, base: None, history=tried,
+                 best={"linear_backend": "onednn_all"})
+    assert d.hints["values"] == ["onednn"]
+    # without a profile at all (no predict) a sweep still proposes every fresh value
+    (d,) = _plan({"kernel": 3.0}, known=known)
+    assert d.hints["values"] == ["onednn_all", "onednn"]
+    # predicted values keep the whole ranked list
+    ds = _plan({"tau": 2.0}, devices=10, predict=lambda option, value, base: 1.2 if option == "block_size" else None)
+    assert next(d for d in ds if d.hints["option"] == "block_size").hints["values"] == [2, 6, 8]
