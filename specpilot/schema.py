@@ -122,6 +122,7 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     drafters: dict[str, dict[str, Any]] = {}
     # c(n) of a full chain of n drafts, measured (engine.replay.chain_cost): n -> t(1 + n) / t(1)
     chain_cost: dict[int, float] = {}
+    options: dict[str, Any] = {}  # the profiled system's options (overrides on the deployment's stock)
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):

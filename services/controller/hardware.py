@@ -12,6 +12,15 @@ from __future__ import annotations
 import time
 
 
+def device_label(device: str) -> str:
+    """How `HardwareMeasured` and `ProfileMeasured` name the device: the GPU's name, or the CPU and
+    the threads this process runs with (set by `measure` at phase 0, kept for later profiles)."""
+    import torch
+
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
 def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None, repeats: int = 5) -> dict:
     import torch
 
@@ -50,8 +59,7 @@ def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None
             tiny.add_(1.0)
 
     launch_s = best_of(launch_run) / n_launches
-    name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    return {"device": name, "bandwidth_bytes_s": 2 * n_bytes / copy_s, "flops_s": 2 * size**3 / mm_s,
+    return {"device": device_label(device), "bandwidth_bytes_s": 2 * n_bytes / copy_s, "flops_s": 2 * size**3 / mm_s,
             "launch_s": launch_s,
             "method": f"best of {repeats}: copy of {n_bytes >> 20} MiB (read + write), {size}^3 matmul in {dtype}, "
                       f"{n_launches} one-element additions"}

@@ -6,8 +6,8 @@ works): policy → ``PatchRefused``; else apply + sandboxed default check → ``
 versus stock noise once per deployment and device → ``TimingMeasured(kind="noise")``; paired ABBA
 timing → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's,
 ``ForcingRequested`` and a wait for the forcer's ``ForcingReported``; then ``VerdictIssued`` with every
-statistic (a promotion that changes the model itself, e.g. its linear backend, is first profiled:
-``ProfileMeasured``, so the round's cost model plans the next wave from the new step costs) and, on
+statistic (a promotion is first profiled: ``ProfileMeasured``, so the round's cost model plans the
+next wave from the new best's step costs and replays) and, on
 promotion, ``BestAdvanced`` and a ``MemoryEntryProposed`` (the whole delta from
 stock, the promoted system's file hashes, the deployment's facts as requirements). Decisions are pure
 (``policy``, ``stats``); this module does the I/O. A patch whose verdict is already in the ledger is not
@@ -244,12 +244,16 @@ class Controller:
         ceiling = self.state.ceiling.get(dep, SANITY_CEILING)
         decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
                                 ceiling=ceiling)
-        if decision.decision == "promote" and changes_model(dep, best.options, candidate.options):
-            # The round's cost model reads the latest profile: after a promotion that changes the model
-            # (a linear backend, a weight format, ...) the old one's step costs no longer hold (12-02:
-            # c(4) 1.68 on MKL against ~1.05 with onednn_all made the parallel drafter look 5% slower).
-            # Emitted before the verdict, so the master's next plan, made after it, cannot miss it.
-            await self.emit(await asyncio.to_thread(self.profile, ev, dep, candidate, self.device), timing)
+        if decision.decision == "promote":
+            # The round's cost model reads the latest profile, so after a promotion the old one's costs
+            # and replays no longer describe the best (12-02: c(4) 1.68 on MKL against ~1.05 with
+            # onednn_all made the parallel drafter look 5% slower; after the drafter's promotion the
+            # planner still replayed the n-gram's chains). Emitted before the verdict, so the master's
+            # next plan, made after it, cannot miss it.
+            from services.controller import hardware
+
+            label = await asyncio.to_thread(hardware.device_label, ev.device)
+            await self.emit(await asyncio.to_thread(self.profile, ev, dep, candidate, label), timing)
         verdict = await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=timing.event_id,
                                                        **decision.verdict_fields()), patch)
         if decision.decision == "promote":
@@ -322,7 +326,7 @@ class Controller:
             verified_tokens=m["verified_tokens"], context=m["context"],
             dtype=str(opts.get("dtype") or deployment.dtype), shape=shape, replay_depths=m["replay_depths"],
             chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
-            chain_cost=m.get("chain_cost", {}))
+            chain_cost=m.get("chain_cost", {}), options=dict(system.options))
 
     def peer(self, ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
         """transformers' prompt-lookup assisted generation on the same sealed prompts, in this process.
@@ -416,17 +420,6 @@ class Controller:
             self.forcing.pop(request_id, None)
             return False
         return bool(report.passed)
-
-
-def changes_model(deployment: str, old: dict, new: dict) -> bool:
-    """Whether going from options ``old`` to ``new`` (overrides on the deployment's stock) changes the
-    target model itself (`engine.api.MODEL_OPTIONS`, or its dtype), so its step costs change."""
-    from engine.api import MODEL_OPTIONS
-    from engine.deployment import load_deployment
-
-    stock = load_deployment(deployment).stock_options().to_dict()
-    before, after = {**stock, **old}, {**stock, **new}
-    return any(before.get(k) != after.get(k) for k in (*MODEL_OPTIONS, "dtype"))
 
 
 def _default_deployment() -> str:

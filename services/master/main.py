@@ -8,8 +8,8 @@ ledger says it stopped and a re-sent event is dropped as a duplicate (``Nats-Msg
 by the ledger's primary key. Steps:
 
 1. ``RoundStarted`` → the controller measures the device and profiles the best system
-   (``HardwareMeasured``, ``ProfileMeasured``; again, before its verdict, for a promotion that changes
-   the model, so each plan reads the latest profile).
+   (``HardwareMeasured``, ``ProfileMeasured``; again, before its verdict, for every promotion, so each
+   plan reads the best system's profile).
 2. ``CeilingComputed`` from `costmodel` (replayed tree tau, floors, factors; a PNG of the factors).
 3. For each wave: `planner.plan` → ``DirectionPlanned`` (one per free device); wait until each
    direction's patches have verdicts (or a timeout). A promotion advances the best system inside the

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from services.controller.main import changes_model
 from services.controller.sandbox import bwrap_available
 from services.master.main import RPC_ROUND
 from specpilot import ledger, subjects
@@ -99,16 +98,13 @@ def _check_story(events: list[tuple[str, str, dict]]) -> dict:
             assert len(timings[v["patch_id"]]["candidate_s"]) == 2
     for adv in by.get("best.advanced", []):  # a promotion teaches memory something
         assert any(e["evidence"][-1] for e in by.get("memory.entry.proposed", [])), adv
-    # A promotion that changes the model is profiled before its verdict (the next wave's plan reads it).
-    options = {}
+    # Every promotion is profiled before its verdict (the next wave's plan reads the latest profile).
     for t, _, p in events:
         if t == "best.advanced":
-            if changes_model(ROUND["deployment"], options, p["options"]):
-                verdict = next(i for i, (u, _, q) in enumerate(events)
-                               if u == "verdict.issued" and q["patch_id"] == p["patch_id"])
-                assert any(u == "profile.measured" and q["system_commit"] == p["commit"]
-                           for u, _, q in events[:verdict]), f"no profile of {p['commit']} before its verdict"
-            options = p["options"]
+            verdict = next(i for i, (u, _, q) in enumerate(events)
+                           if u == "verdict.issued" and q["patch_id"] == p["patch_id"])
+            assert any(u == "profile.measured" and q["system_commit"] == p["commit"] and q["options"] == p["options"]
+                       for u, _, q in events[:verdict]), f"no profile of {p['commit']} {p['options']} before its verdict"
     for e in by.get("memory.entry.proposed", []):  # against the stock the controller registered
         assert "engine/options.py" in e["stock_files"] and "engine/options.py" in e["source_files"]
         assert all(p.startswith(("engine/", "kernels/")) for p in e["stock_files"])
