@@ -171,20 +171,23 @@ class SDPA(nn.Module):
     """The attention core as a module, so hooks and profilers can time it apart from the linears.
 
     q [B, H, T, hd], k/v [B, KV, L, hd]; ``gqa``: H is a multiple of KV (head h reads KV head h // G).
-    With a mask, grouped heads go through SDPA as G*T query rows of their KV head (the mask tiled G
-    times over the rows), because SDPA's own ``enable_gqa`` with a mask falls back to its math path,
-    which copies K/V once per query head: on an H200 that path was half of `drafter train`'s
-    generation time (`bench/gen_profile.py`, 2026-12-01). The graph-safe forward does the same
-    (`Attention._static_attention`).
+    With a mask, and for a single new token, grouped heads go through SDPA as G*T query rows of their
+    KV head (the mask tiled G times over the rows). SDPA's own ``enable_gqa`` with a mask falls back
+    to its math path, which copies K/V once per query head: on an H200 that path was half of `drafter
+    train`'s generation time (`bench/gen_profile.py`, 2026-12-01). Without a mask its CPU flash
+    kernel is slow for one query row: a SmolLM2 decode step's attention over 300 slots took 152 us a
+    layer against 37 us as 3 rows of each KV head (bf16, 2 threads, 2026-12-02). The graph-safe
+    forward does the same (`Attention._static_attention`).
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 gqa: bool = True) -> Tensor:
         B, H, T, hd = q.shape
         KV = k.shape[1]
-        if gqa and mask is not None and KV < H:
+        if gqa and KV < H and (mask is not None or (T == 1 and not causal)):
             G = H // KV
-            rows = mask.repeat(G, 1) if mask.ndim == 2 else mask.repeat(1, 1, G, 1)  # row g*T + t: mask row t
+            rows = None if mask is None else mask.repeat(G, 1) if mask.ndim == 2 else mask.repeat(1, 1, G, 1)
+            # row g*T + t of a KV head: query head kv*G + g at token t, which mask row t describes
             y = F.scaled_dot_product_attention(q.reshape(B, KV, G * T, hd), k, v, attn_mask=rows)
             return y.view(B, KV, G, T, hd).reshape(B, H, T, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
