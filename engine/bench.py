@@ -57,6 +57,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=None, help="folder for plots and bench.json (default: <data>/bench/<deployment>)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-requests", type=int, default=4,
+                    help="first requests the peer (transformers' prompt lookup) runs on; the e2e comparison "
+                         "covers the same ones when this equals --limit")
     ap.add_argument("--no-plots", action="store_true")
     add_option_flags(ap)
 
@@ -497,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         result["profile_ms"] = profile(sys_engine, prompts[0], max_new)
     if not args.no_peer:
         try:
-            few = prompts[: min(4, len(prompts))]
+            few = prompts[: max(1, min(args.peer_requests, len(prompts)))]
             reference = [ar_engine.generate(p, max_new).tokens for p in few]
             result["peer"] = peer(stock_model, dep, opts, few, max_new, reference)
         except Exception as e:  # the peer is a comparison, never a reason to lose the bench
