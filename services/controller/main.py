@@ -7,11 +7,10 @@ versus stock noise once per deployment and device → ``TimingMeasured(kind="noi
 timing → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's,
 ``ForcingRequested`` and a wait for the forcer's ``ForcingReported``; then ``VerdictIssued`` with every
 statistic (a promotion is first profiled: ``ProfileMeasured``, so the round's cost model plans the
-next wave from the new best's step costs and replays) and, on
-promotion, ``BestAdvanced`` and a ``MemoryEntryProposed`` (the whole delta from
-stock, the promoted system's file hashes, the deployment's facts as requirements). Decisions are pure
-(``policy``, ``stats``); this module does the I/O. A patch whose verdict is already in the ledger is not
-evaluated again (redelivery).
+next wave from the new best's step costs and replays) and, on promotion, ``BestAdvanced`` and a
+``MemoryEntryProposed`` (the whole delta from stock, the promoted system's file hashes, the
+deployment's facts as requirements). Decisions are pure (``policy``, ``stats``); this module does
+the I/O. A patch whose verdict is already in the ledger is not evaluated again (redelivery).
 
 Rounds: on ``RoundStarted`` (phase 0) it measures the device (``hardware``) and profiles the best
 system on the dev split (``Evaluator.measure``) → ``HardwareMeasured``, ``ProfileMeasured``; on
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.controller import policy, stats
+from services.controller import hardware, policy, stats
 from services.controller.evaluate import Evaluator, System
 from services.controller.sandbox import Limits
 from specpilot import bus, schema, service, subjects
@@ -250,8 +249,6 @@ class Controller:
             # onednn_all made the parallel drafter look 5% slower; after the drafter's promotion the
             # planner still replayed the n-gram's chains). Emitted before the verdict, so the master's
             # next plan, made after it, cannot miss it.
-            from services.controller import hardware
-
             label = await asyncio.to_thread(hardware.device_label, ev.device)
             await self.emit(await asyncio.to_thread(self.profile, ev, dep, candidate, label), timing)
         verdict = await self.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=timing.event_id,
@@ -293,7 +290,6 @@ class Controller:
     async def handle_round_started(self, event: schema.RoundStarted) -> None:
         """Phase 0: measure the device and profile the current best on the dev requests."""
         from engine.deployment import load_deployment
-        from services.controller import hardware
 
         if await self._already_reported("profile.measured", event.round_id):
             return
