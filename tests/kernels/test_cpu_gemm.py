@@ -1,0 +1,96 @@
+"""kernels.cpu_gemm.stream_linear (linear_backend = "stream"): agrees with its PyTorch reference,
+is batch-invariant bit for bit, refuses bad input clearly; the engine with it stays lossless."""
+
+import pytest
+import torch
+
+from kernels import cpu_gemm
+from kernels.cpu_gemm import reference, stream_linear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=cpu_gemm.cpu_supported()[1])
+
+# N not a multiple of the 4-row block, K not a multiple of 8 lanes, and the real model's shapes.
+SHAPES = [(37, 29), (200, 96), (576, 576), (1536, 576), (577, 1539)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_the_reference(shape, dtype):
+    torch.manual_seed(0)
+    n, k = shape
+    weight = torch.randn(n, k).to(dtype)
+    for rows in (1, 2, 3, 4, 6, 7, 8, 9, 13, 17):
+        x = torch.randn(rows, k)
+        exact = (x.double() @ weight.double().T)
+        got, ref = stream_linear(x, weight), reference.stream_linear(x, weight)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        # both are fp32 sums of the same products in other orders: within fp32 rounding of |x||w|
+        bound = 1e-5 * (x.abs().double() @ weight.abs().double().T) + 1e-6
+        assert ((got.double() - exact).abs() <= bound).all(), rows
+        assert ((ref.double() - exact).abs() <= bound).all(), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_batch_invariant(dtype):
+    """Each row of an M-row call is bit for bit the row's own one-row call (any M, any neighbours)."""
+    torch.manual_seed(1)
+    weight = torch.randn(203, 581).to(dtype)
+    x = torch.randn(17, 581)
+    alone = torch.cat([stream_linear(x[i:i + 1], weight) for i in range(17)])
+    for rows in range(1, 18):
+        assert torch.equal(stream_linear(x[:rows], weight), alone[:rows]), rows
+    assert torch.equal(stream_linear(x.flip(0), weight), alone.flip(0))  # other neighbours, same rows
+
+
+def test_shape_and_dtype_follow_the_input():
+    weight = torch.randn(64, 40, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 40, dtype=torch.bfloat16)
+    y = stream_linear(x, weight)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference.stream_linear(x, weight), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    weight = torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match="8 features|has 9"):
+        stream_linear(torch.randn(1, 9), weight)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        stream_linear(torch.randn(1, 16), weight.T)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        stream_linear(torch.randn(1, 8), weight.half())
+
+
+def test_engine_with_stream_linears_speculates_losslessly():
+    """tiny, fp32: with linear_backend = "stream" every drafter setting emits that engine's AR
+    tokens; the linears are swapped and a tied LM head still shares the embedding's weight."""
+    from engine.api import load_engine
+    from engine.packed import StreamLinear
+
+    prompt = list(b"def add(a, b):\n    return a + b\n\ndef add(")
+    ar = load_engine("tiny-cpu", {"linear_backend": "stream", "drafter": "none"})
+    assert sum(isinstance(m, StreamLinear) for m in ar.model.modules()) == 2 * 7 + 1
+    if ar.model.cfg.tie_embeddings:
+        assert ar.model.lm_head.weight is ar.model.embed.weight
+    want = ar.generate(prompt, 40).tokens
+    for options in ({"drafter": "ngram", "block_size": 4, "ngram_min_match": 1},
+                    {"drafter": "ngram", "block_size": 6, "verify": "tree", "tree_nodes": 12, "ngram_min_match": 1}):
+        sp = load_engine("tiny-cpu", {"linear_backend": "stream", **options})
+        got = sp.generate(prompt, 40)
+        assert got.tokens == want, options
+        assert got.steps < len(want)  # something was accepted: the comparison tested speculation
+
+
+@pytest.mark.slow
+def test_smollm2_with_stream_linears_speculates_losslessly():
+    """SmolLM2 fp32 with linear_backend = "stream": the parallel drafter (chain of 8) and an n-gram
+    tree emit the same-options AR tokens on real prompts."""
+    from engine.api import load_engine
+
+    ar = load_engine("smollm2-cpu", {"linear_backend": "stream", "drafter": "none"})
+    prompts = [ar.tokenize("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+               ar.tokenize("Write a haiku about the sea.", chat=True)]
+    want = [ar.generate(p, 48).tokens for p in prompts]
+    for options in ({"drafter": "parallel", "block_size": 8},
+                    {"drafter": "ngram", "block_size": 6, "verify": "tree", "tree_nodes": 16}):
+        sp = load_engine("smollm2-cpu", {"linear_backend": "stream", **options})
+        assert [sp.generate(p, 48).tokens for p in prompts] == want, options
