@@ -77,12 +77,9 @@ def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
     if next(model.parameters()).device.type != "cpu":
         return 0
     if backend == "stream":
-        from kernels.cpu_gemm import cpu_supported, stream_linear
+        from kernels.cpu_gemm import build
 
-        ok, why = cpu_supported()
-        if not ok:
-            raise RuntimeError(f"linear_backend='stream' cannot run here: {why}; use linear_backend='default'")
-        stream_linear(torch.zeros(1, 8), torch.zeros(1, 8))  # build (or load) the kernel once, here
+        build()  # here, not in the first forward; raises naming what this machine lacks
     elif not available():
         raise RuntimeError(f"linear_backend={backend!r} needs a PyTorch build with oneDNN (mkldnn); "
                            "this one has none: use linear_backend='default'")

@@ -6,9 +6,9 @@ Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative d
 the 2-core AMD EPYC (Zen 3) VM of 2026-12-02, MKL's fp32 GEMV reads the weights at ~7 GB/s against
 ~17-24 GB/s that a copy reaches, an 8-row ``x @ W.T`` at ~2 GB/s (so a verification block costs
 ~1.7x an AR step), and bf16 multi-row matmuls are slower still (no AVX512-BF16 there). This kernel
-reads each weight once per call whatever M is and keeps up to M = 3 rows' dot products in
-registers (four weight rows x three x rows = 12 accumulators), so M = 1-10 costs close to one pass
-over the weights.
+streams each block of four weight rows from memory once per call for up to 8 x rows (R weight rows
+x M x rows <= 12 accumulators in registers, R = 4, 2 or 1), so M = 1-8 costs close to one pass over
+the weights; more rows take further passes over a block already in L1.
 
 Contract: every output element is one fixed sequence of fp32 FMAs over k (eight lanes, then a fixed
 lane sum), whatever M is and whichever rows share the call, so a row's result is **bit-identical
@@ -16,7 +16,8 @@ whatever the other rows are** (batch invariance: a T-token verification block co
 what T one-token steps would). It differs from `reference.stream_linear` (and from MKL) in the
 last bits. CPU only; the C++ source (`stream_gemm.cpp`) is compiled once per machine with the
 system's C++ compiler through `torch.utils.cpp_extension` (cached under the torch extensions
-directory, ~30 s the first time). `available()` says whether this machine can run it.
+directory, ~30 s the first time; `build()` does it up front). `available()` says whether this
+machine can run it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _load():
+def build():
+    """Build (or load the cached build of) the extension once per process; returns the op. Raises
+    RuntimeError naming what is missing when `cpu_supported` says no."""
     ok, why = cpu_supported()
     if not ok:
         raise RuntimeError(f"kernels.cpu_gemm cannot run here: {why}; use linear_backend='default'")
@@ -75,7 +78,7 @@ def _load():
 def stream_linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` for CPU tensors (x any float dtype and leading shape; weight [N, K] fp32 or
     bf16, contiguous) through the AVX2 kernel; see the module docstring for the contract."""
-    return _load()(x, weight)
+    return build()(x, weight)
 
 
-__all__ = ["available", "cpu_supported", "reference", "stream_linear"]
+__all__ = ["available", "build", "cpu_supported", "reference", "stream_linear"]

@@ -8,7 +8,6 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {

@@ -69,8 +69,7 @@ def test_engine_with_stream_linears_speculates_losslessly():
     prompt = list(b"def add(a, b):\n    return a + b\n\ndef add(")
     ar = load_engine("tiny-cpu", {"linear_backend": "stream", "drafter": "none"})
     assert sum(isinstance(m, StreamLinear) for m in ar.model.modules()) == 2 * 7 + 1
-    if ar.model.cfg.tie_embeddings:
-        assert ar.model.lm_head.weight is ar.model.embed.weight
+    assert ar.model.cfg.tie_embeddings and ar.model.lm_head.weight is ar.model.embed.weight
     want = ar.generate(prompt, 40).tokens
     for options in ({"drafter": "ngram", "block_size": 4, "ngram_min_match": 1},
                     {"drafter": "ngram", "block_size": 6, "verify": "tree", "tree_nodes": 12, "ngram_min_match": 1}):
