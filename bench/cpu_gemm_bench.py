@@ -1,4 +1,4 @@
-"""The AVX2 weight-streaming GEMM (`kernels.cpu_gemm.stream_linear`, option ``linear_backend =
+"""The AVX2 weight-streaming GEMM (`kernels.cpu_gemm.packed_linear`, option ``linear_backend =
 "stream"``) against PyTorch's CPU ``F.linear`` on SmolLM2's linear shapes, at M = 1-10 rows.
 
     python bench/cpu_gemm_bench.py                 # fp32 and bf16 weights, M = 1, 2, 4, 8, 10
@@ -26,7 +26,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.cpu_gemm import cpu_supported, stream_linear  # noqa: E402
+from kernels.cpu_gemm import cpu_supported, pack, packed_linear  # noqa: E402
 
 # SmolLM2-135M: the LM head (tied), gate/up, down, q/o, k/v.
 SHAPES = {"lm_head": (49152, 576), "gate_up": (1536, 576), "down": (576, 1536), "q_o": (576, 576), "k_v": (192, 576)}
@@ -80,19 +80,20 @@ def main(argv: list[str] | None = None) -> int:
             dtype = DTYPES[dname]
             copies = args.copies or max(2, 200_000_000 // (n * k * dtype.itemsize))
             weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+            packed = [pack(w) for w in weights]  # once, as a model does at load
             nbytes = n * k * dtype.itemsize
             for m in rows_list:
                 x = torch.randn(m, k, dtype=dtype)
                 exact = x.double() @ weights[0].double().T
-                err = (stream_linear(x, weights[0]).double() - exact).abs().max().item()
+                err = (packed_linear(x, packed[0], n).double() - exact).abs().max().item()
                 scale = exact.abs().max().item()
-                ours = _median_ms(stream_linear, weights, x, args.reps)
+                ours = _median_ms(lambda x, p, n=n: packed_linear(x, p, n), packed, x, args.reps)
                 torch_ms = _median_ms(F.linear, weights, x, args.reps)
                 results.append({"shape": shape_name, "n": n, "k": k, "dtype": dname, "rows": m, "stream_ms": ours,
                                 "torch_ms": torch_ms, "stream_gbps": nbytes / ours / 1e6, "torch_gbps": nbytes / torch_ms / 1e6,
                                 "speedup": torch_ms / ours, "max_rel_err": err / scale})
                 console.print(f"{shape_name} {dname} M={m}: stream {ours:.3f} ms, torch {torch_ms:.3f} ms")
-    table = Table(title=f"stream_linear vs F.linear, {args.threads} threads, copy {copy:.1f} GB/s (read + write)")
+    table = Table(title=f"packed_linear vs F.linear, {args.threads} threads, copy {copy:.1f} GB/s (read + write)")
     for col in ("shape", "dtype", "M", "stream ms", "GB/s", "torch ms", "GB/s ", "speedup"):
         table.add_column(col, justify="right")
     for r in results:

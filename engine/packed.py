@@ -18,10 +18,11 @@ shape, in fp32 or bf16. Packed results may differ from the default path in the l
 reduction order), so a system with this option can emit other tokens at near-ties and must pass
 token forcing. It holds a second copy of every weight (the packed one). No-op off CPU.
 
-`StreamLinear` (``"stream"``) reads the module's own weight (no copy; a tied LM head stays tied)
-through `kernels.cpu_gemm.stream_linear`, whose rows are batch-invariant: a T-row verification
-block gives each row bit for bit what a one-row step gives it. Other bits than the default path, so
-the same forcing rule applies.
+`StreamLinear` (``"stream"``) computes through `kernels.cpu_gemm.packed_linear` over a copy of the
+weight packed once into the kernel's layout; it keeps the module's own weight as ``weight`` (a tied
+LM head stays tied to the embedding, which reads it). Its rows are batch-invariant: a T-row
+verification block gives each row bit for bit what a one-row step gives it. Other bits than the
+default path, so the same forcing rule applies.
 """
 
 from __future__ import annotations
@@ -55,14 +56,19 @@ class PackedLinear(nn.Module):
 
 
 class StreamLinear(nn.Module):
-    def __init__(self, linear: nn.Module):
+    """``x @ weight.T`` through `kernels.cpu_gemm` over ``weight`` [N, K] packed once."""
+
+    def __init__(self, weight: Tensor):
+        from kernels.cpu_gemm import build
+
         super().__init__()
-        self.weight = linear.weight  # the same Parameter: tied weights stay tied, nothing copied
+        self.weight = weight  # a linear's own Parameter stays shared: tied weights stay tied
+        self.out_features = weight.shape[0]
+        self._ops = build()
+        self.register_buffer("packed", self._ops.pack(weight.detach()), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        from kernels.cpu_gemm import stream_linear
-
-        return stream_linear(x, self.weight)
+        return self._ops.linear(x, self.packed, self.out_features)
 
 
 BACKENDS = ("onednn", "onednn_all", "stream")  # the `linear_backend` values this module serves
@@ -87,7 +93,7 @@ def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                new = StreamLinear(child) if backend == "stream" else PackedLinear(child, backend == "onednn_all")
+                new = StreamLinear(child.weight) if backend == "stream" else PackedLinear(child, backend == "onednn_all")
                 setattr(module, name, new)
                 swapped += 1
     return swapped

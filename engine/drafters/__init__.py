@@ -43,8 +43,10 @@ def make_drafter(opts, model) -> Drafter | None:
     if opts.drafter == "parallel":
         from engine.drafters.parallel import load_parallel_drafter
 
-        # With CUDA graphs the chain proposal is captured too (on a CUDA target; one replay a step).
-        return load_parallel_drafter(model, opts.drafter_weights or None, graph=opts.cuda_graphs)
+        # With CUDA graphs the chain proposal is captured too (on a CUDA target; one replay a step);
+        # with the stream backend the net's linears take the target's CPU kernel.
+        return load_parallel_drafter(model, opts.drafter_weights or None, graph=opts.cuda_graphs,
+                                     stream_linears=opts.linear_backend == "stream")
     if opts.drafter == "eagle":
         from engine.drafters.eagle import load_eagle_drafter
 

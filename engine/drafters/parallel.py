@@ -126,6 +126,17 @@ class ParallelDrafterNet(nn.Module):
         to_draft = torch.full((target_embed.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
         to_draft[vocab_ids.long()] = torch.arange(len(vocab_ids), device=vocab_ids.device)
         self.register_buffer("to_draft", to_draft, persistent=False)  # target id -> draft index, -1: none
+        self.vocab_linear: nn.Module | None = None  # u -> u . out_embed^T another way (`use_stream_linears`)
+
+    def use_stream_linears(self) -> None:
+        """Every linear of the net, the draft vocabulary's projection included, through the AVX2 kernel
+        of `kernels.cpu_gemm` (what ``linear_backend = "stream"`` gives the target; CPU only). On the
+        2-core AVX2 VM PyTorch's bf16 products of a few rows made up 2.7 of the 5 ms a chain proposal
+        took (2026-12-02)."""
+        from engine.packed import StreamLinear, pack_linears
+
+        pack_linears(self, "stream")
+        self.vocab_linear = StreamLinear(self.out_embed)
 
     def head_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """The per-position heads stacked for batched matmuls: norm [k, w], up [k, w, h], down [k, h, w]."""
@@ -158,7 +169,7 @@ class ParallelDrafterNet(nn.Module):
         t = (_rms(a) * norm_w).transpose(0, 1)  # [k, B, w]: head i's block on position i
         a = a + torch.bmm(F.silu(torch.bmm(t, up)), down).transpose(0, 1)
         u = self.out_norm(self.out(a))
-        logits = F.linear(u, self.out_embed, self.bias)
+        logits = F.linear(u, self.out_embed, self.bias) if self.vocab_linear is None else self.vocab_linear(u) + self.bias
         if not self.cfg.lookup:
             return logits
         copy = (u * look_e).sum(-1) + self.copy_bias[match][:, None]
@@ -363,10 +374,14 @@ def load_net(model, path: Path | str | None, kind: str, default_weights: dict[st
     return net.to(device=embed.device, dtype=embed.dtype)
 
 
-def load_parallel_drafter(model, path: Path | str | None = None, graph: bool = False) -> ParallelDrafter:
+def load_parallel_drafter(model, path: Path | str | None = None, graph: bool = False,
+                          stream_linears: bool = False) -> ParallelDrafter:
     """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file;
-    ``graph``: chain proposals as one CUDA graph (`_ChainGraph`)."""
+    ``graph``: chain proposals as one CUDA graph (`_ChainGraph`); ``stream_linears``: the net's linears
+    through `kernels.cpu_gemm` (`ParallelDrafterNet.use_stream_linears`; ignored off the CPU)."""
     embed = model.embed.weight.detach()
     net = load_net(model, path, "parallel", DEFAULT_WEIGHTS, ParallelConfig,
                    lambda cfg, vocab_ids: ParallelDrafterNet(cfg, vocab_ids, embed))
+    if stream_linears and embed.device.type == "cpu":
+        net.use_stream_linears()
     return ParallelDrafter(net, graph=graph)

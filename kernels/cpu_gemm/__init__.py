@@ -1,23 +1,28 @@
-"""A weight-streaming small-M GEMM for CPUs with AVX2 and FMA (`stream_linear`), for decode steps
-and verification blocks: ``y = x @ W.T`` with W fp32 or bf16 (bf16 widened exactly to fp32 in
-registers), fp32 accumulation, the result in x's dtype.
+"""A weight-streaming small-M GEMM for CPUs with AVX2 and FMA, for decode steps, verification
+blocks and prefill: ``y = x @ W.T`` with W fp32 or bf16 packed once (`pack`), x fp32 or bf16, fp32
+arithmetic, the result in x's dtype (`packed_linear`).
 
 Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative decoding lives. On
 the 2-core AMD EPYC (Zen 3) VM of 2026-12-02, MKL's fp32 GEMV reads the weights at ~7 GB/s against
-~17-24 GB/s that a copy reaches, an 8-row ``x @ W.T`` at ~2 GB/s (so a verification block costs
-~1.7x an AR step), and bf16 multi-row matmuls are slower still (no AVX512-BF16 there). This kernel
-streams each block of four weight rows from memory once per call for up to 8 x rows (R weight rows
-x M x rows <= 12 accumulators in registers, R = 4, 2 or 1), so M = 1-8 costs close to one pass over
-the weights; more rows take further passes over a block already in L1.
+~14-18 GB/s that a streaming read reaches, an 8-row ``x @ W.T`` at ~2 GB/s (a verification block
+cost ~1.7x an AR step), and bf16 multi-row matmuls are slower still (no AVX512-BF16 there).
 
-Contract: every output element is one fixed sequence of fp32 FMAs over k (eight lanes, then a fixed
-lane sum), whatever M is and whichever rows share the call, so a row's result is **bit-identical
-whatever the other rows are** (batch invariance: a T-token verification block computes exactly
-what T one-token steps would). It differs from `reference.stream_linear` (and from MKL) in the
-last bits. CPU only; the C++ source (`stream_gemm.cpp`) is compiled once per machine with the
-system's C++ compiler through `torch.utils.cpp_extension` (cached under the torch extensions
-directory, ~30 s the first time; `build()` does it up front). `available()` says whether this
-machine can run it.
+How (stream_gemm.cpp): `pack` lays W out as panels of 16 output columns, k-major ([ceil(N/16), K,
+16]), so each thread reads one sequential stream; a row of x is broadcast against 16 columns at a
+time, rows in groups of up to 6 (12 FMA chains), and a 128-k chunk of a panel streamed for the first
+group is reused from L1 by the others, so M rows cost one pass over the weights plus M x the FMAs.
+bf16 is widened exactly in registers (x as well), and a bf16 result is rounded to nearest even in
+the kernel (no dispatched dtype conversions around the call).
+
+Contract: each output is, chunk by chunk, one fixed sequence of fp32 FMAs over k, the chunk sums
+added in order, whatever M is and whichever rows share the call, so a row's result is
+**bit-identical whatever the other rows are** (batch invariance: a T-token verification block
+computes exactly what T one-token steps would, and a prefill what the decode steps would). Columns
+are computed independently too: packing the concatenation of two weights gives each the bits it
+gets alone. It differs from `reference.stream_linear` (and from MKL) in the last bits. CPU only; the
+C++ source is compiled once per machine with the system's C++ compiler through
+`torch.utils.cpp_extension` (cached under the torch extensions directory, ~30 s the first time;
+`build()` does it up front). `available()` says whether this machine can run it.
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def build():
-    """Build (or load the cached build of) the extension once per process; returns the op. Raises
-    RuntimeError naming what is missing when `cpu_supported` says no."""
+    """Build (or load the cached build of) the extension once per process; returns its op namespace
+    (``pack``, ``linear``). Raises RuntimeError naming what is missing when `cpu_supported` says no."""
     ok, why = cpu_supported()
     if not ok:
         raise RuntimeError(f"kernels.cpu_gemm cannot run here: {why}; use linear_backend='default'")
@@ -72,13 +77,24 @@ def build():
     # -fopenmp: ATen's parallel_for is header code that runs serially without it.
     load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return torch.ops.specpilot_cpu.stream_linear
+    return torch.ops.specpilot_cpu
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` [N, K] (fp32 or bf16, CPU) in the kernel's layout: [ceil(N / 16), K, 16], same dtype."""
+    return build().pack(weight)
+
+
+def packed_linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """``x @ W.T`` for x [..., K] (fp32 or bf16) and ``packed = pack(W)`` (W has ``out_features``
+    rows); the result in x's dtype. See the module docstring for the contract."""
+    return build().linear(x, packed, out_features)
 
 
 def stream_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weight.T`` for CPU tensors (x any float dtype and leading shape; weight [N, K] fp32 or
-    bf16, contiguous) through the AVX2 kernel; see the module docstring for the contract."""
-    return build()(x, weight)
+    """``x @ weight.T`` through the kernel, packing ``weight`` on the way (for tests and one-off
+    calls; a model packs once, as `engine.packed.StreamLinear` does)."""
+    return packed_linear(x, pack(weight), weight.shape[0])
 
 
-__all__ = ["available", "build", "cpu_supported", "reference", "stream_linear"]
+__all__ = ["available", "build", "cpu_supported", "pack", "packed_linear", "reference", "stream_linear"]

@@ -1,5 +1,6 @@
-"""PyTorch reference of `stream_linear`: the normative semantics (fp32 accumulation of x @ W.T, the
-result in x's dtype). The AVX2 kernel agrees to fp32 rounding (another summation order)."""
+"""PyTorch reference of `stream_linear` / `packed_linear`: the normative semantics (fp32
+accumulation of x @ W.T, the result in x's dtype). The AVX2 kernel agrees to fp32 rounding (another
+summation order)."""
 
 from __future__ import annotations
 

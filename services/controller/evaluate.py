@@ -9,8 +9,9 @@ A *system* is a commit of the systems repository plus engine option settings. Th
 3. ``time``: interleaved ABBA trials; each trial starts a fresh worker per system (no writable state
    survives between trials), sends every timing request, and times each reply on the controller's
    clock (with ``interleave``, both workers of a trial are alive and take turns request by request,
-   the idle one stopped). On a GPU each worker starts from a fresh copy of its system's compile
-   cache (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel.
+   the idle one stopped). Each worker starts from a fresh copy of its system's compile cache
+   (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel (GPU) or
+   the system's C++ extension (CPU, `kernels.cpu_gemm`).
    Every reply is checked: the incumbent must reproduce its reference, and the candidate must
    give the same tokens in every trial (a system that changes its answers between runs — caching,
    warm-up detection — is rejected).
@@ -61,15 +62,19 @@ def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str)
 FILL_PATTERN = (101, 37, 202, 58, 143, 77, 19)
 
 
-def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], int]]:
-    """The requests that fill a system's compile cache before its first timed worker: one per prompt
-    length, of content unrelated to any prompt (``FILL_PATTERN``).
+def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
+    """The requests that fill a system's compile cache before its first timed worker: on a GPU one
+    per prompt length, of content unrelated to any prompt (``FILL_PATTERN``); on a CPU none.
 
     Triton compiles a kernel per shape specialisation, so requests of the timed lengths compile what
     timing will use (18.6 s of a SmolLM2 worker's start on the H200, 2026-12-01, against 9.5 s from a
     filled cache). The cache is the one state kept between trials, so what fills it must know nothing
     a candidate could memoise: lengths, not tokens. Every timed worker still answers its own warm-up
-    first (`warm_up_requests`), which compiles anything the fill missed, untimed."""
+    first (`warm_up_requests`), which compiles anything the fill missed, untimed. A CPU worker
+    compiles while it loads (a C++ extension such as `kernels.cpu_gemm`: ~30 s on 2 cores, built
+    into the cache's ``torch_extensions``), and nothing per shape: starting it is the whole fill."""
+    if not device.startswith("cuda"):
+        return []
     lengths = sorted({len(p) for p in prompts})
     return [([FILL_PATTERN[i % len(FILL_PATTERN)] for i in range(n)], max_new_tokens) for n in lengths]
 
@@ -129,8 +134,8 @@ class Evaluator:
     # Pin each timing device's workers to one core beside it (`sandbox.timing_cpus`). None: on for
     # GPUs, off for CPUs (a CPU worker's torch threads are the thing timed; 1 thread by default).
     pin_cpus: bool | None = None
-    # Start each worker from a copy of its system's filled compile cache (`_compile_cache`). None: on
-    # for GPUs (Triton); a CPU worker compiles nothing.
+    # Start each worker from a copy of its system's filled compile cache (`_compile_cache`): Triton's
+    # kernels on GPUs, C++ extensions (linear_backend = "stream") on CPUs. None: on.
     compile_cache: bool | None = None
 
     def __post_init__(self) -> None:
@@ -141,7 +146,7 @@ class Evaluator:
         self.interleave = len(self.devices) == 1 and self.interleave is not False
         gpu = self.device.startswith("cuda")
         self.pin_cpus = gpu if self.pin_cpus is None else self.pin_cpus
-        self.compile_cache = gpu if self.compile_cache is None else self.compile_cache
+        self.compile_cache = self.compile_cache is not False
         self._cpus: dict[str, tuple[int, ...]] | None = None
         self._starts: dict[str, int] = {}  # workers started per system key (`_compile_cache`)
         self.root = Path(self.data) / "controller"
@@ -273,7 +278,7 @@ class Evaluator:
                 return None
             with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
                 with self._worker(system, device, lambda _: Path(filling)) as worker:
-                    for p, n in compile_fill_requests(prompts, self.max_new_tokens):
+                    for p, n in compile_fill_requests(prompts, self.max_new_tokens, device):
                         worker.generate(p, n, timeout=self.limits.wall_s)
                 staged = kept.with_suffix(".tmp")
                 shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way

@@ -6,7 +6,8 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   credentials, the controller's systems repository and its secret split seed — is covered by an
   empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
   cache read-only at ``/tmp/data/models``. ``compile_cache`` (a directory the controller made for
-  this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache.
+  this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache and as the build
+  directory of torch's C++ extensions (`kernels.cpu_gemm`).
 - **Environment**: cleared; only ``PATH``, ``HOME=/tmp`` and a few thread settings are set. No NATS
   URL or credentials, no API keys.
 - **Network**: a new network namespace with only a loopback nobody listens on.
@@ -211,7 +212,8 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
-    compile_cache: Path | None = None  # Triton's cache directory, writable (None: an empty one under /tmp)
+    # Triton's cache and torch's C++ extension builds (kernels.cpu_gemm), writable (None: an empty /tmp)
+    compile_cache: Path | None = None
 
     def __post_init__(self) -> None:
         self.isolated = bwrap_available()
@@ -230,7 +232,8 @@ class Sandbox:
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         if self.compile_cache:
-            env["TRITON_CACHE_DIR"] = SANDBOX_COMPILE_CACHE if self.isolated else str(self.compile_cache)
+            cache = SANDBOX_COMPILE_CACHE if self.isolated else str(self.compile_cache)
+            env.update(TRITON_CACHE_DIR=cache, TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions")
         return env
 
     def argv(self, cmd: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """The compile cache kept per system between trials (``Evaluator.compile_cache``, ``Sandbox.compile_cache``):
-filled once from content-free requests, copied fresh into every later worker."""
+filled once from content-free requests (GPU) or a worker's start (CPU), copied fresh into every later
+worker."""
 
 import sys
 
@@ -12,11 +13,12 @@ needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox need
 
 
 def test_the_fill_knows_the_prompts_lengths_and_nothing_else():
-    a = compile_fill_requests([[5, 6, 7], [9] * 5, [1, 2, 3]], 16)
-    b = compile_fill_requests([[300, 1, 2], [8] * 5, [4, 4, 4]], 16)
+    a = compile_fill_requests([[5, 6, 7], [9] * 5, [1, 2, 3]], 16, "cuda:0")
+    b = compile_fill_requests([[300, 1, 2], [8] * 5, [4, 4, 4]], 16, "cuda:0")
     assert a == b  # same lengths, other tokens: the same fill
     assert [len(p) for p, _ in a] == [3, 5] and all(n == 16 for _, n in a)
     assert {t for p, _ in a for t in p} <= set(FILL_PATTERN) and max(FILL_PATTERN) < 256
+    assert compile_fill_requests([[5, 6, 7]], 16, "cpu") == []  # a CPU worker compiles as it loads
 
 
 def test_a_sandbox_compile_cache_is_tritons_and_writable(tmp_path):
@@ -24,7 +26,8 @@ def test_a_sandbox_compile_cache_is_tritons_and_writable(tmp_path):
     cache.mkdir()
     src = tmp_path / "src"
     src.mkdir()
-    code = "import os, pathlib; d = pathlib.Path(os.environ['TRITON_CACHE_DIR']); (d / 'kernel.cubin').write_text('x')"
+    code = ("import os, pathlib; d = pathlib.Path(os.environ['TRITON_CACHE_DIR']); (d / 'kernel.cubin').write_text('x');"
+            "assert os.environ['TORCH_EXTENSIONS_DIR'] == str(d / 'torch_extensions')")
     with Sandbox(src=src, models=tmp_path / "none", compile_cache=cache) as sbx:
         out = sbx.run([sys.executable, "-c", code], timeout=60)
     assert out["returncode"] == 0, out["output"]
@@ -59,14 +62,30 @@ def test_a_candidate_that_hoards_its_requests_in_the_cache_never_finds_a_timed_o
     assert len(kept) == 2  # one per system (both started twice or more), nothing half-filled left over
     hoarded = {f.name for d in kept for f in d.iterdir()}
     timed = {hashlib.sha256(str(p).encode()).hexdigest() for p in ev.prompts()}
-    fill = {hashlib.sha256(str(p).encode()).hexdigest() for p, _ in compile_fill_requests(ev.prompts(), 8)}
+    fill = {hashlib.sha256(str(p).encode()).hexdigest() for p, _ in compile_fill_requests(ev.prompts(), 8, "cpu")}
     # the kept cache holds what the fill was asked (content-free), never a timed or warm-up prompt
     assert hoarded == fill and not hoarded & timed
 
 
-def test_compile_caches_are_on_for_gpus_only_by_default(tmp_path):
-    assert not Evaluator(tmp_path / "a", "tiny-cpu").compile_cache
+def test_compile_caches_are_on_by_default(tmp_path):
+    assert Evaluator(tmp_path / "a", "tiny-cpu").compile_cache
     assert Evaluator(tmp_path / "b", "tiny-cuda", device="cuda:0").compile_cache
+    assert not Evaluator(tmp_path / "c", "tiny-cpu", compile_cache=False).compile_cache
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("kernels.cpu_gemm").cpu_gemm.available(), reason="needs AVX2, FMA and g++")
+def test_a_cpu_system_with_a_cpp_kernel_keeps_its_build_for_later_workers(tmp_path):
+    """linear_backend = "stream" builds kernels.cpu_gemm as its worker loads: the fill (a start, no
+    requests) leaves the built extension in the system's kept cache, and later workers get a copy."""
+    ev = Evaluator(tmp_path, "tiny-cpu", n_requests=2, max_new_tokens=8, threads=1, limits=Limits(wall_s=300.0))
+    system = System(ev.prepare(), {"linear_backend": "stream"})
+    first, _ = ev.run(system, ev.prompts())
+    assert not (ev.root / "compile-cache").exists()  # one start: it built for itself
+    again, _ = ev.run(system, ev.prompts())
+    assert again == first
+    (kept,) = (ev.root / "compile-cache").iterdir()
+    assert list(kept.glob("torch_extensions/**/specpilot_cpu_gemm*.so")), sorted(p.name for p in kept.rglob("*"))
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import CONFIGS, SDPA, build_random, get_config, greedy_ids
+from engine.model import CONFIGS, SDPA, BlockMask, build_random, get_config, greedy_ids
 
 
 def test_smollm2_config_matches_gguf_metadata():
@@ -54,6 +54,18 @@ def test_masked_grouped_query_attention_equals_sdpa_with_repeated_kv(B, H, KV, T
         mask[..., 0] = True  # every query sees something
         ref = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
         torch.testing.assert_close(SDPA()(q, k, v, mask, False), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_block_mask_gives_sdpa_the_same_bits(dtype):
+    """`BlockMask` (the additive bias tiled once a forward) == the bool mask tiled in each layer, bit
+    for bit: SDPA adds exactly that bias for a bool mask."""
+    g = torch.Generator().manual_seed(7)
+    for T, L in ((8, 300), (9, 137), (16, 64)):
+        q, k, v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((1, 9, T, 64), (1, 3, L, 64), (1, 3, L, 64)))
+        allowed = torch.rand(T, L, generator=g) > 0.3
+        allowed[:, 0] = True
+        assert torch.equal(SDPA()(q, k, v, BlockMask.of(allowed, 3, dtype), False), SDPA()(q, k, v, allowed, False))
 
 
 def test_last_only_and_cache_overflow(tiny):

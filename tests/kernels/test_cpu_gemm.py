@@ -1,15 +1,16 @@
-"""kernels.cpu_gemm.stream_linear (linear_backend = "stream"): agrees with its PyTorch reference,
-is batch-invariant bit for bit, refuses bad input clearly; the engine with it stays lossless."""
+"""kernels.cpu_gemm (linear_backend = "stream"): agrees with its PyTorch reference, is
+batch-invariant bit for bit (rows and columns), rounds bf16 results as PyTorch does, refuses bad
+input clearly; the engine with it stays lossless."""
 
 import pytest
 import torch
 
 from kernels import cpu_gemm
-from kernels.cpu_gemm import reference, stream_linear
+from kernels.cpu_gemm import pack, packed_linear, reference, stream_linear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=cpu_gemm.cpu_supported()[1])
 
-# N not a multiple of the 4-row block, K not a multiple of 8 lanes, and the real model's shapes.
+# N not a multiple of the 16-column panel, K not a multiple of the 128-k chunk, the real model's shapes.
 SHAPES = [(37, 29), (200, 96), (576, 576), (1536, 576), (577, 1539)]
 
 
@@ -19,7 +20,7 @@ def test_matches_the_reference(shape, dtype):
     torch.manual_seed(0)
     n, k = shape
     weight = torch.randn(n, k).to(dtype)
-    for rows in (1, 2, 3, 4, 6, 7, 8, 9, 13, 17):
+    for rows in (1, 2, 3, 4, 6, 7, 8, 9, 13, 17, 70):  # 70: past the accumulators kept on the stack
         x = torch.randn(rows, k)
         exact = (x.double() @ weight.double().T)
         got, ref = stream_linear(x, weight), reference.stream_linear(x, weight)
@@ -34,12 +35,38 @@ def test_matches_the_reference(shape, dtype):
 def test_rows_are_batch_invariant(dtype):
     """Each row of an M-row call is bit for bit the row's own one-row call (any M, any neighbours)."""
     torch.manual_seed(1)
-    weight = torch.randn(203, 581).to(dtype)
-    x = torch.randn(17, 581)
-    alone = torch.cat([stream_linear(x[i:i + 1], weight) for i in range(17)])
-    for rows in range(1, 18):
-        assert torch.equal(stream_linear(x[:rows], weight), alone[:rows]), rows
-    assert torch.equal(stream_linear(x.flip(0), weight), alone.flip(0))  # other neighbours, same rows
+    weight = pack(torch.randn(203, 581).to(dtype))
+    x = torch.randn(70, 581)
+    alone = torch.cat([packed_linear(x[i:i + 1], weight, 203) for i in range(70)])
+    for rows in [*range(1, 18), 70]:
+        assert torch.equal(packed_linear(x[:rows], weight, 203), alone[:rows]), rows
+    assert torch.equal(packed_linear(x.flip(0), weight, 203), alone.flip(0))  # other neighbours, same rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_columns_are_independent(dtype):
+    """Packing the concatenation of two weights gives each its own bits (a fused QKV computes what
+    three separate linears would)."""
+    torch.manual_seed(2)
+    a, b = torch.randn(40, 130).to(dtype), torch.randn(23, 130).to(dtype)
+    x = torch.randn(5, 130)
+    both = packed_linear(x, pack(torch.cat([a, b])), 63)
+    assert torch.equal(both[:, :40], stream_linear(x, a)) and torch.equal(both[:, 40:], stream_linear(x, b))
+
+
+def test_bf16_results_round_as_pytorch_does():
+    """A bf16 x gives the fp32 result of its exact widening, rounded to nearest even by the kernel
+    exactly as ``Tensor.to(torch.bfloat16)`` rounds it (infinities included; NaN stays NaN, its
+    payload aside)."""
+    torch.manual_seed(3)
+    weight = pack(torch.randn(333, 200).to(torch.bfloat16))
+    x = torch.randn(9, 200).to(torch.bfloat16)
+    x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), 3e38
+    wide = packed_linear(x.float(), weight, 333)
+    got, want = packed_linear(x, weight, 333), wide.to(torch.bfloat16)
+    assert wide[1].isnan().all() and wide[0].isinf().any()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0).view(torch.int16), want.nan_to_num(0).view(torch.int16))
 
 
 def test_shape_and_dtype_follow_the_input():
@@ -50,14 +77,25 @@ def test_shape_and_dtype_follow_the_input():
     torch.testing.assert_close(y, reference.stream_linear(x, weight), rtol=1e-2, atol=1e-2)
 
 
+def test_empty_and_transposed_inputs():
+    weight = torch.randn(16, 8)
+    assert packed_linear(torch.randn(0, 8), pack(weight), 16).shape == (0, 16)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(stream_linear(x, weight.T), reference.stream_linear(x, weight.T))  # packed from a view
+
+
 def test_bad_input_is_refused_with_a_clear_error():
     weight = torch.randn(16, 8)
-    with pytest.raises(RuntimeError, match="8 features|has 9"):
+    with pytest.raises(RuntimeError, match="has 9 features"):
         stream_linear(torch.randn(1, 9), weight)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        stream_linear(torch.randn(1, 16), weight.T)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         stream_linear(torch.randn(1, 8), weight.half())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        stream_linear(torch.randn(1, 8).half(), weight)
+    with pytest.raises(RuntimeError, match="packed by stream_gemm.pack"):
+        packed_linear(torch.randn(1, 8), weight, 16)
+    with pytest.raises(RuntimeError, match="17 output features"):
+        packed_linear(torch.randn(1, 8), pack(weight), 17)
 
 
 def test_engine_with_stream_linears_speculates_losslessly():
@@ -81,9 +119,10 @@ def test_engine_with_stream_linears_speculates_losslessly():
 
 @pytest.mark.slow
 def test_smollm2_with_stream_linears_speculates_losslessly():
-    """SmolLM2 fp32 with linear_backend = "stream": the parallel drafter (chain of 8) and an n-gram
-    tree emit the same-options AR tokens on real prompts."""
+    """SmolLM2 fp32 with linear_backend = "stream": the parallel drafter (chain of 8, its own linears
+    on the kernel too) and an n-gram tree emit the same-options AR tokens on real prompts."""
     from engine.api import load_engine
+    from engine.packed import StreamLinear
 
     ar = load_engine("smollm2-cpu", {"linear_backend": "stream", "drafter": "none"})
     prompts = [ar.tokenize("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
@@ -92,4 +131,7 @@ def test_smollm2_with_stream_linears_speculates_losslessly():
     for options in ({"drafter": "parallel", "block_size": 8},
                     {"drafter": "ngram", "block_size": 6, "verify": "tree", "tree_nodes": 16}):
         sp = load_engine("smollm2-cpu", {"linear_backend": "stream", **options})
+        if options["drafter"] == "parallel":
+            net = sp.drafter.net
+            assert isinstance(net.inp, StreamLinear) and isinstance(net.vocab_linear, StreamLinear)
         assert [sp.generate(p, 48).tokens for p in prompts] == want, options

@@ -145,14 +145,14 @@ def test_values_the_cost_model_cannot_rank_go_one_a_wave():
     wave; the next value comes in a later wave, once the first is tried (a candidate costs a timing)."""
     known = KNOWN | {"linear_backend"}
     (d,) = _plan({"kernel": 3.0}, known=known, predict=lambda option, value, base: None)
-    assert d.hints["option"] == "linear_backend" and d.hints["values"] == ["onednn_all"]
-    tried = History(tried_options=frozenset({("linear_backend", repr("onednn_all"))}))
+    assert d.hints["option"] == "linear_backend" and d.hints["values"] == ["stream"]
+    tried = History(tried_options=frozenset({("linear_backend", repr("stream"))}))
     (d,) = _plan({"kernel": 3.0}, known=known, predict=lambda option, value, base: None, history=tried,
-                 best={"linear_backend": "onednn_all"})
-    assert d.hints["values"] == ["onednn"]
+                 best={"linear_backend": "stream"})
+    assert d.hints["values"] == ["onednn_all"]
     # without a profile at all (no predict) a sweep still proposes every fresh value
     (d,) = _plan({"kernel": 3.0}, known=known)
-    assert d.hints["values"] == ["onednn_all", "onednn"]
+    assert d.hints["values"] == ["stream", "onednn_all", "onednn"]
     # predicted values keep the whole ranked list
     ds = _plan({"tau": 2.0}, devices=10, predict=lambda option, value, base: 1.2 if option == "block_size" else None)
     assert next(d for d in ds if d.hints["option"] == "block_size").hints["values"] == [2, 6, 8]
