@@ -1,6 +1,6 @@
-"""A weight-streaming small-M GEMM for CPUs with AVX2 and FMA, for decode steps, verification
-blocks and prefill: ``y = x @ W.T`` with W fp32 or bf16 packed once (`pack`), x fp32 or bf16, fp32
-arithmetic, the result in x's dtype (`packed_linear`).
+"""A weight-streaming small-M GEMM for CPUs with AVX2 and FMA (AVX-512 where the CPU has it), for
+decode steps, verification blocks and prefill: ``y = x @ W.T`` with W fp32 or bf16 packed once
+(`pack`), x fp32 or bf16, fp32 arithmetic, the result in x's dtype (`packed_linear`).
 
 Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative decoding lives. On
 the 2-core AMD EPYC (Zen 3) VM of 2026-12-02, MKL's fp32 GEMV reads the weights at ~7 GB/s against
@@ -12,7 +12,8 @@ How (stream_gemm.cpp): `pack` lays W out as panels of 16 output columns, k-major
 time, rows in groups of up to 6 (12 FMA chains), and a 128-k chunk of a panel streamed for the first
 group is reused from L1 by the others, so M rows cost one pass over the weights plus M x the FMAs.
 bf16 is widened exactly in registers (x as well), and a bf16 result is rounded to nearest even in
-the kernel (no dispatched dtype conversions around the call).
+the kernel (no dispatched dtype conversions around the call). Where the CPU has AVX-512F, calls of
+4 rows or more run the same arithmetic 16 lanes a vector, groups of up to 12 rows (`use_avx512`).
 
 Contract: each output is, chunk by chunk, one fixed sequence of fp32 FMAs over k, the chunk sums
 added in order, whatever M is and whichever rows share the call, so a row's result is
@@ -42,13 +43,25 @@ SOURCE = Path(__file__).with_name("stream_gemm.cpp")
 EXTENSION = "specpilot_cpu_gemm"
 
 
+@functools.lru_cache(maxsize=1)
+def _read_cpu_flags() -> frozenset[str] | None:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return frozenset(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's ``flags``); empty where that cannot be read."""
+    return _read_cpu_flags() or frozenset()
+
+
 def cpu_supported() -> tuple[bool, str]:
     """(ok, why not): AVX2 + FMA on this CPU and a C++ compiler to build the kernel."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    words = _read_cpu_flags()
+    if words is None:
         return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
-    words = set(next((line for line in flags.splitlines() if line.startswith("flags")), "").split())
     if not {"avx2", "fma"} <= words:
         return False, "this CPU lacks AVX2 or FMA"
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -58,6 +71,18 @@ def cpu_supported() -> tuple[bool, str]:
 
 def available() -> bool:
     return cpu_supported()[0]
+
+
+def cpu_has_avx512() -> bool:
+    """Whether calls of 4+ rows can take the kernel's AVX-512 code (same bits, 16 lanes a vector)."""
+    return "avx512f" in cpu_flags()
+
+
+def use_avx512(enabled: bool | None = None) -> bool:
+    """Turn the AVX-512 code on (the default where the CPU has it) or off for this process; None only
+    asks. Returns whether it is used now: never on a CPU without AVX-512F. For tests and benchmarks:
+    the results are the same bits either way."""
+    return build().set_avx512(-1 if enabled is None else int(enabled))
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,4 +122,5 @@ def stream_linear(x: Tensor, weight: Tensor) -> Tensor:
     return packed_linear(x, pack(weight), weight.shape[0])
 
 
-__all__ = ["available", "build", "cpu_supported", "pack", "packed_linear", "reference", "stream_linear"]
+__all__ = ["available", "build", "cpu_flags", "cpu_has_avx512", "cpu_supported", "pack", "packed_linear", "reference",
+           "stream_linear", "use_avx512"]

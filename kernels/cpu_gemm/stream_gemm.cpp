@@ -1,5 +1,6 @@
-// Weight-streaming small-M GEMM for CPUs with AVX2 + FMA, over weights packed once into k-major
-// panels: y[m, n] = sum_k x[m, k] * w[n, k]. See __init__.py for the contract.
+// Weight-streaming small-M GEMM for CPUs with AVX2 + FMA (and AVX-512 where the CPU has it), over
+// weights packed once into k-major panels: y[m, n] = sum_k x[m, k] * w[n, k]. See __init__.py for
+// the contract.
 //
 // Layout (`pack`): W [N, K] becomes P = ceil(N / 16) panels [P, K, 16]: for each k the weights of
 // the panel's 16 output columns side by side (zero past N). A thread streams its panels front to
@@ -17,6 +18,13 @@
 // a panel the first group streams it from memory (prefetching kPrefetchBytes ahead) and the other
 // groups find it in L1. Each group's inner loop is one 32-byte weight load, two unpacks, and per
 // row one broadcast and two FMAs.
+//
+// AVX-512 (`wide::`, used for calls of kWideMinRows rows or more where the CPU has AVX-512F): the
+// same schedule with one 16-lane vector a row, groups of up to kWideGroupRows rows. It performs
+// exactly the FMAs and adds of the AVX2 code in the same order, so both give the same bits (a bf16
+// panel's lanes come out in the stored column order and are put back in column order with one
+// permute a chunk). Fewer rows stay on AVX2: two FMA chains a row hide latency there, and one row
+// is bandwidth-bound either way.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -34,6 +42,8 @@ constexpr int64_t kChunk = 128;            // k values a chunk: 4 KB of a bf16 p
 constexpr int64_t kGroupRows = 6;          // x rows a group
 constexpr int64_t kPrefetchBytes = 2048;   // how far ahead of the first group's reads to prefetch
 constexpr int64_t kStackRows = 64;         // rows whose accumulators live on the stack
+constexpr int64_t kWideGroupRows = 12;     // x rows a group on AVX-512 (12 of 32 vector registers)
+constexpr int64_t kWideMinRows = 4;        // calls with fewer rows stay on AVX2
 constexpr int kBf16Order[kCols] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 inline void load_cols(const float* p, __m256& w0, __m256& w1) {
@@ -104,6 +114,80 @@ inline void group_any(int64_t mb, const float* x, int64_t K, const W* panel, int
   }
 }
 
+// ---- AVX-512: the same arithmetic, 16 lanes a vector -------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace wide {
+
+inline __m512 load_cols(const float* p) { return _mm512_loadu_ps(p); }
+// lanes in stored order: lane i holds column kBf16Order[i]
+inline __m512 load_cols(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 in_column_order(__m512 v, const float*) { return v; }
+inline __m512 in_column_order(__m512 v, const at::BFloat16*) {
+  // kBf16Order swaps columns 4-7 and 8-11, so it is its own inverse
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), v);
+}
+
+template <typename W, int MB, bool kPrefetch>
+inline void group_pass(const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1, float* acc,
+                       const char* prefetch, const char* prefetch_end) {
+  __m512 a[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) a[m] = _mm512_setzero_ps();
+  constexpr int64_t kBytes = kCols * sizeof(W);
+  const W* w = panel + k0 * kCols;
+#pragma GCC unroll 2
+  for (int64_t k = k0; k < k1; ++k, w += kCols) {
+    if (kPrefetch) {
+      const char* p = prefetch + (k - k0) * kBytes;
+      if (p < prefetch_end && (kBytes >= 64 || (k & 1) == 0)) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    const __m512 wv = load_cols(w);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) a[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, a[m]);
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+    _mm512_storeu_ps(acc + m * kCols, _mm512_add_ps(_mm512_loadu_ps(acc + m * kCols), in_column_order(a[m], w)));
+}
+
+template <typename W, int MB>
+inline void group(const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1, float* acc,
+                  const char* prefetch, const char* prefetch_end) {
+  if (prefetch)
+    group_pass<W, MB, true>(x, K, panel, k0, k1, acc, prefetch, prefetch_end);
+  else
+    group_pass<W, MB, false>(x, K, panel, k0, k1, acc, nullptr, nullptr);
+}
+
+template <typename W>
+__attribute__((noinline)) void group_any(int64_t mb, const float* x, int64_t K, const W* panel, int64_t k0,
+                                         int64_t k1, float* acc, const char* prefetch, const char* prefetch_end) {
+  switch (mb) {
+    case 4: group<W, 4>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 5: group<W, 5>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 6: group<W, 6>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 7: group<W, 7>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 8: group<W, 8>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 9: group<W, 9>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 10: group<W, 10>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    case 11: group<W, 11>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+    default: group<W, 12>(x, K, panel, k0, k1, acc, prefetch, prefetch_end); break;
+  }
+}
+
+}  // namespace wide
+#pragma GCC pop_options
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+bool use_avx512 = cpu_has_avx512();  // set_avx512 turns it off (and on again) for tests and benchmarks
+
 // fp32 -> bf16 rounding to nearest even (NaN -> 0x7FC0), as c10::BFloat16's constructor does.
 inline __m128i to_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -127,7 +211,9 @@ inline void store_row(const float* acc, int64_t cols, at::BFloat16* y) {
 template <typename W, typename Y>
 void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t N, Y* y) {
   const int64_t panels = (N + kCols - 1) / kCols;
-  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  const bool wide_rows = use_avx512 && M >= kWideMinRows;  // groups of >= 4 rows: wide::group_any's cases
+  const int64_t group_rows = wide_rows ? kWideGroupRows : kGroupRows;
+  const int64_t groups = (M + group_rows - 1) / group_rows;
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     float on_stack[kStackRows * kCols];
     std::vector<float> on_heap(M > kStackRows ? M * kCols : 0);
@@ -141,8 +227,12 @@ void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t N, Y* y
         const int64_t k1 = std::min(K, k0 + kChunk);
         const char* ahead = reinterpret_cast<const char*>(panel + k0 * kCols) + kPrefetchBytes;
         for (int64_t g = 0, m = 0; g < groups; ++g) {
-          const int64_t mb = (M - m) / (groups - g);  // near-equal groups of at most kGroupRows
-          group_any(mb, x + m * K, K, panel, k0, k1, acc + m * kCols, g == 0 ? ahead : nullptr, end);
+          const int64_t mb = (M - m) / (groups - g);  // near-equal groups of at most group_rows
+          const char* pf = g == 0 ? ahead : nullptr;
+          if (wide_rows)
+            wide::group_any(mb, x + m * K, K, panel, k0, k1, acc + m * kCols, pf, end);
+          else
+            group_any(mb, x + m * K, K, panel, k0, k1, acc + m * kCols, pf, end);
           m += mb;
         }
       }
@@ -233,11 +323,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return y;
 }
 
+// mode 1 / 0: use AVX-512 for calls of kWideMinRows rows or more where the CPU has it / never;
+// -1: leave as is. Returns whether it is used now. Both give the same bits (tests check that).
+bool set_avx512(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "stream_gemm.set_avx512: mode is -1 (query), 0 (off) or 1 (on), got ", mode);
+  if (mode >= 0) use_avx512 = mode == 1 && cpu_has_avx512();
+  return use_avx512;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specpilot_cpu, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("set_avx512(int mode) -> bool", &set_avx512);  // no tensors: one kernel for every dispatch key
 }
 TORCH_LIBRARY_IMPL(specpilot_cpu, CPU, m) {
   m.impl("pack", &pack);

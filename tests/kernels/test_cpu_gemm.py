@@ -69,6 +69,32 @@ def test_bf16_results_round_as_pytorch_does():
     assert torch.equal(got.nan_to_num(0).view(torch.int16), want.nan_to_num(0).view(torch.int16))
 
 
+@pytest.mark.skipif(not cpu_gemm.cpu_has_avx512(), reason="this CPU lacks AVX-512F: only the AVX2 code runs here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx512_gives_the_avx2_bits(dtype):
+    """Calls of 4+ rows run on AVX-512 where the CPU has it: the same FMAs in the same order as the
+    AVX2 code, so the same bits (a machine with AVX-512 computes what one without does)."""
+    torch.manual_seed(4)
+    weight = pack(torch.randn(203, 581).to(dtype))
+    x = torch.randn(40, 581).to(dtype)
+    assert cpu_gemm.use_avx512() is True  # on by default where the CPU has it
+    try:
+        got = {m: packed_linear(x[:m], weight, 203) for m in (4, 5, 8, 12, 13, 17, 25, 40)}
+        assert cpu_gemm.use_avx512(False) is False
+        for m, y in got.items():
+            assert torch.equal(y, packed_linear(x[:m], weight, 203)), m
+    finally:
+        cpu_gemm.use_avx512(True)
+
+
+def test_avx512_cannot_be_turned_on_without_the_cpu_for_it():
+    try:
+        assert cpu_gemm.use_avx512(True) is cpu_gemm.cpu_has_avx512()
+        assert cpu_gemm.use_avx512() is cpu_gemm.cpu_has_avx512()
+    finally:
+        cpu_gemm.use_avx512(True)
+
+
 def test_shape_and_dtype_follow_the_input():
     weight = torch.randn(64, 40, dtype=torch.bfloat16)
     x = torch.randn(2, 3, 40, dtype=torch.bfloat16)
@@ -96,6 +122,25 @@ def test_bad_input_is_refused_with_a_clear_error():
         packed_linear(torch.randn(1, 8), weight, 16)
     with pytest.raises(RuntimeError, match="17 output features"):
         packed_linear(torch.randn(1, 8), pack(weight), 17)
+
+
+def test_bf16_prefills_go_to_pytorch_only_where_the_cpu_has_amx():
+    """`StreamLinear` sends bf16 calls of PREFILL_ROWS rows or more to PyTorch's linear on AMX CPUs;
+    fewer rows (verification blocks, trees) and fp32 always take the kernel."""
+    import torch.nn.functional as F
+
+    from engine.packed import PREFILL_ROWS, StreamLinear
+
+    torch.manual_seed(5)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    x = torch.randn(PREFILL_ROWS, 64).to(torch.bfloat16)
+    kernel = packed_linear(x, pack(weight), 96)
+    amx = "amx_bf16" in cpu_gemm.cpu_flags()
+    linear = StreamLinear(weight)
+    assert linear.prefill_rows == (PREFILL_ROWS if amx else 0)
+    assert torch.equal(linear(x[:-1]), kernel[:-1])
+    assert torch.equal(linear(x), F.linear(x, weight) if amx else kernel)
+    assert StreamLinear(weight.float()).prefill_rows == 0
 
 
 def test_engine_with_stream_linears_speculates_losslessly():
