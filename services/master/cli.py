@@ -85,7 +85,8 @@ def controller_flags(args: argparse.Namespace) -> list[str]:
 
 def cmd_round(args: argparse.Namespace) -> int:
     data = cli.data_dir(args)
-    if not args.nats:
+    local = not args.nats
+    if local:
         cli.ensure_up(args, extra_flags={"controller": controller_flags(args)}, timeout=120.0)
     request = {"deployment": args.deployment, "planner": args.planner, "coder": args.coder, "rounds": args.rounds,
                "sealed_requests": args.sealed_requests, "sealed_trials": args.sealed_trials, "minutes": args.minutes}
@@ -101,6 +102,8 @@ def cmd_round(args: argparse.Namespace) -> int:
               "final_commit": summary.get("final_commit", ""), "charts": [str(c) for c in charts],
               "final_system": f"git branch best/{args.deployment} in {data / 'controller' / 'systems'}"}
     out.print(f"ledger: {result['ledger']}; final system: {result['final_system']}")
+    if local:  # they stay up so the next round starts at once; say so, and how to stop them
+        out.print(f"the local NATS server and services keep running; stop them with: specpilot down --data {data}")
     if args.json:
         print(json.dumps(result, separators=(",", ":")))
     return 0
