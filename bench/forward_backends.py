@@ -5,7 +5,8 @@ machine moves every row alike.
     python bench/forward_backends.py                               # bf16: onednn_all, stream
     python bench/forward_backends.py --dtype fp32 --backends default,onednn_all,stream,stream-avx2
 
-A backend is a ``linear_backend`` value; ``stream-avx2`` is ``stream`` with the kernel's AVX-512
+A backend is a ``linear_backend`` value; ``stream-fma`` is ``stream`` with bf16 weights packed for the
+kernel's FMA code instead of its AMX tiles (`kernels.cpu_gemm.use_amx`), ``stream-avx2`` that with its AVX-512
 code turned off (`kernels.cpu_gemm.use_avx512`). Per backend and work: min and median milliseconds
 over ``--reps`` interleaved repetitions after an untimed one (a block's time is the best of 5 calls
 within a repetition).
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deployment", default="smollm2-cpu")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--backends", default="onednn_all,stream",
-                    help="comma-separated: default, onednn, onednn_all, stream, stream-avx2")
+                    help="comma-separated: default, onednn, onednn_all, stream, stream-fma, stream-avx2")
     ap.add_argument("--tokens", default="1,8,17", help="block sizes T after the cached context")
     ap.add_argument("--prompt", type=int, default=115, help="prefill tokens (0: no prefill)")
     ap.add_argument("--context", type=int, default=300, help="cached tokens before a block")
@@ -79,22 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     works = (["prefill"] if args.prompt else []) + [t.strip() for t in args.tokens.split(",") if t.strip()]
     models, caches = {}, {}
     for name in backends:
-        option = "stream" if name == "stream-avx2" else name
+        option = "stream" if name.startswith("stream") else name
+        if option == "stream":
+            cpu_gemm.use_amx(name == "stream")  # read at packing: stream-fma / -avx2 pack for FMAs
         with console.status(f"loading {args.deployment} with linear_backend={option}"):
             model = load_engine(args.deployment, {"linear_backend": option, "drafter": "none",
                                                   "dtype": args.dtype}).model
         models[name] = model
         caches[name] = model.new_cache(max(args.prompt, args.context + max(int(w) for w in works if w != "prefill")))
+    cpu_gemm.use_amx(True)
     times: dict[str, dict[str, list[float]]] = {b: {w: [] for w in works} for b in backends}
     for rep in range(-1, args.reps):  # repetition -1 warms up (first calls plan and allocate), untimed
         for name, model in models.items():
             if name.startswith("stream"):
-                cpu_gemm.use_avx512(name == "stream")
+                cpu_gemm.use_avx512(name != "stream-avx2")
             for work, ms in measure(model, caches[name], works, args.prompt, args.context).items():
                 if rep >= 0:
                     times[name][work].append(ms)
         console.print(f"repetition {rep + 1}/{args.reps} done" if rep >= 0 else "warmed up")
-    if "stream" in models or "stream-avx2" in models:
+    if "stream-avx2" in models:
         cpu_gemm.use_avx512(True)
     table = Table(title=f"{args.deployment} {args.dtype} forwards, {args.threads} threads, ms (min / median of "
                         f"{args.reps}); prefill {args.prompt} tokens, blocks after {args.context} cached")
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "forward_backends", "deployment": args.deployment, "dtype": args.dtype,
                       "threads": args.threads, "prompt": args.prompt, "context": args.context,
                       "avx512": cpu_gemm.cpu_has_avx512(), "amx_bf16": "amx_bf16" in cpu_gemm.cpu_flags(),
+                      "amx": cpu_gemm.cpu_has_amx(),
                       "date": time.strftime("%Y-%m-%d"), "rows": rows}))
     return 0
 

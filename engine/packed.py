@@ -22,9 +22,10 @@ token forcing. It holds a second copy of every weight (the packed one). No-op of
 weight packed once into the kernel's layout; it keeps the module's own weight as ``weight`` (a tied
 LM head stays tied to the embedding, which reads it). Its rows are batch-invariant: a T-row
 verification block gives each row bit for bit what a one-row step gives it. Other bits than the
-default path, so the same forcing rule applies. On CPUs with AMX-BF16 a bf16 call of `PREFILL_ROWS`
-rows or more (a prefill) goes through PyTorch's linear instead (oneDNN's AMX GEMM): AR and
-speculation prefill alike, so this moves no output between them.
+default path, so the same forcing rule applies. On CPUs with AMX-BF16 a bf16 weight is packed for
+the kernel's AMX path (every call of that linear, whatever its row count, then runs on tiles: rows
+stay batch-invariant; other bits than the FMA path, and a verification block of up to 16 rows costs
+about one row's time).
 """
 
 from __future__ import annotations
@@ -57,31 +58,23 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-# bf16 calls of this many rows or more (prefills) go through PyTorch's linear where the CPU has AMX:
-# oneDNN's AMX GEMM ran a 115-token SmolLM2 bf16 prefill in 64 ms against the kernel's 143 ms (2-core
-# Xeon with AMX-BF16, 2026-12-03), while the kernel wins below ~16 rows. Verification blocks and trees
-# (up to 33 rows) stay below it, so their rows keep the kernel's batch invariance.
-PREFILL_ROWS = 64
-
-
 class StreamLinear(nn.Module):
-    """``x @ weight.T`` through `kernels.cpu_gemm` over ``weight`` [N, K] packed once (bf16 prefills
-    through PyTorch where the CPU has AMX, see `PREFILL_ROWS`)."""
+    """``x @ weight.T`` through `kernels.cpu_gemm` over ``weight`` [N, K] packed once: on AMX tiles
+    where `kernels.cpu_gemm.amx_suits` says so (bf16, chosen at packing), else on the FMA code."""
 
     def __init__(self, weight: Tensor):
-        from kernels.cpu_gemm import build, cpu_flags
+        from kernels.cpu_gemm import amx_suits, build
 
         super().__init__()
         self.weight = weight  # a linear's own Parameter stays shared: tied weights stay tied
         self.out_features = weight.shape[0]
-        self._ops = build()
-        self.register_buffer("packed", self._ops.pack(weight.detach()), persistent=False)
-        self.prefill_rows = PREFILL_ROWS if weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else 0
+        ops = build()
+        self.amx = amx_suits(weight)
+        pack, self._linear = (ops.pack_amx, ops.linear_amx) if self.amx else (ops.pack, ops.linear)
+        self.register_buffer("packed", pack(weight.detach()), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.prefill_rows and x.numel() >= self.prefill_rows * x.shape[-1]:
-            return F.linear(x, self.weight)
-        return self._ops.linear(x, self.packed, self.out_features)
+        return self._linear(x, self.packed, self.out_features)
 
 
 BACKENDS = ("onednn", "onednn_all", "stream")  # the `linear_backend` values this module serves

@@ -1,6 +1,7 @@
 """A weight-streaming small-M GEMM for CPUs with AVX2 and FMA (AVX-512 where the CPU has it), for
 decode steps, verification blocks and prefill: ``y = x @ W.T`` with W fp32 or bf16 packed once
-(`pack`), x fp32 or bf16, fp32 arithmetic, the result in x's dtype (`packed_linear`).
+(`pack`), x fp32 or bf16, fp32 arithmetic, the result in x's dtype (`packed_linear`). On CPUs with
+AMX-BF16 a second path for bf16 x and W (`pack_amx`, `packed_linear_amx`) runs on the tiles.
 
 Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative decoding lives. On
 the 2-core AMD EPYC (Zen 3) VM of 2026-12-02, MKL's fp32 GEMV reads the weights at ~7 GB/s against
@@ -24,6 +25,12 @@ gets alone. It differs from `reference.stream_linear` (and from MKL) in the last
 C++ source is compiled once per machine with the system's C++ compiler through
 `torch.utils.cpp_extension` (cached under the torch extensions directory, ~30 s the first time;
 `build()` does it up front). `available()` says whether this machine can run it.
+
+The AMX path keeps the same two invariants (rows batch-invariant, columns independent: every output
+accumulates the tile instruction's products over k in chunks of 32, in one order for every row) but
+gives other bits than the FMA path, so the path belongs to the packed weight: `amx_suits` decides
+at packing (bf16, K a multiple of 32, `use_amx`, `cpu_has_amx`) and every call of that weight takes
+it, whatever its row count. See README.md for the schedule and the measurements.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from . import reference
 
 SOURCE = Path(__file__).with_name("stream_gemm.cpp")
 EXTENSION = "specpilot_cpu_gemm"
+AMX_DEPTH = 32  # k values a tile row: the AMX path takes weights whose K is a multiple of it
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,6 +86,31 @@ def cpu_has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+_amx_wanted = True  # use_amx's switch; read when a weight is packed
+
+
+def cpu_has_amx() -> bool:
+    """Whether bf16 weights can take the kernel's AMX-BF16 path: the CPU has AMX tiles and BF16, and
+    Linux granted this process the tile state (asked for on the first call)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and build().amx_ready()
+
+
+def use_amx(enabled: bool | None = None) -> bool:
+    """Pack bf16 weights for the AMX path from now on (the default where `cpu_has_amx`) or not; None
+    only asks. Returns whether new bf16 packs take it. Weights packed earlier keep their path: the
+    choice is made at packing, and the two paths give different bits (each batch-invariant)."""
+    global _amx_wanted
+    if enabled is not None:
+        _amx_wanted = bool(enabled)
+    return _amx_wanted and cpu_has_amx()
+
+
+def amx_suits(weight: Tensor) -> bool:
+    """Whether `engine.packed.StreamLinear` packs ``weight`` for the AMX path: bf16, K a multiple of
+    32, `use_amx`."""
+    return weight.dtype == torch.bfloat16 and weight.shape[-1] % AMX_DEPTH == 0 and use_amx()
+
+
 def use_avx512(enabled: bool | None = None) -> bool:
     """Turn the AVX-512 code on (the default where the CPU has it) or off for this process; None only
     asks. Returns whether it is used now: never on a CPU without AVX-512F. For tests and benchmarks:
@@ -110,6 +143,17 @@ def pack(weight: Tensor) -> Tensor:
     return build().pack(weight)
 
 
+def pack_amx(weight: Tensor) -> Tensor:
+    """bf16 ``weight`` [N, K] (K a multiple of 32) in the AMX layout: [ceil(N / 16), K, 16] bf16,
+    each panel as K / 2 rows of 16 column pairs. Raises where `cpu_has_amx` is false."""
+    return build().pack_amx(weight)
+
+
+def packed_linear_amx(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """``x @ W.T`` for bf16 x [..., K] and ``packed = pack_amx(W)``, on AMX tiles; bf16 result."""
+    return build().linear_amx(x, packed, out_features)
+
+
 def packed_linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     """``x @ W.T`` for x [..., K] (fp32 or bf16) and ``packed = pack(W)`` (W has ``out_features``
     rows); the result in x's dtype. See the module docstring for the contract."""
@@ -122,5 +166,6 @@ def stream_linear(x: Tensor, weight: Tensor) -> Tensor:
     return packed_linear(x, pack(weight), weight.shape[0])
 
 
-__all__ = ["available", "build", "cpu_flags", "cpu_has_avx512", "cpu_supported", "pack", "packed_linear", "reference",
-           "stream_linear", "use_avx512"]
+__all__ = ["AMX_DEPTH", "amx_suits", "available", "build", "cpu_flags", "cpu_has_amx", "cpu_has_avx512",
+           "cpu_supported", "pack", "pack_amx", "packed_linear", "packed_linear_amx", "reference", "stream_linear",
+           "use_amx", "use_avx512"]

@@ -1,6 +1,6 @@
-// Weight-streaming small-M GEMM for CPUs with AVX2 + FMA (and AVX-512 where the CPU has it), over
-// weights packed once into k-major panels: y[m, n] = sum_k x[m, k] * w[n, k]. See __init__.py for
-// the contract.
+// Weight-streaming small-M GEMM for CPUs with AVX2 + FMA (and AVX-512 where the CPU has it; bf16 on
+// AMX tiles where the CPU has AMX-BF16, see `amx::`), over weights packed once into k-major panels:
+// y[m, n] = sum_k x[m, k] * w[n, k]. See __init__.py for the contract.
 //
 // Layout (`pack`): W [N, K] becomes P = ceil(N / 16) panels [P, K, 16]: for each k the weights of
 // the panel's 16 output columns side by side (zero past N). A thread streams its panels front to
@@ -30,6 +30,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -182,6 +184,7 @@ __attribute__((noinline)) void group_any(int64_t mb, const float* x, int64_t K, 
 }  // namespace wide
 #pragma GCC pop_options
 
+
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
@@ -207,6 +210,159 @@ inline void store_row(const float* acc, int64_t cols, at::BFloat16* y) {
     for (int64_t i = 0; i < cols; ++i) y[i] = at::BFloat16(acc[i]);
   }
 }
+
+
+// ---- AMX-BF16: bf16 x against bf16 weights on tiles ----------------------------------------------
+// Layout (`pack_amx`, K a multiple of 32): the same [P, K, 16] shape, each panel as K / 2 rows of
+// 16 column pairs (VNNI): element (p, j, n, e) = W[16 p + n, 2 j + e], so 32 k of a panel are one
+// 1 KB B tile (16 rows of 64 bytes). Arithmetic: each output accumulates TDPBF16PS's pair products
+// over k in chunks of 32 from 0, k ascending, in an fp32 tile; the instruction treats every row of
+// the A tile alike, so a row's result does not depend on the other rows of the call or on how rows
+// are grouped (batch invariance, as on the FMA path, but other bits than it). See `gemm` for the
+// schedule.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f")
+namespace amx {
+
+constexpr int64_t kRows = 16;     // rows of an A / C tile
+constexpr int64_t kDepth = 32;    // k values an A tile row / a B tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+const TileConfig& config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;  // C: 16 fp32; A: 32 bf16; B: 16 column pairs
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+// Linux hands out AMX state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool ready() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Results of a pass leave through a C tile: its first `rows` rows, `cols` (<= 16) columns to y.
+inline void store_tile(const float* c, int64_t rows, int64_t cols, at::BFloat16* y, int64_t N) {
+  for (int64_t m = 0; m < rows; ++m) store_row(c + m * kCols, cols, y + m * N);
+}
+
+// One pass of up to 16 rows: NP panels (starting at `panel`, K * 16 elements apart) against the rows
+// at `a` (row stride lda elements; 16 readable); C tiles 0..NP-1, A tile 4, B tiles 5-7 (5 again for
+// the fourth panel). rows < `rows` of the results go to y (row stride N), `cols` columns from p.
+template <int NP>
+void pass16(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t K, int64_t rows, int64_t cols,
+            at::BFloat16* y, int64_t N) {
+  const int64_t panel_stride = K * kCols;
+  _tile_zero(0);
+  if (NP > 1) _tile_zero(1);
+  if (NP > 2) _tile_zero(2);
+  if (NP > 3) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kDepth) {
+    const at::BFloat16* b = panel + k * kCols;  // 32 k of a panel: 512 elements
+    _tile_loadd(4, a + k, lda * 2);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NP > 1) { _tile_loadd(6, b + panel_stride, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (NP > 2) { _tile_loadd(7, b + 2 * panel_stride, 64); _tile_dpbf16ps(2, 4, 7); }
+    if (NP > 3) { _tile_loadd(5, b + 3 * panel_stride, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  alignas(64) float c[4][kRows * kCols];
+  _tile_stored(0, c[0], 64);
+  if (NP > 1) _tile_stored(1, c[1], 64);
+  if (NP > 2) _tile_stored(2, c[2], 64);
+  if (NP > 3) _tile_stored(3, c[3], 64);
+  for (int i = 0; i < NP; ++i) store_tile(c[i], rows, std::min(kCols, cols - i * kCols), y + i * kCols, N);
+}
+
+// One pass of up to 32 rows (two A tiles, 4 and 5) against NP <= 2 panels (B tiles 6, 7): C tile
+// 2 r + i holds row half r of panel i. Every row still meets the same instructions over the same k.
+template <int NP>
+void pass32(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t K, int64_t rows, int64_t cols,
+            at::BFloat16* y, int64_t N) {
+  const int64_t panel_stride = K * kCols;
+  _tile_zero(0);
+  _tile_zero(2);
+  if (NP > 1) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t k = 0; k < K; k += kDepth) {
+    const at::BFloat16* b = panel + k * kCols;
+    _tile_loadd(4, a + k, lda * 2);
+    _tile_loadd(5, a + kRows * lda + k, lda * 2);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NP > 1) {
+      _tile_loadd(7, b + panel_stride, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][kRows * kCols];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(2, c[2], 64);
+  if (NP > 1) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
+  const int64_t top = std::min(rows, kRows), bottom = rows - top;
+  for (int i = 0; i < NP; ++i) {
+    const int64_t n = std::min(kCols, cols - i * kCols);
+    store_tile(c[i], top, n, y + i * kCols, N);
+    store_tile(c[2 + i], bottom, n, y + kRows * N + i * kCols, N);
+  }
+}
+
+// Calls of up to 16 rows: one group, passes of four panels. More rows: groups of 32, two panels a
+// pass (each weight tile is loaded once for 32 rows). A partial last group reads a zero-padded copy.
+void gemm(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed, int64_t N, at::BFloat16* y) {
+  const bool tall = M > kRows;
+  const int64_t group_rows = tall ? 2 * kRows : kRows, pass_panels = tall ? 2 : 4;
+  const int64_t panels = (N + kCols - 1) / kCols;
+  const int64_t passes = (panels + pass_panels - 1) / pass_panels;
+  const int64_t full_groups = M / group_rows, tail = M % group_rows;
+  std::vector<at::BFloat16> padded(tail ? group_rows * K : 0, at::BFloat16(0.0f));
+  if (tail) std::memcpy(padded.data(), x + full_groups * group_rows * K, tail * K * sizeof(at::BFloat16));
+  at::parallel_for(0, passes, 1, [&](int64_t q0, int64_t q1) {
+    _tile_loadconfig(&config());
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = q * pass_panels, np = std::min(pass_panels, panels - p), cols = N - p * kCols;
+      const at::BFloat16* panel = packed + p * K * kCols;
+      for (int64_t g = 0; g < full_groups + (tail ? 1 : 0); ++g) {
+        const bool last = g == full_groups;
+        const at::BFloat16* a = last ? padded.data() : x + g * group_rows * K;
+        const int64_t rows = last ? tail : group_rows;
+        at::BFloat16* out = y + g * group_rows * N + p * kCols;
+        if (tall) {
+          if (np == 1) pass32<1>(a, K, panel, K, rows, cols, out, N);
+          else pass32<2>(a, K, panel, K, rows, cols, out, N);
+        } else {
+          switch (np) {
+            case 1: pass16<1>(a, K, panel, K, rows, cols, out, N); break;
+            case 2: pass16<2>(a, K, panel, K, rows, cols, out, N); break;
+            case 3: pass16<3>(a, K, panel, K, rows, cols, out, N); break;
+            default: pass16<4>(a, K, panel, K, rows, cols, out, N); break;
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
+#pragma GCC pop_options
 
 template <typename W, typename Y>
 void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t N, Y* y) {
@@ -323,6 +479,52 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return y;
 }
 
+at::Tensor pack_amx(const at::Tensor& weight) {
+  TORCH_CHECK(amx::ready(), "stream_gemm.pack_amx: this CPU or process cannot use AMX-BF16 (see amx_ready)");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "stream_gemm.pack_amx: the weight must be a bfloat16 [N, K] CPU matrix");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % amx::kDepth == 0, "stream_gemm.pack_amx: K = ", K, " is not a multiple of ", amx::kDepth);
+  const int64_t panels = (N + kCols - 1) / kCols;
+  at::Tensor out = at::empty({panels, K, kCols}, w.options());
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < K / 2; ++j)
+        for (int64_t i = 0; i < kCols; ++i)
+          for (int64_t e = 0; e < 2; ++e) {
+            const int64_t n = p * kCols + i;
+            dst[((p * K / 2 + j) * kCols + i) * 2 + e] = n < N ? src[n * K + 2 * j + e] : at::BFloat16(0.0f);
+          }
+  });
+  return out;
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "stream_gemm.linear_amx: CPU tensors only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && packed.size(1) % amx::kDepth == 0,
+              "stream_gemm.linear_amx: the weight must be packed by stream_gemm.pack_amx");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "stream_gemm.linear_amx: x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(amx::ready(), "stream_gemm.linear_amx: this CPU or process cannot use AMX-BF16");
+  const int64_t K = packed.size(1), N = out_features;
+  TORCH_CHECK(N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols, "stream_gemm.linear_amx: ", N,
+              " output features do not fit a packed weight of ", packed.size(0), " panels of ", kCols);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "stream_gemm.linear_amx: x has ", x.size(-1), " features, the weight ", K);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  at::Tensor y = at::empty(shape, x.options());
+  if (rows.size(0) == 0) return y;
+  amx::gemm(rows.data_ptr<at::BFloat16>(), rows.size(0), K, packed.data_ptr<at::BFloat16>(), N,
+            y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+bool amx_ready() { return amx::ready(); }
+
 // mode 1 / 0: use AVX-512 for calls of kWideMinRows rows or more where the CPU has it / never;
 // -1: leave as is. Returns whether it is used now. Both give the same bits (tests check that).
 bool set_avx512(int64_t mode) {
@@ -337,8 +539,13 @@ TORCH_LIBRARY(specpilot_cpu, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("set_avx512(int mode) -> bool", &set_avx512);  // no tensors: one kernel for every dispatch key
+  m.def("amx_ready() -> bool", &amx_ready);
+  m.def("pack_amx(Tensor weight) -> Tensor");
+  m.def("linear_amx(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specpilot_cpu, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("pack_amx", &pack_amx);
+  m.impl("linear_amx", &linear_amx);
 }

@@ -124,23 +124,62 @@ def test_bad_input_is_refused_with_a_clear_error():
         packed_linear(torch.randn(1, 8), pack(weight), 17)
 
 
-def test_bf16_prefills_go_to_pytorch_only_where_the_cpu_has_amx():
-    """`StreamLinear` sends bf16 calls of PREFILL_ROWS rows or more to PyTorch's linear on AMX CPUs;
-    fewer rows (verification blocks, trees) and fp32 always take the kernel."""
-    import torch.nn.functional as F
+needs_amx = pytest.mark.skipif(not (cpu_gemm.available() and cpu_gemm.cpu_has_amx()),
+                               reason="the AMX path needs a CPU with AMX-BF16 (and Linux's permission)")
 
-    from engine.packed import PREFILL_ROWS, StreamLinear
+
+@needs_amx
+def test_amx_path_agrees_with_the_reference_and_its_rows_are_batch_invariant():
+    """Every row count through the tiles (one group of 16, groups of 32, partial groups, several
+    passes and a partial last panel): the reference to bf16 rounding, and each row bit for bit what
+    it gets alone."""
+    torch.manual_seed(11)
+    weight = torch.randn(100, 96).to(torch.bfloat16)  # 7 panels, the last of 4 columns
+    packed = cpu_gemm.pack_amx(weight)
+    x = torch.randn(70, 96).to(torch.bfloat16)
+    alone = torch.cat([cpu_gemm.packed_linear_amx(x[i:i + 1], packed, 100) for i in range(70)])
+    torch.testing.assert_close(alone, reference.stream_linear(x, weight), rtol=1e-2, atol=2e-2)
+    for rows in (2, 8, 16, 17, 32, 33, 70):
+        assert torch.equal(cpu_gemm.packed_linear_amx(x[:rows], packed, 100), alone[:rows]), rows
+    # columns are independent: a concatenated weight gives each part its own bits
+    other = torch.randn(48, 96).to(torch.bfloat16)
+    both = cpu_gemm.packed_linear_amx(x[:5], cpu_gemm.pack_amx(torch.cat([weight, other])), 148)
+    assert torch.equal(both[:, :100], alone[:5])
+
+
+@needs_amx
+def test_stream_linear_packs_bf16_for_amx_unless_told_not_to():
+    from engine.packed import StreamLinear
 
     torch.manual_seed(5)
     weight = torch.randn(96, 64).to(torch.bfloat16)
-    x = torch.randn(PREFILL_ROWS, 64).to(torch.bfloat16)
-    kernel = packed_linear(x, pack(weight), 96)
-    amx = "amx_bf16" in cpu_gemm.cpu_flags()
-    linear = StreamLinear(weight)
-    assert linear.prefill_rows == (PREFILL_ROWS if amx else 0)
-    assert torch.equal(linear(x[:-1]), kernel[:-1])
-    assert torch.equal(linear(x), F.linear(x, weight) if amx else kernel)
-    assert StreamLinear(weight.float()).prefill_rows == 0
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    on_tiles = StreamLinear(weight)
+    assert on_tiles.amx and torch.equal(on_tiles(x), cpu_gemm.packed_linear_amx(x, cpu_gemm.pack_amx(weight), 96))
+    assert not StreamLinear(weight.float()).amx and not StreamLinear(weight[:, :40]).amx  # fp32; K % 32 != 0
+    try:
+        assert not cpu_gemm.use_amx(False)
+        on_fma = StreamLinear(weight)
+        assert not on_fma.amx and torch.equal(on_fma(x), packed_linear(x, pack(weight), 96))
+    finally:
+        cpu_gemm.use_amx(True)
+    assert on_tiles.amx  # chosen at packing: the switch does not move a packed weight
+
+
+@needs_amx
+def test_amx_path_refuses_bad_input_with_a_clear_error():
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        cpu_gemm.pack_amx(weight[:, :48])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_gemm.pack_amx(weight.float())
+    packed = cpu_gemm.pack_amx(weight)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        cpu_gemm.packed_linear_amx(torch.randn(1, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="packed by stream_gemm.pack_amx"):
+        cpu_gemm.packed_linear_amx(torch.randn(1, 64).to(torch.bfloat16), weight, 32)
+    with pytest.raises(RuntimeError, match="has 63 features"):
+        cpu_gemm.packed_linear_amx(torch.randn(1, 63).to(torch.bfloat16), packed, 32)
 
 
 def test_engine_with_stream_linears_speculates_losslessly():
