@@ -323,8 +323,8 @@ def peer(model, dep, opts: EngineOptions, prompts, max_new, reference: list[list
     transformers' greedy output equals them is reported (a cross-check of the weights too)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        return {"skipped": "transformers is not installed"}
+    except ImportError as exc:  # not installed, or broken (see pyproject.toml's pin)
+        return {"skipped": f"transformers cannot be imported ({exc}); pip install -e '.[dev]'"}
     cfg = model.cfg
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.intermediate,
