@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -184,7 +185,6 @@ __attribute__((noinline)) void group_any(int64_t mb, const float* x, int64_t K, 
 }  // namespace wide
 #pragma GCC pop_options
 
-
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
@@ -210,7 +210,6 @@ inline void store_row(const float* acc, int64_t cols, at::BFloat16* y) {
     for (int64_t i = 0; i < cols; ++i) y[i] = at::BFloat16(acc[i]);
   }
 }
-
 
 // ---- AMX-BF16: bf16 x against bf16 weights on tiles ----------------------------------------------
 // Layout (`pack_amx`, K a multiple of 32): the same [P, K, 16] shape, each panel as K / 2 rows of
@@ -452,6 +451,19 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t
     gemm(x, M, K, packed.data_ptr<W>(), N, y.data_ptr<at::BFloat16>());
 }
 
+// Both paths' last checks and set-up: N must fit the packed panels and x's last dim the weight's K;
+// returns x as contiguous [M, K] rows and an empty result of x's leading shape by N, in x's dtype.
+std::pair<at::Tensor, at::Tensor> rows_and_result(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                                                  int64_t N) {
+  const int64_t K = packed.size(1);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols, op, ": ", N,
+              " output features do not fit a packed weight of ", packed.size(0), " panels of ", kCols);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, op, ": x has ", x.size(-1), " features, the weight ", K);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  return {x.reshape({-1, K}).contiguous(), at::empty(shape, x.options())};
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "stream_gemm.linear: CPU tensors only");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(),
@@ -461,14 +473,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "stream_gemm.linear: x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t K = packed.size(1), N = out_features;
-  TORCH_CHECK(N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols, "stream_gemm.linear: ", N,
-              " output features do not fit a packed weight of ", packed.size(0), " panels of ", kCols);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "stream_gemm.linear: x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  auto [rows, y] = rows_and_result("stream_gemm.linear", x, packed, N);
   const int64_t M = rows.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(N);
-  at::Tensor y = at::empty(shape, x.options());  // the result in x's dtype
   if (M == 0 || K == 0) return y.zero_();
   thread_local std::vector<float> widened;
   const float* xf = rows_fp32(rows, widened);
@@ -510,13 +516,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t out
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "stream_gemm.linear_amx: x must be bfloat16, got ", x.scalar_type());
   TORCH_CHECK(amx::ready(), "stream_gemm.linear_amx: this CPU or process cannot use AMX-BF16");
   const int64_t K = packed.size(1), N = out_features;
-  TORCH_CHECK(N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols, "stream_gemm.linear_amx: ", N,
-              " output features do not fit a packed weight of ", packed.size(0), " panels of ", kCols);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "stream_gemm.linear_amx: x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(N);
-  at::Tensor y = at::empty(shape, x.options());
+  auto [rows, y] = rows_and_result("stream_gemm.linear_amx", x, packed, N);
   if (rows.size(0) == 0) return y;
   amx::gemm(rows.data_ptr<at::BFloat16>(), rows.size(0), K, packed.data_ptr<at::BFloat16>(), N,
             y.data_ptr<at::BFloat16>());
