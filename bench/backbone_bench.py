@@ -61,7 +61,7 @@ def recording(n: int, publishers: int, rate: float) -> dict:
         await b.close()
 
     asyncio.run(prov())
-    rec = subprocess.Popen([sys.executable, "-m", "services.memory", "--data", str(data), "--nats", srv.url,
+    rec = subprocess.Popen([sys.executable, "-m", "specpilot.services.memory", "--data", str(data), "--nats", srv.url,
                             "--creds", str(natsd.creds_path(data, "memory"))], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2.0)
@@ -88,7 +88,7 @@ def recording(n: int, publishers: int, rate: float) -> dict:
         if led_rows >= total:
             break
         led.close()
-        rec = subprocess.Popen([sys.executable, "-m", "services.memory", "--data", str(data), "--nats", srv.url,
+        rec = subprocess.Popen([sys.executable, "-m", "specpilot.services.memory", "--data", str(data), "--nats", srv.url,
                                 "--creds", str(natsd.creds_path(data, "memory"))], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2.0)

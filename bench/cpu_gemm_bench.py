@@ -1,4 +1,4 @@
-"""The AVX2 weight-streaming GEMM (`kernels.cpu_gemm.packed_linear`, option ``linear_backend =
+"""The AVX2 weight-streaming GEMM (`specpilot_kernels.cpu_gemm.packed_linear`, option ``linear_backend =
 "stream"``) against PyTorch's CPU ``F.linear`` on SmolLM2's linear shapes, at M = 1-10 rows.
 
     python bench/cpu_gemm_bench.py                 # fp32 and bf16 weights, M = 1, 2, 4, 8, 10
@@ -30,7 +30,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.cpu_gemm import cpu_has_amx, cpu_supported, pack, pack_amx, packed_linear, packed_linear_amx  # noqa: E402
+from specpilot_kernels.cpu_gemm import (  # noqa: E402
+    cpu_has_amx,
+    cpu_supported,
+    pack,
+    pack_amx,
+    packed_linear,
+    packed_linear_amx,
+)
 
 # SmolLM2-135M: the LM head (tied), gate/up, down, q/o, k/v.
 SHAPES = {"lm_head": (49152, 576), "gate_up": (1536, 576), "down": (576, 1536), "q_o": (576, 576), "k_v": (192, 576)}

@@ -5,7 +5,7 @@ proposes from the committed context (and, for hidden-state drafters, the target'
 before the root), the target accepts the longest matching prefix and adds its bonus token. So
 the AR outputs are generated once (cached in ``--outputs``) and any drafter, weights file or
 drafter setting is then scored in about a minute on 72 requests instead of a timed bench's
-eleven (`engine.replay.Replay`, pooled as the planner pools it: `costmodel.pooled_replay`). On
+eleven (`specpilot.harness.replay.Replay`, pooled as the planner pools it: `costmodel.pooled_replay`). On
 2026-12-01 the replayed tau of the 72 HumanEval dev requests matched `specpilot bench`'s
 measured 2.4599 to four digits. Prints a table and a JSON line.
 
@@ -27,11 +27,10 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from engine.api import load_engine
-from engine.deployment import DEFAULT_DEPLOYMENT, load_deployment
-from engine.replay import Replay
-from engine.requests import encode_requests, load_requests
-from services.master.costmodel import pooled_replay
+from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment, load_engine
+from specpilot.harness.replay import Replay
+from specpilot.harness.requests import encode_requests, load_requests
+from specpilot.services.master.costmodel import pooled_replay
 
 
 def main(argv: list[str] | None = None) -> int:

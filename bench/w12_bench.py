@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.w12.format import W12Weight, pack  # noqa: E402
-from kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
+from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64]

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.w12_bench import ShapeBench  # noqa: E402
-from kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
 

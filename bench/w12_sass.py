@@ -5,7 +5,7 @@ What it is for: the per-step cost of a configuration (instructions per weight, l
 barriers ``BAR``/``LDS``/``STS``, spills ``LDL``/``STL``) before spending device time on it. The
 compile gets what a real launch specialises on (pointers and the Llama-shaped sizes divisible by
 16), so its code is the code a launch runs. Counts are not times: wide dot tiles had a third fewer
-instructions and ran slower (kernels/w12/README.md).
+instructions and ran slower (specpilot_kernels/w12/README.md).
 
     python bench/w12_sass.py fma --bm 2 --bn 4 --bj 256 --warps 1
     python bench/w12_sass.py dot --bn 32 --bj 256 --stages 3 --sass /tmp/dot.sass
@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.w12 import kernel as w12  # noqa: E402
+from specpilot_kernels.w12 import kernel as w12  # noqa: E402
 
 INTS = ("M", "N", "K", "KH", "cols_per_split", "S", "stride_xm", "stride_ym")
 DIVISIBLE = ("N", "K", "KH", "cols_per_split", "stride_xm", "stride_ym")  # by 16, for Llama shapes

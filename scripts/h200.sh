@@ -114,7 +114,7 @@ for v in ("stock", "fused", "fused_split64"):
     b8 = out / f"b8_{v}.json"
     b = json.loads(b8.read_text().splitlines()[-1]) if b8.exists() else {"t_ms": None, "c": None}
     print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
-          f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
+          f"specpilot_kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
   gemv)  # the norm + GEMV kernels: CUDA tests, per-launch bench (--sweep: tiles), fused vs fused_gemv AR
@@ -140,7 +140,7 @@ for v in ("fused", "gemv"):
     s = json.loads(f.read_text().splitlines()[-1])
     prof = {p["T"]: (p["kernels"], p["graph_replay_us"]) for p in s.get("profile", [])}
     print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
-          f"kernels/replay_us {prof} vs_fused {s.get('vs_reference')}")
+          f"specpilot_kernels/replay_us {prof} vs_fused {s.get('vs_reference')}")
 PY
     ;;
   startup)  # seconds from a worker's start to its exit once ready, empty vs filled Triton cache
@@ -149,7 +149,7 @@ PY
     echo "$dep import torch + CUDA context $(python3 -c "print(round($e - $s, 2))") s"
     for cache in cold warm warm; do
       s=$(date +%s.%N)
-      TRITON_CACHE_DIR=$c python3 -m engine.worker --deployment "$dep" --options "$opts" --device cuda \
+      TRITON_CACHE_DIR=$c python3 -m specpilot.harness.worker --deployment "$dep" --options "$opts" --device cuda \
         --data-dir "$DATA" < /dev/null > /dev/null 2> /tmp/startup.err || tail -3 /tmp/startup.err
       e=$(date +%s.%N)
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"

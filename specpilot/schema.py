@@ -113,14 +113,14 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     verified_tokens: float = 0.0
     context: int = 0  # mean cached positions attended to during the profiled steps
     dtype: str = ""
-    shape: dict[str, int] = {}  # the target's dimensions (engine.model.ModelConfig)
+    shape: dict[str, int] = {}  # the target's dimensions (specpilot_engine.model.ModelConfig)
     replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
     chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
-    launches: dict[str, float] = {}  # operator launches per step by kernel class (engine.bench.launches)
+    launches: dict[str, float] = {}  # operator launches per step by kernel class (specpilot.harness.bench.launches)
     # Every other drafter of the target, replayed on the same outputs: {"chain_depths": [[...]] per
-    # request, "draft_s": seconds per chain proposal} (engine.replay.alternative_drafters)
+    # request, "draft_s": seconds per chain proposal} (specpilot.harness.replay.alternative_drafters)
     drafters: dict[str, dict[str, Any]] = {}
-    # c(n) of a full chain of n drafts, measured (engine.replay.chain_cost): n -> t(1 + n) / t(1)
+    # c(n) of a full chain of n drafts, measured (specpilot.harness.replay.chain_cost): n -> t(1 + n) / t(1)
     chain_cost: dict[int, float] = {}
     options: dict[str, Any] = {}  # the profiled system's options (overrides on the deployment's stock)
 
@@ -308,7 +308,7 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     contract: str = ""  # the correctness contract it was checked under
     evidence: list[str] = []  # event ids
     source_commit: str = ""
-    source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under engine/ and kernels/
+    source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under specpilot_engine/ and specpilot_kernels/
     stock_files: dict[str, str] = {}  # the same for the stock the delta is against (as registered by the controller)
 
 

@@ -1,7 +1,7 @@
 """What every service process shares: its command line, its connection, its micro registration,
 and a clean stop on SIGTERM/SIGINT.
 
-A service runs as ``python -m services.<name> [--data DIR | --nats URL --creds FILE]``. With only
+A service runs as ``python -m specpilot.services.<name> [--data DIR | --nats URL --creds FILE]``. With only
 ``--data`` it finds the local server and its own credentials in that data directory (what
 ``specpilot up`` does); with ``--nats``/``--creds`` it joins a server on another host.
 """
@@ -87,10 +87,10 @@ Factory = Callable[[ServiceConfig], tuple[Body | None, dict[str, Callable[[dict]
 
 def main(name: str, description: str, make: Factory | None = None, argv: list[str] | None = None,
          add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
-    """Entry point of ``python -m services.<name>``; ``make`` builds the body and endpoints.
+    """Entry point of ``python -m specpilot.services.<name>``; ``make`` builds the body and endpoints.
 
     ``add_args`` adds the service's own flags; ``make`` then finds them on ``cfg.args``."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m specpilot.services.{name}", description=description)
     add_connection_flags(parser)
     parser.add_argument("--log-level", default="INFO")
     if add_args:

@@ -47,7 +47,7 @@ def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
     log = open(srv.data / f"{name}.log", "ab")  # noqa: SIM115
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen(
-        [sys.executable, "-m", module or f"services.{name}", "--data", str(srv.data), "--nats", srv.url,
+        [sys.executable, "-m", module or f"specpilot.services.{name}", "--data", str(srv.data), "--nats", srv.url,
          "--creds", str(natsd.creds_path(srv.data, name)), *(extra or [])],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
     )

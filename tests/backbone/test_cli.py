@@ -16,7 +16,7 @@ from specpilot.schema import SERVICES
 from tests.backbone.helpers import directions, publish_all, wait_for_rows
 from tests.conftest import REPO, connect_as, spawn_service
 
-CLI = [sys.executable, "-m", "specpilot.cli"]
+CLI = [sys.executable, "-m", "specpilot.app.cli"]
 
 
 def run(*args: str, data: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -61,7 +61,7 @@ def test_dead_nats_server_gets_a_clear_error(tmp_path):
     assert res.returncode == 1
     assert "no NATS server answers" in res.stderr and "specpilot up" in res.stderr
     assert time.monotonic() - t0 < 30
-    svc = subprocess.run([sys.executable, "-m", "services.master", "--nats", f"nats://127.0.0.1:{port}",
+    svc = subprocess.run([sys.executable, "-m", "specpilot.services.master", "--nats", f"nats://127.0.0.1:{port}",
                           "--creds", str(natsd.creds_path(data, "master")), "--connect-timeout", "1"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert svc.returncode != 0 and "no NATS server answers" in svc.stderr
@@ -116,7 +116,7 @@ def test_every_command_has_help():
         res = subprocess.run([*CLI, *cmd, "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert res.returncode == 0 and "usage:" in res.stdout
     for name in SERVICES:
-        res = subprocess.run([sys.executable, "-m", f"services.{name}", "--help"], capture_output=True, text=True,
+        res = subprocess.run([sys.executable, "-m", f"specpilot.services.{name}", "--help"], capture_output=True, text=True,
                              cwd=REPO, timeout=60)
         assert res.returncode == 0 and "--nats" in res.stdout and "--creds" in res.stdout
 
@@ -155,7 +155,7 @@ def test_compose_names_every_service_with_a_real_command():
     assert "nats" in svcs and svcs["nats"]["command"][0] == "nats-server"
     for name in SERVICES:
         cmd = svcs[name]["command"]
-        assert cmd[:3] == ["python", "-m", f"services.{name}"]
+        assert cmd[:3] == ["python", "-m", f"specpilot.services.{name}"]
         assert cmd[cmd.index("--creds") + 1] == f"/data/creds/{name}.json"
         assert cmd[cmd.index("--nats") + 1].startswith("nats://nats:")
         # the command really parses: the module exists and takes these flags

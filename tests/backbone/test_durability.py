@@ -57,7 +57,7 @@ def _crash_run(server, module: str, seed: int, settle_s: float = 60) -> tuple[se
 
 @pytest.mark.slow
 def test_sigkilled_recorder_loses_and_duplicates_nothing(server):
-    ids, rows = _crash_run(server, "services.memory", seed=1)
+    ids, rows = _crash_run(server, "specpilot.services.memory", seed=1)
     recorded = [r[0] for r in rows]
     assert len(ids) == N_EVENTS
     assert len(recorded) == len(set(recorded)), "duplicated events"

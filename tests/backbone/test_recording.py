@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from specpilot import bus, ledger, schema, subjects
-from specpilot.cli import main as cli
+from specpilot.app.cli import main as cli
 from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
 from tests.conftest import connect_as, spawn_service, wait_for_services
 

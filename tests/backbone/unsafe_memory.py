@@ -6,12 +6,12 @@ disk; with it, a SIGKILL at a random point lands between the two often enough to
 
 import asyncio
 
-from services.memory.main import Recorder, main
+from specpilot.services.memory.main import Recorder, main
 
 
 class AckBeforeCommit(Recorder):
     async def record(self, deliveries):
-        from services.memory import logic
+        from specpilot.services.memory import logic
 
         plan = logic.classify(deliveries)
         await self.acknowledge(plan)

@@ -1,4 +1,10 @@
-"""Build candidate patches for controller tests: unified diffs made from the stock engine's own files."""
+"""Build candidate patches for controller tests: unified diffs made from the stock engine's own files.
+
+The worker (`specpilot.harness.worker`) is harness and never patched; a candidate's code runs inside it
+through the runtime, so probes hook the two runtime places every timed run passes: `build_engine` (once,
+before the worker says it is ready; ``engine`` is the loaded engine) and `Engine.generate` (each request,
+the worker's warm-up included; ``result`` is the GenerationResult, ``prompt_ids`` and ``max_new_tokens``
+the request, ``engine`` the engine)."""
 
 from __future__ import annotations
 
@@ -7,9 +13,9 @@ import textwrap
 
 from specpilot.paths import REPO_ROOT
 
-WORKER = "engine/worker.py"
-READY = '    send({"ready": True})\n'
-REPLY = '            send({"tokens": result.tokens, "steps": result.steps})\n'
+API = "specpilot_engine/api.py"
+READY = "    return engine\n"
+REPLY = "        return result\n"
 
 
 def diff(path: str, new_text: str) -> str:
@@ -18,17 +24,18 @@ def diff(path: str, new_text: str) -> str:
 
 
 def worker_patch(before_ready: str = "", before_reply: str = "") -> str:
-    """A diff of engine/worker.py running ``before_ready`` once at start-up and ``before_reply`` before
-    each reply (``result`` is the GenerationResult; ``req`` the request)."""
-    text = (REPO_ROOT / WORKER).read_text()
-    assert READY in text and REPLY in text, "engine/worker.py changed: update the probe anchors"
+    """A diff of specpilot_engine/api.py running ``before_ready`` once when the engine is built and
+    ``before_reply`` before each generation returns (see the module docstring for the names in scope)."""
+    text = (REPO_ROOT / API).read_text()
+    assert text.count(READY) == 1 and text.count(REPLY) == 1, f"{API} changed: update the probe anchors"
     if before_ready:
         text = text.replace(READY, textwrap.indent(textwrap.dedent(before_ready), "    ") + READY)
     if before_reply:
-        text = text.replace(REPLY, textwrap.indent(textwrap.dedent(before_reply), "            ") + REPLY)
-    return diff(WORKER, text)
+        code = "engine = self\n" + textwrap.dedent(before_reply)
+        text = text.replace(REPLY, textwrap.indent(code, "        ") + REPLY)
+    return diff(API, text)
 
-OPTIONS = "engine/options.py"
+OPTIONS = "specpilot_engine/options.py"
 OPTION_ANCHOR = "    ngram_min_match: int = 2"
 
 

@@ -1,7 +1,7 @@
 """The controller's checks and designs: whole answers (max_new_tokens or a stop token), sealed trial order,
 warm-up requests."""
 
-from services.controller.evaluate import Evaluator
+from specpilot.services.controller.evaluate import Evaluator
 
 EOS = 256  # the tiny model's stop token
 
@@ -22,7 +22,7 @@ def test_a_truncated_answer_is_incomplete(tmp_path):
 def test_sealed_trials_run_every_pair_of_systems_in_both_orders():
     from itertools import combinations
 
-    from services.controller.evaluate import sealed_order
+    from specpilot.services.controller.evaluate import sealed_order
 
     names = ["ar", "stock", "final"]
     for first in range(0, 6, 2):
@@ -35,7 +35,7 @@ def test_a_gpu_worker_answers_every_request_untimed_first_a_cpu_worker_one_short
     """CUDA graphs are captured on first use per step shape and context bucket: timed, those
     captures were ~15% trial-to-trial noise on the H200, so on a GPU the warm-up is a full pass of
     requests of the timed lengths, but of other content (a memoising candidate gains nothing)."""
-    from services.controller.evaluate import WARMUP_TOKENS, warm_up_requests
+    from specpilot.services.controller.evaluate import WARMUP_TOKENS, warm_up_requests
 
     prompts = [[1, 2], [3, 4, 5], [6]]
     warm = warm_up_requests(prompts, 64, "cuda:1")

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from services.controller import stats
-from services.controller.evaluate import Evaluator, System
-from services.controller.sandbox import Limits, Sandbox, bwrap_available
+from specpilot.services.controller import stats
+from specpilot.services.controller.evaluate import Evaluator, System
+from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 
@@ -88,8 +88,8 @@ def test_gpu_work_left_queued_for_the_next_system_wins_nothing(tmp_path):
     a GPU win is confirmed run by run (`stats.retime_reason`). Either way: no promotion."""
     import asyncio
 
-    from services.controller.main import Controller
     from specpilot import schema
+    from specpilot.services.controller.main import Controller
     from tests.controller.patches import worker_patch
 
     kw = {"n_requests": 4, "max_new_tokens": 16, "trials": 4, "limits": Limits(wall_s=120.0)}

@@ -12,10 +12,10 @@ import subprocess
 
 import pytest
 
-from services.controller.main import Controller
-from services.controller.sandbox import Limits, bwrap_available
 from specpilot import schema
 from specpilot.paths import REPO_ROOT
+from specpilot.services.controller.main import Controller
+from specpilot.services.controller.sandbox import Limits, bwrap_available
 from tests.controller.patches import worker_patch
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
@@ -60,7 +60,7 @@ def test_escape_attempts_are_contained(ctl, tmp_path):
     (data / "creds").mkdir(exist_ok=True)
     (data / "creds" / "controller.json").write_text('{"user": "controller", "password": "x"}')
     ctl.evaluator("tiny-cpu").split_seed()
-    harness = REPO_ROOT / "engine" / "pwned_by_probe.py"
+    harness = REPO_ROOT / "specpilot_engine" / "pwned_by_probe.py"
     probe = f"""
     import os, signal, socket
     try:
@@ -113,7 +113,7 @@ def test_fork_bomb_is_contained(ctl):
     events = evaluate(ctl, worker_patch(before_ready=probe))
     t = patch_tested(events)
     assert not t.passed and "no answer within" in t.detail
-    left = subprocess.run(["pgrep", "-f", "engine.worker"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", "specpilot.harness.worker"], capture_output=True, text=True).stdout.split()
     assert left == [], f"sandbox processes survived: {left}"
 
 
@@ -138,8 +138,6 @@ def test_patched_timer_does_not_fool_the_controller_clock(ctl):
     import time as _t
     _t.perf_counter = lambda: 0.0
     _t.sleep(1.5)
-    send({"tokens": result.tokens, "steps": result.steps, "elapsed_s": 0.0})
-    continue
     """
     events = evaluate(ctl, worker_patch(before_reply=probe_reply))
     timing = next(e for e in events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate")
@@ -182,7 +180,7 @@ def test_warm_up_detection_is_caught(ctl):
 
 def test_lazy_partial_outputs_are_caught(ctl):
     probe = """
-    if int(req["max_new_tokens"]) > 4:
+    if int(max_new_tokens) > 8:  # the worker's warm-up asks for 8
         result = type(result)(tokens=result.tokens[:3], steps=result.steps, accepted_per_step=[1],
                               draft_s=[], verify_s=[], prefill_s=0.0)
     """

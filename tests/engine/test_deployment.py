@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.deployment import list_deployments, load_deployment
-from engine.requests import REQUEST_SETS, load_requests, split_of
+from specpilot.harness.deployment import list_deployments, load_deployment
+from specpilot.harness.requests import REQUEST_SETS, load_requests, split_of
 
 
 def test_shipped_deployments_load():
@@ -24,9 +24,7 @@ def test_deployment_options_layer_overrides_on_stock():
     o = d.options({"verify": "tree", "dtype": "fp32"})
     assert (o.verify, o.dtype, o.block_size) == ("tree", "fp32", 4)
     assert o.changed() == {"verify": "tree", "dtype": "fp32"}
-    from engine.options import EngineOptions
 
-    assert EngineOptions.for_deployment(d, {"verify": "tree", "dtype": "fp32"}) == o
 
 
 def test_bad_deployment_files(tmp_path):
@@ -71,7 +69,7 @@ def test_chat_prompts_are_unique_and_substantial():
 
 
 def test_a_timing_table_is_checked_and_layered_on_the_defaults(tmp_path):
-    from engine.deployment import TIMING_DEFAULTS, load_deployment
+    from specpilot.harness.deployment import TIMING_DEFAULTS, load_deployment
 
     assert load_deployment("smollm2-cpu").timing_settings() == TIMING_DEFAULTS
     base = 'target = "tiny"\n'

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine.tree import Candidate
+from specpilot_engine.tree import Candidate
 from tests.engine.conftest import make_engine
 
 
@@ -117,7 +117,7 @@ SMOL_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def smol_reference(smollm2):
-    from engine.requests import encode_requests, load_requests
+    from specpilot.harness.requests import encode_requests, load_requests
 
     _, tok = smollm2
     reqs = load_requests("smollm2-cpu", "dev")

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from engine.options import (
+from specpilot_engine.options import (
     EngineOptions,
     add_option_flags,
     allowed_options,

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from engine.drafters.ngram import SuffixIndex
-from engine.drafters.parallel import (
+from specpilot.harness.train import evaluate, generate_batch, make_examples, to_draft_ids
+from specpilot_engine.drafters.ngram import SuffixIndex
+from specpilot_engine.drafters.parallel import (
     DEFAULT_WEIGHTS,
     ParallelConfig,
     ParallelDrafter,
@@ -17,7 +18,6 @@ from engine.drafters.parallel import (
     load_parallel_drafter,
     save_drafter,
 )
-from engine.drafters.train import evaluate, generate_batch, make_examples, to_draft_ids
 from tests.engine.conftest import make_engine
 
 
@@ -174,13 +174,13 @@ def test_chain_proposal_equals_the_nets_picks_on_cpu(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_chain_proposal_equals_the_nets_picks_on_cuda():
-    from engine.weights import load_model
+    from specpilot_engine.weights import load_model
 
     model, tok = load_model("tiny", dtype="fp32", device="cuda")
     static = _chain_proposals_match_the_reference(model, "cuda", graph=True)
     assert static._chain.graph is not None  # captured, and replayed for every proposal above
-    from engine.api import Engine
-    from engine.options import EngineOptions
+    from specpilot_engine.api import Engine
+    from specpilot_engine.options import EngineOptions
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
     ar = Engine(model, tok, EngineOptions(drafter="none", dtype="fp32", cuda_graphs=True))
@@ -286,7 +286,7 @@ def test_tiny_parallel_drafter_is_lossless(tiny, seed):
 def test_training_data_resumes_from_its_directory(tmp_path):
     """--data keeps each generated batch; a later run loads them (and generates only the rest),
     and a run with other prompts is refused rather than mixing data."""
-    from engine.drafters.train import main as train_main
+    from specpilot.harness.train import main as train_main
 
     data, out = tmp_path / "data", tmp_path / "tiny_parallel.pt"
     base = ["--deployment", "tiny-cpu", "--prompts", "12", "--docstrings", "4", "--batch", "8", "--new-tokens", "10",
@@ -304,7 +304,7 @@ def test_training_data_resumes_from_its_directory(tmp_path):
 
 
 def test_docstring_variants_are_humaneval_shaped():
-    from engine.drafters.train import docstring_variants
+    from specpilot.harness.train import docstring_variants
 
     prompt = 'import os\n\n\ndef join(self, path, *rest, sep="/"):\n    """Join paths."""\n'
     plain, shaped, fenced, tested = docstring_variants(prompt, random.Random(0))

@@ -5,9 +5,9 @@ import json
 import subprocess
 import sys
 
-from engine.replay import chain_cost, matched_depth, matched_depths, measure
-from services.master.costmodel import replay_tau
+from specpilot.harness.replay import chain_cost, matched_depth, matched_depths, measure
 from specpilot.paths import REPO_ROOT
+from specpilot.services.master.costmodel import replay_tau
 from tests.engine.conftest import make_engine
 from tests.engine.test_lossless import _tiny_prompts
 
@@ -41,7 +41,7 @@ def test_no_drafter_means_no_depth(tiny):
 def test_measure_through_the_worker_protocol():
     prompt = _tiny_prompts(3, n=1)[0]
     request = json.dumps({"measure": {"prompt_ids": prompt, "max_new_tokens": 24}}) + "\n"
-    res = subprocess.run([sys.executable, "-m", "engine.worker", "--deployment", "tiny-cpu", "--threads", "1"],
+    res = subprocess.run([sys.executable, "-m", "specpilot.harness.worker", "--deployment", "tiny-cpu", "--threads", "1"],
                          input=request, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     lines = [json.loads(x) for x in res.stdout.splitlines()]
     assert lines[0] == {"ready": True}
@@ -60,7 +60,7 @@ def test_measure_in_process(tiny):
 
 
 def test_other_drafters_are_replayed_on_the_same_output(tiny):
-    from engine.replay import alternative_drafters
+    from specpilot.harness.replay import alternative_drafters
 
     prompt = _tiny_prompts(1, n=1)[0]
     ar = make_engine(tiny, drafter="none")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decode import verify
-from engine.tree import Candidate, DraftTree
+from specpilot_engine.decode import verify
+from specpilot_engine.tree import Candidate, DraftTree
 
 #        0:r
 #       /    \

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.api import load_engine
+from specpilot.harness.deployment import load_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "engine.worker", *args], cwd=REPO, text=True,
+    return subprocess.Popen([sys.executable, "-m", "specpilot.harness.worker", *args], cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

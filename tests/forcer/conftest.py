@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.forcer.forcing import Forcer, load_forcer
+from specpilot.harness.forcing import Forcer, load_forcer
 
 
 @pytest.fixture

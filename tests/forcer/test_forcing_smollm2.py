@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.forcer import logic
-from services.forcer.forcing import Forcer
-from services.forcer.logic import Output
+from specpilot import forcing_rules
+from specpilot.forcing_rules import Output
+from specpilot.harness.forcing import Forcer
 from tests.forcer.conftest import generate, quantised_head
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_tokens_perturbed_at_large_margins_are_rejected(smollm2_forcer, stock, o
 def test_outputs_that_differ_only_at_near_ties_pass(smollm2_forcer, stock, one_thread):
     """At the first position of each output whose top-2 gap is under 2δ, take the runner-up and let
     stock continue greedily from there: a different output, every difference a near-tie."""
-    threshold = logic.EVENT_FACTOR * logic.DELTA_FLOOR
+    threshold = forcing_rules.EVENT_FACTOR * forcing_rules.DELTA_FLOOR
     system, changed = [], 0
     for o in stock:
         f = smollm2_forcer.force(o.prompt_ids, o.tokens)

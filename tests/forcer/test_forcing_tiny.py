@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.forcer import logic
-from services.forcer.forcing import Forcer
-from services.forcer.logic import Output
+from specpilot import forcing_rules
+from specpilot.forcing_rules import Output
+from specpilot.harness.forcing import Forcer
 from tests.forcer.conftest import generate, scaled_layers
 
 PROMPTS = ["Hello there", "The quick brown fox", "Write a poem", "SpecPilot"]
@@ -44,7 +44,7 @@ def test_stock_forced_against_itself_passes(tiny_forcer, stock_outputs, one_thre
     st = rep.stats
     assert st["system"]["mismatches"] == 0 and st["stock"]["mismatches"] == 0
     assert st["system"]["positions"] == sum(len(o.tokens) for o in stock_outputs)
-    assert st["delta"] == logic.DELTA_FLOOR and st["stock_generated"] == len(stock_outputs)
+    assert st["delta"] == forcing_rules.DELTA_FLOOR and st["stock_generated"] == len(stock_outputs)
 
 
 def faulty_outputs(forcer: Forcer, outputs: list[Output]) -> list[Output]:
@@ -132,7 +132,7 @@ def test_too_long_for_the_context_is_refused(tiny_forcer):
 
 
 def test_cli_force_json(tiny_forcer, stock_outputs, tmp_path, capsys, one_thread):
-    from specpilot.cli import main
+    from specpilot.app.cli import main
 
     path = tmp_path / "outputs.jsonl"
     vocab = tiny_forcer.model.cfg.vocab_size
@@ -156,14 +156,14 @@ def test_cli_force_json(tiny_forcer, stock_outputs, tmp_path, capsys, one_thread
     assert main(["force", str(path), "--deployment", "tiny-cpu"]) == 1
 
 
-def test_force_locally_is_what_the_controller_calls(stock_outputs, one_thread):
-    from services.forcer.cli import force_locally
+def test_force_outputs_is_what_the_controller_calls(stock_outputs, one_thread):
+    from specpilot.harness.forcing import force_outputs
 
     rows = [{"prompt_ids": list(o.prompt_ids), "tokens": list(o.tokens)} for o in stock_outputs]
-    rep = force_locally("tiny-cpu", rows)
+    rep = force_outputs("tiny-cpu", rows)
     assert rep["passed"] and set(rep) == {"passed", "reason", "stats", "audited"}
     assert rep["stats"]["deployment"] == "tiny-cpu"
     with pytest.raises(ValueError, match="no outputs"):
-        force_locally("tiny-cpu", [])
+        force_outputs("tiny-cpu", [])
     with pytest.raises(FileNotFoundError):
-        force_locally("no-such-deployment", rows)
+        force_outputs("no-such-deployment", rows)

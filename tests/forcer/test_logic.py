@@ -7,15 +7,14 @@ import uuid
 import numpy as np
 import pytest
 
-from services.forcer import logic
-from services.forcer.logic import Counts
-from specpilot import schema
+from specpilot import forcing_rules, schema
+from specpilot.forcing_rules import Counts
 
 N = 20_000  # output positions per run, roughly a request set's worth
 
 
 def counts(rate: float, n: int = N, events: int = 0, audited: int | None = None, unexplained: int = 0) -> Counts:
-    audited = min(events, logic.MAX_AUDITED) if audited is None else audited
+    audited = min(events, forcing_rules.MAX_AUDITED) if audited is None else audited
     return Counts(positions=n, mismatches=round(rate * n), events=events, audited=audited,
                   unexplained_audited=unexplained)
 
@@ -26,7 +25,7 @@ def counts(rate: float, n: int = N, events: int = 0, audited: int | None = None,
 @pytest.mark.parametrize("system_rate,stock_rate", [(0.0073, 0.0072), (0.0052, 0.0053)])
 def test_lossless_systems_pass(system_rate, stock_rate):
     # Lossless: the same mismatch rate as stock; its few events explained as stock's are.
-    v = logic.verdict(counts(system_rate, events=8, unexplained=1), counts(stock_rate, events=9, unexplained=1),
+    v = forcing_rules.verdict(counts(system_rate, events=8, unexplained=1), counts(stock_rate, events=9, unexplained=1),
                       delta=0.1)
     assert v.passed, v.reason
     assert v.rate.p_value > 0.5 and v.event.p_value > 0.05
@@ -35,9 +34,9 @@ def test_lossless_systems_pass(system_rate, stock_rate):
 @pytest.mark.parametrize("system_rate,stock_rate,unexplained", [(0.020, 0.0072, 192), (0.024, 0.0053, 191)])
 def test_faulty_systems_fail_both_rules(system_rate, stock_rate, unexplained):
     system = counts(system_rate, events=300, audited=200, unexplained=unexplained)
-    v = logic.verdict(system, counts(stock_rate, events=9, unexplained=1), delta=0.1)
+    v = forcing_rules.verdict(system, counts(stock_rate, events=9, unexplained=1), delta=0.1)
     assert not v.passed
-    assert not v.rate.passed and v.rate.lower_bound > logic.RATE_MARGIN
+    assert not v.rate.passed and v.rate.lower_bound > forcing_rules.RATE_MARGIN
     assert not v.event.passed and v.event.p_value < 1e-20
     assert system.unexplained == round(300 * unexplained / 200)  # the audited share, extrapolated
     assert "rate rule" in v.reason and "event rule" in v.reason
@@ -45,31 +44,31 @@ def test_faulty_systems_fail_both_rules(system_rate, stock_rate, unexplained):
 
 def test_near_ties_pass():
     # More mismatches than stock, all near-ties (no events), an excess well under half a point.
-    v = logic.verdict(counts(0.0095), counts(0.0072), delta=0.1)
+    v = forcing_rules.verdict(counts(0.0095), counts(0.0072), delta=0.1)
     assert v.passed, v.reason
     assert v.rate.difference > 0
 
 
 def test_excess_of_one_point_fails_the_rate_rule_alone():
-    v = logic.verdict(counts(0.0172), counts(0.0072), delta=0.1)
+    v = forcing_rules.verdict(counts(0.0172), counts(0.0072), delta=0.1)
     assert not v.passed and not v.rate.passed and v.event.passed
 
 
 def test_unexplained_events_fail_the_event_rule_alone():
-    v = logic.verdict(counts(0.0072, events=12, unexplained=12), counts(0.0072, events=1, unexplained=0), 0.1)
+    v = forcing_rules.verdict(counts(0.0072, events=12, unexplained=12), counts(0.0072, events=1, unexplained=0), 0.1)
     assert not v.passed and v.rate.passed and not v.event.passed
     assert v.event.system_unexplained == 12 and v.event.stock_unexplained == 0
 
 
 def test_explained_events_do_not_count():
-    v = logic.verdict(counts(0.0072, events=12, unexplained=0), counts(0.0072), 0.1)
+    v = forcing_rules.verdict(counts(0.0072, events=12, unexplained=0), counts(0.0072), 0.1)
     assert v.passed and v.event.p_value == 1.0
 
 
 def test_few_events_against_a_clean_stock_need_evidence():
     # Equal sizes, stock has none: p = 0.5**k, so 4 unexplained events pass and 5 fail.
-    assert logic.event_rule(counts(0.02, 256, 4, unexplained=4), counts(0.0, 256)).passed
-    assert not logic.event_rule(counts(0.02, 256, 5, unexplained=5), counts(0.0, 256)).passed
+    assert forcing_rules.event_rule(counts(0.02, 256, 4, unexplained=4), counts(0.0, 256)).passed
+    assert not forcing_rules.event_rule(counts(0.02, 256, 5, unexplained=5), counts(0.0, 256)).passed
 
 
 # --- the statistics ---------------------------------------------------------------------------
@@ -79,9 +78,9 @@ def test_rate_rule_is_calibrated_at_the_margin():
     """At a true excess of exactly 0.5 points the rule rejects about 5% of systems; at 0, almost none."""
     rng = np.random.default_rng(0)
     n, p0, reps = 5000, 0.007, 150
-    at_margin = [not logic.rate_rule(Counts(n, a), Counts(n, b)).passed
+    at_margin = [not forcing_rules.rate_rule(Counts(n, a), Counts(n, b)).passed
                  for a, b in zip(rng.binomial(n, p0 + 0.005, reps), rng.binomial(n, p0, reps), strict=True)]
-    at_zero = [not logic.rate_rule(Counts(n, a), Counts(n, b)).passed
+    at_zero = [not forcing_rules.rate_rule(Counts(n, a), Counts(n, b)).passed
                for a, b in zip(rng.binomial(n, p0, reps), rng.binomial(n, p0, reps), strict=True)]
     assert np.mean(at_margin) <= 0.10
     assert np.mean(at_zero) == 0.0
@@ -90,23 +89,23 @@ def test_rate_rule_is_calibrated_at_the_margin():
 @pytest.mark.parametrize("x1,n1,x0,n0", [(0, 256, 0, 256), (5, 256, 0, 256), (40, 2000, 14, 2000),
                                          (400, 20000, 144, 20000), (3, 100, 1, 5000), (2, 150, 0, 150)])
 def test_rate_rule_bound_and_p_value_agree(x1, n1, x0, n0):
-    r = logic.rate_rule(Counts(n1, x1), Counts(n0, x0))
-    assert (r.p_value < 0.05) == (r.lower_bound > logic.RATE_MARGIN) == (not r.passed)
+    r = forcing_rules.rate_rule(Counts(n1, x1), Counts(n0, x0))
+    assert (r.p_value < 0.05) == (r.lower_bound > forcing_rules.RATE_MARGIN) == (not r.passed)
     assert r.lower_bound <= r.difference
     assert r.system_ci[0] <= r.system_rate <= r.system_ci[1]
 
 
 def test_rate_rule_without_positions_passes():
-    assert logic.rate_rule(Counts(0, 0), Counts(100, 1)).passed
+    assert forcing_rules.rate_rule(Counts(0, 0), Counts(100, 1)).passed
 
 
 def test_calibrate_delta():
-    assert logic.calibrate_delta([]) == logic.DELTA_FLOOR
-    assert logic.calibrate_delta([0.001, 0.002]) == logic.DELTA_FLOOR  # fp32-sized flips: the floor
+    assert forcing_rules.calibrate_delta([]) == forcing_rules.DELTA_FLOOR
+    assert forcing_rules.calibrate_delta([0.001, 0.002]) == forcing_rules.DELTA_FLOOR  # fp32-sized flips: the floor
     margins = np.linspace(0.0, 1.0, 101)
-    assert logic.calibrate_delta(margins) == pytest.approx(0.95)
-    assert logic.calibrate_delta(margins, quantile=0.5, floor=0.0) == pytest.approx(0.5)
-    assert logic.is_event(0.21, 0.1) and not logic.is_event(0.2, 0.1)
+    assert forcing_rules.calibrate_delta(margins) == pytest.approx(0.95)
+    assert forcing_rules.calibrate_delta(margins, quantile=0.5, floor=0.0) == pytest.approx(0.5)
+    assert forcing_rules.is_event(0.21, 0.1) and not forcing_rules.is_event(0.2, 0.1)
 
 
 def test_counts_validate_and_extrapolate():
@@ -124,7 +123,7 @@ def test_counts_validate_and_extrapolate():
 def test_stats_are_json_ready():
     import json
 
-    v = logic.verdict(counts(0.02, events=30, unexplained=20), counts(0.007, events=2), 0.1)
+    v = forcing_rules.verdict(counts(0.02, events=30, unexplained=20), counts(0.007, events=2), 0.1)
     st = json.loads(json.dumps(v.stats()))
     assert st["delta"] == 0.1 and st["event_threshold"] == 0.2
     assert st["system"]["mismatches"] == 400 and st["stock"]["rate"] == pytest.approx(0.007)
@@ -136,13 +135,13 @@ def test_stats_are_json_ready():
 
 
 def test_parse_outputs():
-    out = logic.parse_outputs([{"prompt_ids": [1, 2], "tokens": [3]},
+    out = forcing_rules.parse_outputs([{"prompt_ids": [1, 2], "tokens": [3]},
                                {"prompt_ids": [4], "tokens": [], "stock_tokens": [5, 6]},
                                {"prompt": "hi", "output": "yo", "chat": True}],
                               encode=lambda text, chat: [len(text), int(chat)], vocab_size=10)
-    assert out[0] == logic.Output((1, 2), (3,))
+    assert out[0] == forcing_rules.Output((1, 2), (3,))
     assert out[1].stock_tokens == (5, 6) and out[1].tokens == ()
-    assert out[2] == logic.Output((2, 1), (2, 0))
+    assert out[2] == forcing_rules.Output((2, 1), (2, 0))
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -156,13 +155,13 @@ def test_parse_outputs():
 ])
 def test_parse_outputs_refuses(raw, match):
     with pytest.raises(ValueError, match=match):
-        logic.parse_outputs(raw, vocab_size=10)
+        forcing_rules.parse_outputs(raw, vocab_size=10)
 
 
 def test_report_answers_its_request_with_a_stable_id():
     req = schema.ForcingRequested(request_id="r1", patch_id="p1", outputs=[{"prompt_ids": [1], "tokens": [2]}])
-    a = logic.report(req, logic.failed("boom"))
-    b = logic.report(req, logic.failed("boom"))
+    a = forcing_rules.report(req, forcing_rules.failed("boom"))
+    b = forcing_rules.report(req, forcing_rules.failed("boom"))
     assert a.event_id == b.event_id != req.event_id  # a redelivered request's report is the same event
     assert uuid.UUID(a.event_id).version == 7
     assert a.event_id[:13] == req.event_id[:13]  # same millisecond: sorts right after its cause

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from engine.api import load_engine
 from specpilot import schema
+from specpilot.harness.deployment import load_engine
 from tests.backbone.helpers import sql, wait_for_rows
 from tests.conftest import connect_as, spawn_service, wait_for_services
 
@@ -126,7 +126,7 @@ class SlowWorker:
 
 
 def test_handle_heartbeats_publishes_then_acks(monkeypatch):
-    from services.forcer import main
+    from specpilot.services.forcer import main
 
     monkeypatch.setattr(main, "HEARTBEAT_S", 0.1)
     log: list[str] = []

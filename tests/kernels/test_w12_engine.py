@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-engine_api = pytest.importorskip("engine.api")
+engine_api = pytest.importorskip("specpilot_engine.api")
 
-from kernels.w12 import W12Linear  # noqa: E402
+from specpilot_kernels.w12 import W12Linear  # noqa: E402
 
 
 def _bf16_weights(engine) -> None:

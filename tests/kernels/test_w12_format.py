@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.w12 import W12Linear, decode, pack, quantize_model_linears, verify
-from kernels.w12.format import E0_MAX, E0_MIN, WINDOW, half_width, window_bits
+from specpilot_kernels.w12 import W12Linear, decode, pack, quantize_model_linears, verify
+from specpilot_kernels.w12.format import E0_MAX, E0_MIN, WINDOW, half_width, window_bits
 
 from .w12_cases import adversarial, from_bits, normal
 
@@ -115,7 +115,7 @@ def test_smollm2_all_tensors_bit_exact(smollm2_tensors):
 @pytest.fixture(scope="module")
 def smollm2_tensors():
     pytest.importorskip("gguf")
-    from kernels.w12.cli import gguf_tensors, smollm2_gguf_path
+    from specpilot_kernels.w12.cli import gguf_tensors, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -177,7 +177,7 @@ def test_w12linear_bf16_input_and_state_dict():
 
 
 def test_cli_random_8b_json(capsys):
-    from kernels.w12.cli import main
+    from specpilot_kernels.w12.cli import main
 
     assert main(["w12", "pack", "--random-8b", "--sample-rows", "64", "--json", "--device", "cpu"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

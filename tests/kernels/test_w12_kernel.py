@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.w12 import decode, pack
+from specpilot_kernels.w12 import decode, pack
 
 from .w12_cases import case_inputs, kernel_cases
 
@@ -83,7 +83,7 @@ def _gpu_inputs(n, k, m, dtype, seed):
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("m", GPU_MS)
 def test_cuda_matches_reference(n, k, m):
-    from kernels.w12.kernel import w12_matmul
+    from specpilot_kernels.w12.kernel import w12_matmul
 
     x, w = _gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
@@ -97,7 +97,7 @@ def test_cuda_matches_reference(n, k, m):
 
 
 def _configs(m, n, k):
-    from kernels.w12.kernel import Config, pick_config
+    from specpilot_kernels.w12.kernel import Config, pick_config
 
     base = pick_config(m, n, k)
     out = [base, replace(base, split=3), replace(base, asm=False)]
@@ -117,7 +117,7 @@ def _configs(m, n, k):
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 3, 5, 40])
 def test_cuda_configs_and_escapes(m):
-    from kernels.w12.kernel import w12_matmul
+    from specpilot_kernels.w12.kernel import w12_matmul
 
     n, k = 300, 2080
     x, w = _gpu_inputs(n, k, m, torch.bfloat16, seed=m)
@@ -139,7 +139,7 @@ def test_cuda_configs_and_escapes(m):
 @gpu
 @needs_cuda
 def test_cuda_deterministic_across_runs():
-    from kernels.w12.kernel import w12_matmul
+    from specpilot_kernels.w12.kernel import w12_matmul
 
     x, w = _gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
@@ -152,7 +152,7 @@ def test_cuda_deterministic_across_runs():
 def test_cuda_w12linear_forward():
     from torch import nn
 
-    from kernels.w12 import W12Linear
+    from specpilot_kernels.w12 import W12Linear
 
     lin = nn.Linear(576, 1536, bias=True).cuda().to(torch.bfloat16).requires_grad_(False)
     q = W12Linear.from_linear(lin)

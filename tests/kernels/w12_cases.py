@@ -103,8 +103,8 @@ def run_cases(cases: list[dict]) -> dict[str, list[torch.Tensor]]:
     """Pack and run every case twice with the Triton kernel (whatever TRITON_INTERPRET says)."""
     from dataclasses import replace
 
-    from kernels.w12.format import pack
-    from kernels.w12.kernel import pick_config, w12_matmul
+    from specpilot_kernels.w12.format import pack
+    from specpilot_kernels.w12.kernel import pick_config, w12_matmul
 
     out = {}
     for c in cases:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.master import costmodel as cm
+from specpilot.services.master import costmodel as cm
 
 HW = cm.Hardware(bandwidth_bytes_s=1e9, flops_s=1e12)
 

@@ -3,9 +3,9 @@ wire formats: a bad plan is refused back to the model, a corrected one becomes d
 
 import pytest
 
-from services.master.llm_planner import PlanBox, plan_with_llm
-from services.master.main import check_providers
-from services.subagent.providers import MissingKey, ProviderError
+from specpilot.providers import MissingKey, ProviderError
+from specpilot.services.master.llm_planner import PlanBox, plan_with_llm
+from specpilot.services.master.main import check_providers
 from tests.subagent.wire import Call, ScriptedServer, Turn
 
 KNOWN = {"block_size", "verify", "cuda_graphs"}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.master import planner
-from services.master.planner import History
+from specpilot.services.master import planner
+from specpilot.services.master.planner import History
 
 CPU = {"device_kind": "cpu", "dtype": "fp32", "model_family": "llama", "mode": "batch1"}
 GPU = {**CPU, "device_kind": "cuda", "dtype": "bf16"}

@@ -2,7 +2,7 @@
 
 import argparse
 
-from services.master import cli
+from specpilot.services.master import cli
 
 
 def _parse(*argv: str) -> argparse.Namespace:

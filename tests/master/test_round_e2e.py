@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from services.controller.sandbox import bwrap_available
-from services.master.main import RPC_ROUND
 from specpilot import ledger, subjects
+from specpilot.services.controller.sandbox import bwrap_available
+from specpilot.services.master.main import RPC_ROUND
 from tests.backbone.helpers import sql
 from tests.conftest import connect_as, spawn_service, wait_for_services
 
@@ -106,8 +106,8 @@ def _check_story(events: list[tuple[str, str, dict]]) -> dict:
             assert any(u == "profile.measured" and q["system_commit"] == p["commit"] and q["options"] == p["options"]
                        for u, _, q in events[:verdict]), f"no profile of {p['commit']} {p['options']} before its verdict"
     for e in by.get("memory.entry.proposed", []):  # against the stock the controller registered
-        assert "engine/options.py" in e["stock_files"] and "engine/options.py" in e["source_files"]
-        assert all(p.startswith(("engine/", "kernels/")) for p in e["stock_files"])
+        assert "specpilot_engine/options.py" in e["stock_files"] and "specpilot_engine/options.py" in e["source_files"]
+        assert all(p.startswith(("specpilot_engine/", "specpilot_kernels/")) for p in e["stock_files"])
     final = by["sealed.final.reported"][0]
     assert {"ar", "stock", "final"} <= set(final["results"]) and final["lossless"] is True
     summary = by["round.finished"][0]["summary"]

@@ -7,18 +7,17 @@ import json
 
 import pytest
 
-from services.controller import policy
-from services.subagent import llm, providers
-from services.subagent.main import Best, Settings, produce
-from services.subagent.providers import MissingKey, ProviderError, ProviderSpec, api_key, parse_provider
-from services.subagent.workspace import Tools, Workspace, build_workspace
-from specpilot import schema
+from specpilot import policy, providers, schema
 from specpilot.paths import REPO_ROOT
+from specpilot.providers import MissingKey, ProviderError, ProviderSpec, api_key, parse_provider
+from specpilot.services.subagent import llm
+from specpilot.services.subagent.main import Best, Settings, produce
+from specpilot.services.subagent.workspace import Tools, Workspace, build_workspace
 from tests.subagent import scripts
 from tests.subagent.wire import Call, ScriptedServer, Turn
 
 DIRECTION = schema.DirectionPlanned(direction_id="d1", title="add a demo flag", rationale="a test", factor="overhead",
-                                    deployment="tiny-cpu", hints={"where": "engine/options.py"})
+                                    deployment="tiny-cpu", hints={"where": "specpilot_engine/options.py"})
 
 
 @pytest.mark.parametrize("text, spec", [
@@ -69,7 +68,7 @@ def ws(tmp_path) -> Workspace:
 
 
 def _check_patch(prop) -> None:
-    assert policy.touched_paths(prop.diff) == {"engine/options.py"} and policy.check(prop.diff, prop.options) is None
+    assert policy.touched_paths(prop.diff) == {"specpilot_engine/options.py"} and policy.check(prop.diff, prop.options) is None
     assert "+" + scripts.DEMO_FIELD in prop.diff.splitlines()
     assert prop.options == {"demo_flag": True}
     assert prop.notes.startswith("demo flag behind an option")
@@ -99,7 +98,7 @@ def test_anthropic_sdk_drives_the_tool_loop(ws):
         assert block["type"] == "tool_result" and block["tool_use_id"] == f"toolu_{i}_0"
         return block
 
-    assert "engine/options.py" in result(0)["content"] and not result(0)["is_error"]
+    assert "specpilot_engine/options.py" in result(0)["content"] and not result(0)["is_error"]
     assert "class EngineOptions" in result(1)["content"]
     assert result(2)["content"].startswith("applied")
     assert "exit status 0" in result(3)["content"] and "1 passed" in result(3)["content"]

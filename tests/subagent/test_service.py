@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from services.subagent.main import Settings, Subagent, patch_event_id
 from specpilot import natsd, schema, subjects
+from specpilot.services.subagent.main import Settings, Subagent, patch_event_id
 from tests.backbone.helpers import sql, wait_for_rows
 from tests.conftest import _provision, connect_as, spawn_service, wait_for_services
 from tests.subagent import scripts

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from services.controller.sandbox import bwrap_available
 from specpilot import natsd, schema
+from specpilot.services.controller.sandbox import bwrap_available
 from tests.backbone.helpers import sql
 from tests.conftest import REPO, connect_as, spawn_service, wait_for_services
 from tests.subagent import scripts
@@ -32,7 +32,7 @@ def spawn_subagent(srv: natsd.LocalServer, env: dict[str, str]) -> subprocess.Po
     """``spawn_service`` with extra environment variables (the provider's key and base URL)."""
     log = open(srv.data / "subagent.log", "ab")  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "services.subagent", "--data", str(srv.data), "--nats", srv.url,
+        [sys.executable, "-m", "specpilot.services.subagent", "--data", str(srv.data), "--nats", srv.url,
          "--creds", str(natsd.creds_path(srv.data, "subagent")), "--test-timeout", "120"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
     )

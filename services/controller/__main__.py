@@ -1,3 +1,0 @@
-from services.controller.main import main
-
-main()

@@ -1,3 +1,0 @@
-from services.forcer.main import main
-
-main()

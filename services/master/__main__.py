@@ -1,3 +1,0 @@
-from services.master.main import main
-
-main()

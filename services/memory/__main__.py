@@ -1,3 +1,0 @@
-from services.memory.main import main
-
-main()

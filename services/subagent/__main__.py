@@ -1,3 +1,0 @@
-from services.subagent.main import main
-
-main()

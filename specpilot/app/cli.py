@@ -1,0 +1,406 @@
+"""specpilot: bring the services up and down, and read the ledger.
+
+Every command takes ``--data DIR`` (default: ``$SPECPILOT_DATA`` or ``~/.local/share/specpilot``) and,
+to reach a server on another host, ``--nats URL --creds FILE``. Reads (``sql``, ``audit``, ``replay``,
+``export``) go through the memory service when it runs, and open the DuckDB file directly when it
+does not. Commands of other parts (engine bench, drafter training, W12 packing) register themselves
+through their ``add_commands(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specpilot import __version__, bus, ledger, natsd, paths, subjects
+from specpilot.errors import UserError
+from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
+from specpilot.schema import SERVICES
+from specpilot.service import add_connection_flags
+
+console = Console(stderr=True)
+out = Console()
+
+
+# --- connection helpers --------------------------------------------------------------------------
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data or paths.default_data_dir())
+
+
+def server_url(args: argparse.Namespace) -> str | None:
+    if args.nats:
+        return args.nats
+    server = natsd.running(data_dir(args))
+    return server.url if server else None
+
+
+async def admin_bus(args: argparse.Namespace) -> bus.Bus:
+    url = server_url(args)
+    if url is None:
+        raise UserError(f"no NATS server is running for {data_dir(args)}: run `specpilot up` first")
+    creds = args.creds or natsd.creds_path(data_dir(args), subjects.ADMIN)
+    return await bus.connect(url, creds, name="specpilot-cli", connect_timeout_s=args.connect_timeout)
+
+
+async def call_memory(args: argparse.Namespace, subject: str, payload: dict, timeout: float = 120) -> dict | None:
+    """Ask the memory service; None when no server or no memory service answers."""
+    if server_url(args) is None:
+        return None
+    b = await admin_bus(args)
+    try:
+        return await b.request(subject, payload, timeout=timeout)
+    except bus.BusError as exc:
+        if "no service answers" in str(exc):
+            return None
+        raise
+    finally:
+        await b.close()
+
+
+# --- process management --------------------------------------------------------------------------
+
+
+def pid_file(data: Path, name: str) -> Path:
+    return data / "run" / f"{name}.pid"
+
+
+def start_service(data: Path, name: str, url: str, extra: list[str] | None = None) -> subprocess.Popen:
+    (data / "logs").mkdir(parents=True, exist_ok=True)
+    (data / "run").mkdir(parents=True, exist_ok=True)
+    log = open(data / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"specpilot.services.{name}", "--data", str(data), "--nats", url,
+         "--creds", str(natsd.creds_path(data, name)), *(extra or [])],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        cwd=paths.REPO_ROOT,
+    )
+    log.close()
+    pid_file(data, name).write_text(str(proc.pid))
+    return proc
+
+
+async def discover(args: argparse.Namespace, timeout: float = 0.75) -> list[dict]:
+    b = await admin_bus(args)
+    try:
+        return await b.discover(timeout)
+    finally:
+        await b.close()
+
+
+async def provision(args: argparse.Namespace) -> None:
+    b = await admin_bus(args)
+    try:
+        await bus.provision(b)
+    finally:
+        await b.close()
+
+
+def ensure_up(args: argparse.Namespace, extra_flags: dict[str, list[str]] | None = None,
+              timeout: float = 60.0) -> natsd.LocalServer:
+    """Start the local server and every service that does not answer; return when all answer.
+
+    ``extra_flags``: per service, flags for a service this call starts (a running one keeps its own)."""
+    data = data_dir(args)
+    data.mkdir(parents=True, exist_ok=True)
+    server = natsd.running(data)
+    if server is None:
+        with console.status("starting nats-server"):
+            server = natsd.start(data, detach=True)
+    args.nats = server.url
+    asyncio.run(provision(args))
+    found = {s["name"] for s in asyncio.run(discover(args))}
+    procs = {}
+    for name in SERVICES:
+        if name not in found:
+            procs[name] = start_service(data, name, server.url, (extra_flags or {}).get(name))
+    deadline = time.monotonic() + timeout
+    with console.status("waiting for services to answer"):
+        while True:
+            found = {s["name"] for s in asyncio.run(discover(args))}
+            if set(SERVICES) <= found:
+                break
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    raise UserError(f"service {name} exited with code {p.returncode}; see {data}/logs/{name}.log")
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(set(SERVICES) - found))
+                raise UserError(f"services did not answer within {timeout:.0f} s: {missing}; see {data}/logs/")
+            time.sleep(0.2)
+    return server
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    server = ensure_up(args, timeout=args.timeout)
+    console.print(f"[green]up[/green]: NATS at {server.url}, data in {data_dir(args)}")
+    return cmd_status(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    services = [] if server_url(args) is None else asyncio.run(discover(args))
+    rows = [{"name": s.get("name"), "version": s.get("version"), "id": s.get("id"),
+             "description": s.get("description", ""), "endpoints": [e.get("subject") for e in s.get("endpoints") or []]}
+            for s in services]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = Table(title=f"SpecPilot services ({server_url(args) or 'no server running'})")
+    for col in ("name", "version", "id", "endpoints"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["version"], r["id"], ", ".join(r["endpoints"]))
+    out.print(table)
+    missing = set(SERVICES) - {r["name"] for r in rows}
+    if server_url(args) is None:
+        console.print(f"no NATS server is running for {data_dir(args)}: start everything with `specpilot up`")
+    elif missing:
+        console.print(f"[yellow]not answering[/yellow]: {', '.join(sorted(missing))}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Render credentials and the server config without starting anything (compose, other hosts)."""
+    data = data_dir(args)
+    host, _, port = args.listen.rpartition(":")
+    conf = natsd.render_config(data, int(port), natsd.ensure_credentials(data), host=host or "0.0.0.0")
+    out.print(f"config: {conf}\ncredentials: {data / 'creds'} (one file per service; give each host only its own)")
+    return 0
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    asyncio.run(provision(args))
+    out.print("stream and consumers ready")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    data = data_dir(args)
+    for name in SERVICES:
+        pf = pid_file(data, name)
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int(pf.read_text()), signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for name in SERVICES:
+        pf = pid_file(data, name)
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            pid = int(pf.read_text())
+            while natsd.pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if natsd.pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            pf.unlink()
+    server = natsd.running(data)
+    if server:
+        server.stop()
+    console.print(f"down: {data}")
+    return 0
+
+
+# --- ledger reads ----------------------------------------------------------------------------------
+
+
+def ledger_call(args: argparse.Namespace, subject: str, payload: dict, local) -> dict:
+    reply = asyncio.run(call_memory(args, subject, payload))
+    if reply is not None:
+        return reply
+    led = ledger.Ledger(data_dir(args), read_only=True)
+    try:
+        return local(led)
+    finally:
+        led.close()
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    res = ledger_call(args, subjects.RPC_SQL, {"query": args.query}, lambda led: led.query_readonly(args.query))
+    if args.json:
+        print(json.dumps([dict(zip(res["columns"], r, strict=True)) for r in res["rows"]]))
+        return 0
+    table = Table()
+    for c in res["columns"]:
+        table.add_column(c)
+    for r in res["rows"]:
+        table.add_row(*(str(v) for v in r))
+    out.print(table)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from specpilot import schema
+
+    res = ledger_call(args, subjects.RPC_AUDIT, {"event_id": args.event_id},
+                      lambda led: {"events": [schema.encode(e).decode() for e in led.audit(args.event_id)]})
+    events = [json.loads(e) for e in res["events"]]
+    if args.json:
+        print(json.dumps(events))
+        return 0
+    table = Table(title=f"causal trail of {args.event_id}")
+    for c in ("event_id", "type", "source", "causes", "summary"):
+        table.add_column(c)
+    skip = {"event_id", "type", "source", "causation_id", "ts_ns", "correlation_id", "round_id", "deployment"}
+    for e in events:
+        summary = {k: v for k, v in e.items() if k not in skip}
+        table.add_row(e["event_id"], e["type"], e["source"], e.get("causation_id", ""), json.dumps(summary)[:120])
+    out.print(table)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    if args.rebuild:
+        return rebuild(args)
+    res = ledger_call(args, subjects.RPC_REPLAY, {}, lambda led: ledger.verify(led).as_dict())
+    if args.json:
+        print(json.dumps(res))
+    elif not res["ok"]:
+        console.print(f"[red]tampered[/red]: first bad sequence {res['first_bad_seq']} "
+                      f"(position {res['first_bad_pos']}): {res['reason']}")
+    elif not res["projections_match"]:
+        console.print(f"[red]projections differ[/red] from the log: {res['projection_diff']}")
+    else:
+        console.print(f"[green]ok[/green]: {res['rows']} events, chain intact, projections rebuilt identical")
+    return 0 if res["ok"] and res["projections_match"] else 1
+
+
+def rebuild(args: argparse.Namespace) -> int:
+    """Rebuild the ledger from the JetStream stream (the memory service must be down)."""
+    from specpilot.services.memory import logic
+
+    data = data_dir(args)
+    path = ledger.path_in(data)
+    if path.exists():
+        aside = path.with_suffix(f".broken-{int(time.time())}")
+        path.rename(aside)
+        console.print(f"moved the old ledger aside to {aside}")
+    led = ledger.Ledger(data)
+    from specpilot import projections
+
+    state = projections.State()
+
+    async def go() -> int:
+        b = await admin_bus(args)
+        n = 0
+        try:
+            batch = []
+            async for seq, subject, raw in bus.raw_stream_messages(b):
+                batch.append(bus.Delivery(subject=subject, data=raw, seq=seq, num_delivered=bus.DECODE_ATTEMPTS, _msg=None))
+                if len(batch) >= 2000:
+                    plan = logic.classify(batch)
+                    led.append(plan.record, plan.dead, state)
+                    n += len(batch)
+                    batch = []
+            plan = logic.classify(batch)
+            led.append(plan.record, plan.dead, state)
+            return n + len(batch)
+        finally:
+            await b.close()
+
+    n = asyncio.run(go())
+    led.close()
+    console.print(f"rebuilt {path} from {n} stream messages")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.system:
+        from specpilot.services.controller.systems import export_system
+
+        res = export_system(data_dir(args), args.deployment, Path(args.system).resolve())
+        out.print(f"best system of {res['deployment']} ({res['commit'][:12]}, options {res['options']}) "
+                  f"written to {res['dir']}")
+        return 0
+    if not args.parquet:
+        raise UserError("say what to export: --parquet DIR (the ledger) or --system DIR (the final system)")
+    dest = Path(args.parquet).resolve()
+    res = ledger_call(args, subjects.RPC_EXPORT, {"dir": str(dest)},
+                      lambda led: {"files": [str(p) for p in led.export_parquet(dest)]})
+    for f in res["files"]:
+        out.print(f)
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------------
+
+
+# Commands that live with the part they drive. Their modules import torch, so each is imported only
+# when its command runs; the listing below is what `specpilot --help` shows.
+PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
+    "round": ("specpilot.app.cmd_round", "run a round: measure, plan, patch, time, promote, sealed final"),
+    "bench": ("specpilot.app.cmd_bench", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
+    "drafter": ("specpilot.app.cmd_bench", "train the parallel drafter"),
+    "w12": ("specpilot_kernels.w12.cli", "pack a model's weights in the lossless 12-bit W12 format and report"),
+    "force": ("specpilot.app.cmd_force", "token-force a system's outputs through the stock target"),
+    "time": ("specpilot.app.cmd_time", "evaluate a patch like the controller does (policy, tests, timing, verdict)"),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"specpilot {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        add_connection_flags(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("up", cmd_up, "start the local NATS server and the five services; return when all answer")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the services")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p = command("status", cmd_status, "list the services that answer NATS micro discovery")
+    p.add_argument("--json", action="store_true", help="a JSON list of {name, version, ...}")
+    command("down", cmd_down, "stop the services and the local NATS server")
+    p = command("init", cmd_init, "write credentials and a nats-server config for a server on another host")
+    p.add_argument("--listen", default="0.0.0.0:4222", help="HOST:PORT the server will listen on")
+    command("provision", cmd_provision, "create the event stream and the services' consumers (admin)")
+    p = command("sql", cmd_sql, "run a read-only SQL query on the ledger")
+    p.add_argument("query", help='e.g. "SELECT type, count(*) FROM events GROUP BY 1"')
+    p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
+    p = command("audit", cmd_audit, "show the causal trail of one event (a patch, a verdict, ...)")
+    p.add_argument("event_id")
+    p.add_argument("--json", action="store_true")
+    p = command("replay", cmd_replay, "verify the hash chain and rebuild projections from the log")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--rebuild", action="store_true",
+                   help="rebuild a corrupted ledger from the stream (stop the memory service first)")
+    p = command("export", cmd_export, "export the ledger as Parquet files, or the final system as files + patch")
+    p.add_argument("--parquet", metavar="DIR", help="write the ledger's tables as Parquet files into DIR")
+    p.add_argument("--system", metavar="DIR", help="write the best system's files, final.patch and options.json")
+    p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="whose best system --system writes")
+
+    wanted = next((a for a in (argv or []) if not a.startswith("-")), None)
+    for name, (module, help_) in PLUGGED_COMMANDS.items():
+        if name == wanted:
+            importlib.import_module(module).add_commands(sub)
+        elif name not in sub.choices:
+            sub.add_parser(name, help=help_, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        console.print(f"[red]error[/red]: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Deployments: one target, one drafter, one device kind, one serving mode, one request set.
+
+A deployment is a TOML file in ``deployments/`` (or any path). `load_deployment(name_or_path)`
+parses and validates it into a frozen `Deployment`; unknown keys are refused. The deployment's
+``drafter``, ``block_size`` and ``dtype`` (and any ``[options]`` table) are the *stock* engine
+options of that deployment: `Deployment.options(overrides)` layers a patch's option settings on
+top of them, so ``{}`` always means stock.
+
+An optional ``[timing]`` table sets how the controller times this deployment's candidates in a
+round (`TIMING_DEFAULTS` where it is silent): a GPU needs more requests a trial than a CPU for the
+same noise.
+
+`load_engine(deployment_or_model, overrides)` builds the runtime's engine for a deployment (its stock options
+with the overrides) or for a bare model name; it is the only function here that loads a model.
+
+The embedded default is ``smollm2-cpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpilot.paths import REPO_ROOT
+from specpilot_engine.options import EngineOptions, OptionValue, options_from_dict
+
+DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
+DEFAULT_DEPLOYMENT = "smollm2-cpu"
+# The controller's timing in a round where a deployment's [timing] table is silent: ABBA trials a
+# verdict, dev requests a trial, tokens a request, torch CPU threads a worker. CPU figures: 6 trials
+# of 3 requests gave 0.7-1.2% stock-vs-stock noise interleaved on 2 cores (2026-12-01).
+TIMING_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 1}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    target: str  # a model in specpilot_engine.model.CONFIGS
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "fp32"  # the deployment's stock dtype ("fp32" | "bf16")
+    mode: str = "batch1"  # serving mode: one request at a time, greedy
+    drafter: str = "ngram"
+    block_size: int = 4
+    request_sets: tuple[str, ...] = ("humaneval", "chat")
+    max_new_tokens: int = 128
+    split_seed: int = 0
+    sealed_fraction: float = 0.5  # share of each request set only the controller may read
+    bench_requests: int = 8  # dev requests `specpilot bench` times by default
+    extra_options: dict[str, OptionValue] = field(default_factory=dict)  # the TOML's [options] table
+    timing: dict[str, int] = field(default_factory=dict)  # the TOML's [timing] table (keys of TIMING_DEFAULTS)
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        from specpilot_engine.model import CONFIGS  # imports torch: only when a deployment is built
+
+        if self.target not in CONFIGS:
+            raise ValueError(f"deployment {self.name!r}: unknown target {self.target!r}; known: {', '.join(CONFIGS)}")
+        if self.mode != "batch1":
+            raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
+        if not 0.0 < self.sealed_fraction < 1.0:
+            raise ValueError(f"deployment {self.name!r}: sealed_fraction must be in (0, 1)")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"deployment {self.name!r}: device must be cpu or cuda[:N], got {self.device!r}")
+        from specpilot.harness.requests import REQUEST_SETS
+
+        unknown = [s for s in self.request_sets if s not in REQUEST_SETS]
+        if unknown:
+            raise ValueError(f"deployment {self.name!r}: unknown request sets {unknown}; known: {', '.join(REQUEST_SETS)}")
+        self.options()  # validates drafter, block_size, dtype and [options] now, not at first use
+        bad = sorted(set(self.timing) - set(TIMING_DEFAULTS))
+        if bad:
+            raise ValueError(f"deployment {self.name!r}: unknown [timing] key(s) {bad}; allowed: {', '.join(TIMING_DEFAULTS)}")
+        for k, v in self.timing.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"deployment {self.name!r}: [timing] {k} must be a positive integer, got {v!r}")
+
+    def timing_settings(self) -> dict[str, int]:
+        """How the controller times this deployment in a round: `TIMING_DEFAULTS` with ``[timing]``."""
+        return {**TIMING_DEFAULTS, **self.timing}
+
+    def facts(self) -> dict[str, str]:
+        """What memory-entry requirements are stated over (see specpilot.entries)."""
+        return {"deployment": self.name, "target": self.target, "model_family": "llama",
+                "device_kind": "cuda" if self.device.startswith("cuda") else "cpu", "dtype": self.dtype,
+                "mode": self.mode}
+
+    def stock_options(self) -> EngineOptions:
+        base = {"drafter": self.drafter, "block_size": self.block_size, "dtype": self.dtype}
+        return options_from_dict({**base, **self.extra_options})
+
+    def options(self, overrides: dict[str, OptionValue] | EngineOptions | None = None) -> EngineOptions:
+        """Stock options of this deployment with ``overrides`` (a patch's option dict) applied."""
+        if isinstance(overrides, EngineOptions):
+            return overrides.resolved(dtype=self.dtype)
+        return options_from_dict(overrides or {}, self.stock_options()).resolved(dtype=self.dtype)
+
+
+def deployment_path(name_or_path: str | Path) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.is_file():
+        return p
+    return DEPLOYMENTS_DIR / f"{name_or_path}.toml"
+
+
+def list_deployments() -> list[str]:
+    return sorted(p.stem for p in DEPLOYMENTS_DIR.glob("*.toml"))
+
+
+def load_deployment(name_or_path: str | Path = DEFAULT_DEPLOYMENT) -> Deployment:
+    """Parse a deployment by name (``deployments/<name>.toml``) or path."""
+    path = deployment_path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no deployment {str(name_or_path)!r} (looked for {path}); "
+                                f"known: {', '.join(list_deployments())}")
+    data = tomllib.loads(path.read_text())
+    data.setdefault("name", path.stem)
+    data["extra_options"] = data.pop("options", {})
+    allowed = {f.name for f in dataclasses.fields(Deployment)} - {"path", "extra_options"} | {"options"}
+    unknown = sorted(set(data) - allowed - {"extra_options"})
+    if unknown:
+        raise ValueError(f"{path}: unknown deployment key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+    if "request_sets" in data:
+        data["request_sets"] = tuple(data["request_sets"])
+    return Deployment(**data, path=str(path))
+
+
+def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMENT,
+                options: EngineOptions | dict[str, OptionValue] | None = None,
+                device: str | None = None, data_dir: Path | None = None):
+    """A `specpilot_engine.api.Engine` for a deployment (name, path or object) or a bare model name (``CONFIGS``).
+
+    ``options`` are overrides on the deployment's stock options (a dict as the controller sends,
+    or EngineOptions); ``device`` overrides the deployment's device. For a bare model name the
+    base is `EngineOptions()` with dtype fp32 and device cpu unless given.
+    """
+    from specpilot_engine.api import build_engine
+    from specpilot_engine.model import CONFIGS
+
+    dep: Deployment | None
+    if isinstance(deployment_or_model, Deployment):
+        dep = deployment_or_model
+    elif isinstance(deployment_or_model, str) and deployment_or_model in CONFIGS \
+            and not deployment_path(deployment_or_model).is_file():
+        dep = None
+    else:
+        dep = load_deployment(deployment_or_model)
+    if dep is not None:
+        return build_engine(dep.target, dep.options(options), device or dep.device, data_dir)
+    opts = options if isinstance(options, EngineOptions) else options_from_dict(options or {})
+    return build_engine(str(deployment_or_model), opts.resolved(dtype="fp32"), device or "cpu", data_dir)

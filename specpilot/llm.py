@@ -1,0 +1,166 @@
+"""The LLM tool loop, through the Anthropic or OpenAI SDK: the only module that imports ``anthropic`` or
+``openai``. Shared by the services that converse with a model (the subagent's patch writer, the master's
+planner); it knows nothing of either.
+
+Contract: ``tool_loop(spec, key, system, task, toolbox, usage, max_turns)`` drives one conversation over
+any toolbox (``specs``: name/description/input_schema dicts; ``call(name, args)`` → `ToolResult`;
+``finished``: set when the conversation is done). No SDK error escapes: after the SDK's own retries it is a
+`ProviderError`.
+
+- Anthropic: ``client.messages.create(model, max_tokens, system, tools, messages)``; every ``tool_use``
+  block of a reply is answered by a ``tool_result`` block with its ``tool_use_id`` in the next user turn.
+- OpenAI and OpenAI-compatible servers: ``client.chat.completions.create(model, messages, tools)``; every
+  ``tool_calls`` entry is answered by a ``{"role": "tool", "tool_call_id": ...}`` message.
+A reply without tool calls gets one user nudge (``nudge``) to use the tools or finish (it costs a turn).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import anthropic
+import openai
+
+from specpilot.providers import ANTHROPIC, ProviderError, ProviderSpec
+
+log = logging.getLogger("llm")
+
+DEFAULT_MAX_TURNS = 30
+DEFAULT_MAX_TOKENS = 8192
+REQUEST_TIMEOUT_S = 600.0
+NUDGE = "Use the tools; call the tool that finishes the task when you are done."
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one tool call answers: text for the model, and whether it is an error."""
+
+    text: str
+    error: bool = False
+
+
+@dataclass
+class Usage:
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    tools: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return f"{self.turns} turns, {self.input_tokens} input / {self.output_tokens} output tokens"
+
+
+def tool_loop(spec: ProviderSpec, key: str, system: str, task: str, toolbox, usage: Usage,
+              max_turns: int = DEFAULT_MAX_TURNS, max_tokens: int = DEFAULT_MAX_TOKENS, nudge: str = NUDGE) -> None:
+    """Converse until ``toolbox.finished`` is set or ``max_turns`` model calls; SDK errors → ProviderError."""
+    try:
+        if spec.kind == ANTHROPIC:
+            _anthropic_loop(spec, key, system, task, toolbox, usage, max_turns, max_tokens, nudge)
+        else:
+            _openai_loop(spec, key, system, task, toolbox, usage, max_turns, nudge)
+    except (anthropic.APIError, openai.APIError) as exc:
+        raise ProviderError(f"{spec}: {type(exc).__name__}: {exc}") from exc
+
+
+# --- Anthropic -----------------------------------------------------------------------------------
+
+
+def _anthropic_tools(specs: list[dict]) -> list[dict]:
+    return [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]} for t in specs]
+
+
+def _anthropic_block(block) -> dict:
+    """A reply's content block as the dict sent back in the next request."""
+    if block.type == "text":
+        return {"type": "text", "text": block.text}
+    if block.type == "tool_use":
+        return {"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}
+    return block.model_dump(mode="json", exclude_none=True)  # thinking blocks etc. go back as they came
+
+
+def _anthropic_loop(spec: ProviderSpec, key: str, system: str, task: str, tools, usage: Usage,
+                    max_turns: int, max_tokens: int, nudge: str) -> None:
+    client = anthropic.Anthropic(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
+    specs = _anthropic_tools(tools.specs)
+    messages: list[dict] = [{"role": "user", "content": task}]
+    while usage.turns < max_turns:
+        reply = client.messages.create(model=spec.model, max_tokens=max_tokens, system=system, tools=specs,
+                                       messages=messages)
+        usage.turns += 1
+        if reply.usage is not None:
+            usage.input_tokens += reply.usage.input_tokens or 0
+            usage.output_tokens += reply.usage.output_tokens or 0
+        messages.append({"role": "assistant", "content": [_anthropic_block(b) for b in reply.content]})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            log.info("%s turn %d: no tool call (stop_reason %s)", spec, usage.turns, reply.stop_reason)
+            messages.append({"role": "user", "content": nudge})
+            continue
+        results = []
+        for u in uses:
+            res = tools.call(u.name, u.input if isinstance(u.input, dict) else {})
+            usage.tools.append(u.name)
+            log.info("%s turn %d: %s -> %s", spec, usage.turns, u.name, "error" if res.error else "ok")
+            results.append({"type": "tool_result", "tool_use_id": u.id, "content": res.text, "is_error": res.error})
+        messages.append({"role": "user", "content": results})
+        if tools.finished is not None:
+            return
+
+
+# --- OpenAI and OpenAI-compatible ----------------------------------------------------------------
+
+
+def _openai_tools(specs: list[dict]) -> list[dict]:
+    return [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                              "parameters": t["input_schema"]}} for t in specs]
+
+
+def _openai_loop(spec: ProviderSpec, key: str, system: str, task: str, tools, usage: Usage,
+                 max_turns: int, nudge: str) -> None:
+    client = openai.OpenAI(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
+    specs = _openai_tools(tools.specs)
+    messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+    while usage.turns < max_turns:
+        reply = client.chat.completions.create(model=spec.model, messages=messages, tools=specs)
+        usage.turns += 1
+        if reply.usage is not None:
+            usage.input_tokens += reply.usage.prompt_tokens or 0
+            usage.output_tokens += reply.usage.completion_tokens or 0
+        if not reply.choices:
+            raise ProviderError(f"{spec}: a reply without choices")
+        msg = reply.choices[0].message
+        calls = list(msg.tool_calls or [])
+        sent: dict = {"role": "assistant", "content": msg.content}
+        if calls:
+            sent["tool_calls"] = [_openai_call(c) for c in calls]
+        elif msg.content is None:
+            sent["content"] = ""
+        messages.append(sent)
+        if not calls:
+            log.info("%s turn %d: no tool call (finish_reason %s)", spec, usage.turns, reply.choices[0].finish_reason)
+            messages.append({"role": "user", "content": nudge})
+            continue
+        for c in calls:
+            name = getattr(getattr(c, "function", None), "name", "") or ""
+            try:
+                args = json.loads(c.function.arguments or "{}") if c.type == "function" else None
+            except (json.JSONDecodeError, TypeError) as exc:
+                args, text = None, f"the arguments are not valid JSON: {exc}"
+            else:
+                text = "only function tools exist here" if args is None else ""
+            if args is not None:
+                res = tools.call(name, args if isinstance(args, dict) else {})
+                text = res.text if not res.error else f"error: {res.text}"
+                log.info("%s turn %d: %s -> %s", spec, usage.turns, name, "error" if res.error else "ok")
+            usage.tools.append(name or "?")
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": text})
+        if tools.finished is not None:
+            return
+
+
+def _openai_call(c) -> dict:
+    if c.type == "function":
+        return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+    return c.model_dump(mode="json", exclude_none=True)

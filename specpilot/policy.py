@@ -1,0 +1,89 @@
+"""Patch policy, pure: what a patch may touch before anything of it runs.
+
+A patch is a unified diff (``git diff`` format) plus option settings. It may only add, modify or
+delete regular text files under ``specpilot_engine/`` and ``specpilot_kernels/``, and must stay under a size limit.
+Everything else — the harness, tests, services, request sets, deployments, packaging, symlinks,
+binary patches, renames or copies out of the allowed folders, paths that climb out with ``..`` —
+is refused with the rule that caught it. Option values are checked later by the candidate's own
+engine (a patch may add options), inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ALLOWED_ROOTS = ("specpilot_engine/", "specpilot_kernels/")
+MAX_DIFF_BYTES = 200_000
+MAX_FILES = 40
+MAX_OPTIONS = 16
+
+_HEADER = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|--- (\S+)|\+\+\+ (\S+)|rename (?:from|to) (\S+)|"
+                     r"copy (?:from|to) (\S+))")
+_MODE = re.compile(r"^(?:new file mode|deleted file mode|old mode|new mode) (\d+)")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    rule: str
+    reason: str
+
+
+def touched_paths(diff: str) -> set[str]:
+    """Every path a diff names (both sides, renames and copies included), without a/ b/ prefixes."""
+    paths: set[str] = set()
+    for line in diff.splitlines():
+        m = _HEADER.match(line)
+        if not m:
+            continue
+        for p in m.groups():
+            if p is None or p == "/dev/null":
+                continue
+            if line.startswith(("--- ", "+++ ")) and p[:2] in ("a/", "b/"):
+                p = p[2:]
+            paths.add(p)
+    return paths
+
+
+def _path_problem(path: str) -> str | None:
+    if path.startswith("/") or "\\" in path:
+        return f"{path}: absolute or odd path"
+    parts = path.split("/")
+    if ".." in parts or "." in parts or "" in parts[:-1]:
+        return f"{path}: path climbs or is not normalised"
+    if not path.startswith(ALLOWED_ROOTS):
+        return f"{path}: outside {', '.join(ALLOWED_ROOTS)} (harness, tests, services and request sets are off limits)"
+    if "/tests/" in f"/{path}" or path.rsplit("/", 1)[-1].startswith("test_"):
+        return f"{path}: tests are off limits"
+    return None
+
+
+def check(diff: str, options: dict, *, max_bytes: int = MAX_DIFF_BYTES) -> Refusal | None:
+    """None when the patch may be tried; otherwise the rule it breaks."""
+    if not isinstance(diff, str):
+        return Refusal("format", "the diff must be text")
+    size = len(diff.encode())
+    if size > max_bytes:
+        return Refusal("size", f"diff is {size} bytes, over the {max_bytes}-byte limit")
+    if not isinstance(options, dict) or len(options) > MAX_OPTIONS:
+        return Refusal("options", f"options must be a dict of at most {MAX_OPTIONS} settings")
+    for k, v in options.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", k):
+            return Refusal("options", f"bad option name {k!r}")
+        if not isinstance(v, str | int | float | bool):
+            return Refusal("options", f"option {k!r} must be a string, number or boolean")
+    if "GIT binary patch" in diff or re.search(r"^Binary files .* differ$", diff, re.M):
+        return Refusal("binary", "binary patches are not allowed")
+    for line in diff.splitlines():
+        m = _MODE.match(line)
+        if m and m.group(1) not in ("100644", "100755"):
+            return Refusal("mode", f"file mode {m.group(1)} is not allowed (symlinks and submodules are refused)")
+    paths = touched_paths(diff)
+    if not paths and diff.strip():
+        return Refusal("format", "no file headers found: send a unified diff (git diff format)")
+    if len(paths) > MAX_FILES:
+        return Refusal("size", f"diff touches {len(paths)} files, over the limit of {MAX_FILES}")
+    for p in sorted(paths):
+        if problem := _path_problem(p):
+            return Refusal("paths", problem)
+    return None

@@ -1,0 +1,3 @@
+from specpilot.services.controller.main import main
+
+main()

@@ -1,0 +1,429 @@
+"""The sandbox every candidate runs in, and the timing worker the controller talks to.
+
+What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
+- **Files**: the whole machine is mounted read-only; ``/tmp`` is a fresh, empty tmpfs (the only
+  writable place, gone when the sandbox ends); the SpecPilot data directory — ledger, NATS store,
+  credentials, the controller's systems repository and its secret split seed — is covered by an
+  empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
+  cache read-only at ``/tmp/data/models``. ``compile_cache`` (a directory the controller made for
+  this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache and as the build
+  directory of torch's C++ extensions (`specpilot_kernels.cpu_gemm`).
+- **Environment**: cleared; only ``PATH``, ``HOME=/tmp`` and a few thread settings are set. No NATS
+  URL or credentials, no API keys.
+- **Network**: a new network namespace with only a loopback nobody listens on.
+- **Processes**: a new PID namespace (the candidate cannot see or signal the controller), a new
+  session, capabilities dropped, and the whole tree dies with the controller (``--die-with-parent``).
+- **Resources**: a cgroup (v1 or v2) per sandbox caps processes (``pids.max``) and memory; the
+  controller enforces wall-clock timeouts and kills the tree. ``cpus`` pins the whole tree to a set
+  of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`).
+  Where cgroups are not writable, ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose
+  address-space reservations it breaks) and the process cap is best effort.
+- **The clock, the harness and the reference tokens** stay in the controller's process: the worker
+  only receives prompt ids and returns tokens; the controller times each request from its own
+  clock, from sending the request to reading the reply.
+
+What is not isolated: CPU time shares the machine's cores (the controller times one thing at a time
+and records the load average beside each sample; when two workers are alive at once, the idle one is
+stopped with ``SIGSTOP``, ``pause``, while the other is timed, but GPU work it queued before it was
+stopped can still overlap: the carry-over test catches work that slows the requests right after it,
+and an interleaved GPU timing that would promote is confirmed run by run, `stats.retime_reason`);
+the candidate can read the rest of the machine's
+files (read-only), including the public request sets; a GPU is shared when the device is CUDA. On a
+machine without bubblewrap the sandbox degrades to a scrubbed environment, a temporary working
+directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``PatchTested``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpilot.paths import REPO_ROOT
+
+SANDBOX_SRC = "/tmp/src"
+SANDBOX_DATA = "/tmp/data"
+SANDBOX_COMPILE_CACHE = "/tmp/compile-cache"
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 600.0
+    memory_bytes: int = 8 << 30
+    pids: int = 256
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+class _Cgroup:
+    """A cgroup for one sandbox (v2 unified or v1 pids+memory), or nothing where not writable."""
+
+    def __init__(self, limits: Limits):
+        self.dirs: list[Path] = []
+        name = f"specpilot-sbx-{uuid.uuid4().hex[:12]}"
+        root = Path("/sys/fs/cgroup")
+        try:
+            if (root / "cgroup.controllers").exists():  # v2
+                d = root / name
+                d.mkdir()
+                self.dirs.append(d)
+                (d / "pids.max").write_text(str(limits.pids))
+                (d / "memory.max").write_text(str(limits.memory_bytes))
+            else:  # v1
+                for ctrl, fname, value in (("pids", "pids.max", limits.pids),
+                                           ("memory", "memory.limit_in_bytes", limits.memory_bytes)):
+                    d = root / ctrl / name
+                    d.mkdir()
+                    self.dirs.append(d)
+                    (d / fname).write_text(str(value))
+        except OSError:
+            self.remove()
+            self.dirs = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.dirs)
+
+    def join_self(self) -> None:
+        """Move the calling process into the cgroup (runs in the child before exec)."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(os.getpid()))
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for d in self.dirs:
+            try:
+                out |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except OSError:
+                pass
+        return out
+
+    def oom_killed(self) -> bool:
+        for d in self.dirs:
+            for f in ("memory.events", "memory.oom_control"):
+                try:
+                    text = (d / f).read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill" and int(v or 0) > 0:
+                        return True
+        return False
+
+    def kill_all(self) -> None:
+        for _ in range(20):
+            pids = self.pids()
+            if not pids:
+                return
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
+def bwrap_available() -> bool:
+    return shutil.which("bwrap") is not None
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """CPU ids of a Linux cpulist such as ``"0-7,16-23"`` (sysfs ``local_cpulist``)."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pick_cores(local: list[set[int]], allowed: set[int]) -> list[int]:
+    """One core per device, each from the device's local cores where it may (else any allowed core),
+    all different, taken from the top (low-numbered cores tend to take the machine's interrupts and
+    housekeeping). ``local[i]`` empty: nothing known about device ``i``."""
+    taken: list[int] = []
+    for near in local:
+        free = sorted(allowed - set(taken))
+        if not free:
+            raise SandboxError(f"{len(local)} devices but only {len(allowed)} usable CPUs")
+        pool = [c for c in free if c in near] or free
+        taken.append(pool[-1])
+    return taken
+
+
+def device_local_cpus(device: str) -> set[int]:
+    """The CPUs on the NUMA node of a CUDA device (its PCI function's ``local_cpulist``); empty
+    when unknown (a CPU device, no sysfs, a torch without PCI ids)."""
+    if not device.startswith("cuda"):
+        return set()
+    try:
+        import torch
+
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text())
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return set()
+
+
+def timing_cpus(devices: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The core each timing device's workers are pinned to: one core beside each GPU.
+
+    A fresh GPU worker's speed follows the core the scheduler gives it (a 135M model's step is mostly
+    the host's launches and syncs): per-worker levels of +-10% on 2026-12-01's H200, which no number
+    of requests per trial averages out. Workers that run one at a time (one device, interleaved or
+    not) share that core; two devices get two cores."""
+    allowed = os.sched_getaffinity(0)
+    cores = pick_cores([device_local_cpus(d) for d in devices], allowed)
+    return {d: (c,) for d, c in zip(devices, cores, strict=True)}
+
+
+@dataclass
+class Sandbox:
+    """One isolated process tree over a candidate's source tree."""
+
+    src: Path
+    models: Path
+    hide: list[Path] = field(default_factory=list)
+    device: str = "cpu"
+    limits: Limits = field(default_factory=Limits)
+    threads: int | None = None
+    cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
+    # Triton's cache and torch's C++ extension builds (specpilot_kernels.cpu_gemm), writable (None: an empty /tmp)
+    compile_cache: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.isolated = bwrap_available()
+        self._cgroup = _Cgroup(self.limits)
+        self._procs: list[subprocess.Popen] = []
+
+    def describe(self) -> dict:
+        return {"bubblewrap": self.isolated, "cgroup": self._cgroup.active, "network": "none" if self.isolated else "host",
+                "filesystem": "read-only, private /tmp" if self.isolated else "host (temporary cwd only)",
+                "pids_max": self.limits.pids, "memory_bytes": self.limits.memory_bytes, "wall_s": self.limits.wall_s,
+                "cpus": list(self.cpus) if self.cpus else "inherited"}
+
+    def _env(self) -> dict[str, str]:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
+        if self.threads:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        if self.compile_cache:
+            cache = SANDBOX_COMPILE_CACHE if self.isolated else str(self.compile_cache)
+            env.update(TRITON_CACHE_DIR=cache, TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions")
+        return env
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        if not self.isolated:
+            return cmd
+        args = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
+        # The interpreter, its environment and the project (editable install) may live under /tmp
+        # (a CI clone, say): show them again, read-only, before hiding the data directory.
+        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve()}):
+            if str(keep).startswith("/tmp/"):
+                args += ["--ro-bind", str(keep), str(keep)]
+        for h in self.hide:
+            if Path(h).exists():
+                args += ["--tmpfs", str(Path(h).resolve())]
+        args += ["--ro-bind", str(Path(self.src).resolve()), SANDBOX_SRC]
+        if Path(self.models).exists():
+            args += ["--ro-bind", str(Path(self.models).resolve()), f"{SANDBOX_DATA}/models"]
+        if self.compile_cache:
+            args += ["--bind", str(Path(self.compile_cache).resolve()), SANDBOX_COMPILE_CACHE]
+        args += ["--dev-bind", "/dev", "/dev"] if self.device.startswith("cuda") else ["--dev", "/dev"]
+        args += ["--proc", "/proc", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                 "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", SANDBOX_SRC, "--clearenv"]
+        for k, v in self._env().items():
+            args += ["--setenv", k, v]
+        return args + cmd
+
+    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
+        cgroup, limits, cuda, cpus = self._cgroup, self.limits, self.device.startswith("cuda"), self.cpus
+
+        def preexec() -> None:
+            cgroup.join_self()
+            if cpus:  # inherited by every thread and child the worker starts
+                os.sched_setaffinity(0, cpus)
+            if not cgroup.active and not cuda:
+                resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+
+        cwd = None if self.isolated else str(self.src)
+        proc = subprocess.Popen(self.argv(cmd), cwd=cwd, env=None if self.isolated else self._env(),
+                                preexec_fn=preexec, start_new_session=True, **kw)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float | None = None) -> dict:
+        """Run to completion; returns returncode, output tail, and whether it timed out or was OOM-killed."""
+        proc = self.popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            out, _ = proc.communicate(timeout=timeout or self.limits.wall_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = proc.communicate()
+            timed_out = True
+        return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-4000:], "timed_out": timed_out,
+                "oom_killed": self._cgroup.oom_killed()}
+
+    def _signal_all(self, sig: int) -> None:
+        """``sig`` to every process of the sandbox: its cgroup's (which no process can leave) and, where
+        there is no cgroup, the process groups it started (a process that made its own session escapes)."""
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for pid in self._cgroup.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def pause(self) -> None:
+        """Stop every process of the sandbox (``SIGSTOP`` cannot be caught), so it takes no CPU while
+        another system is timed. GPU work it queued before it was stopped can still run."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self._cgroup.kill_all()
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        self.kill()
+        self._cgroup.remove()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Worker:
+    """``python -m specpilot.harness.worker`` of one system inside a sandbox, driven over a pipe.
+
+    The controller's clock measures each request from send to reply; the worker only returns tokens.
+    """
+
+    def __init__(self, sandbox: Sandbox, python: str, deployment: str, options: dict, device: str = "cpu",
+                 ready_timeout_s: float = 300.0):
+        cmd = [python, "-m", "specpilot.harness.worker", "--deployment", deployment, "--options", json.dumps(options),
+               "--device", device, "--data-dir", SANDBOX_DATA if sandbox.isolated else str(Path(sandbox.models).parent)]
+        if sandbox.threads:
+            cmd += ["--threads", str(sandbox.threads)]
+        self.sandbox = sandbox
+        self.proc = sandbox.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._lines: queue.Queue = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        reply = self._read(ready_timeout_s)
+        if not reply.get("ready"):
+            raise WorkerFailed(f"worker did not start: {reply.get('error') or self.stderr_tail()}")
+
+    @staticmethod
+    def _pump(stream, q: queue.Queue) -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line.decode(errors="replace"))
+            del self._stderr[:-50]
+
+    def stderr_tail(self) -> str:
+        return "".join(self._stderr[-15:]).strip() or f"exit code {self.proc.poll()}"
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.sandbox.kill()
+            raise WorkerFailed(f"worker gave no answer within {timeout:.0f} s (killed)") from None
+        if line is None:
+            oom = " (out of memory: the cgroup killed it)" if self.sandbox._cgroup.oom_killed() else ""
+            raise WorkerFailed(f"worker exited{oom}: {self.stderr_tail()}")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}")
+        return reply
+
+    def request(self, obj: dict, timeout: float = 300.0) -> tuple[dict, float]:
+        """Send one protocol request; the reply and the seconds from send to reply (controller clock)."""
+        msg = (json.dumps(obj) + "\n").encode()
+        t0 = time.perf_counter()
+        try:
+            self.proc.stdin.write(msg)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise WorkerFailed(f"worker is gone: {self.stderr_tail()}") from None
+        reply = self._read(timeout)
+        elapsed = time.perf_counter() - t0
+        if "error" in reply:
+            raise WorkerFailed(f"worker error: {reply['error']}")
+        return reply, elapsed
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:
+        """Tokens and seconds measured by the controller's clock, send to reply."""
+        reply, elapsed = self.request({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}, timeout)
+        tokens = reply.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise WorkerFailed("worker returned something other than a list of token ids")
+        return tokens, elapsed
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.sandbox.kill()

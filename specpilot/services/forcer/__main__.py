@@ -1,0 +1,3 @@
+from specpilot.services.forcer.main import main
+
+main()

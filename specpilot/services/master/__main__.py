@@ -1,0 +1,3 @@
+from specpilot.services.master.main import main
+
+main()

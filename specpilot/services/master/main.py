@@ -1,0 +1,434 @@
+"""The master service: runs rounds. Phase 0 asks for measurements and computes the ceiling, then
+waves of directions go to the subagents, and at the end the sealed final is asked of the controller.
+
+A round is driven from the ledger (read through memory's ``sql`` endpoint), never from memory of
+its own: each step first looks for its event in the ledger and only emits it when it is missing,
+under a fixed event id (``<round>-<step>``), so a master restarted mid-round resumes where the
+ledger says it stopped and a re-sent event is dropped as a duplicate (``Nats-Msg-Id``) or absorbed
+by the ledger's primary key. Steps:
+
+1. ``RoundStarted`` → the controller measures the device and profiles the best system
+   (``HardwareMeasured``, ``ProfileMeasured``; again, before its verdict, for every promotion, so each
+   plan reads the best system's profile).
+2. ``CeilingComputed`` from `costmodel` (replayed tree tau, floors, factors; a PNG of the factors).
+3. For each wave: `planner.plan` → ``DirectionPlanned`` (one per free device); wait until each
+   direction's patches have verdicts (or a timeout). A promotion advances the best system inside the
+   controller, so later waves start from it. With one device every candidate is timed against
+   the latest best, i.e. already integrated; ``IntegrationProposed`` is only needed with several.
+4. ``SealedFinalRequested`` → the controller's ``SealedFinalReported``; then ``RoundFinished`` with
+   the summary the CLI prints.
+
+Endpoint ``sp.rpc.master.round`` starts (or resumes) a round: ``{deployment, planner, coder, rounds,
+sealed_requests, sealed_trials, minutes}`` → ``{round_id, resumed}``. Unfinished rounds resume at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from specpilot import bus, schema, service, subjects
+from specpilot.ledger import sql_literal
+from specpilot.services.master import costmodel, planner, plots
+
+NAME = "master"
+DESCRIPTION = "Plans directions from the cost model, integrates winners, starts the sealed final."
+RPC_ROUND = subjects.rpc(NAME, "round")
+POLL_S = 0.5
+PHASE0_TIMEOUT_S = 1800.0
+DIRECTION_TIMEOUT_S = 3600.0
+FINAL_TIMEOUT_S = 3600.0
+NO_PATCH_TIMEOUT_S = 2400.0  # a direction that produced no patch by then has failed (LLM loops run tests)
+log = logging.getLogger(NAME)
+
+
+def round_defaults() -> dict[str, Any]:
+    from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
+
+    return {"deployment": DEFAULT_DEPLOYMENT, "planner": "rules", "coder": "sweep", "rounds": 3,
+            "sealed_requests": 4, "sealed_trials": 3, "devices": 1, "minutes": 0.0}
+
+
+class Ledger:
+    """The ledger as the master reads it: memory's read-only SQL endpoint."""
+
+    def __init__(self, b: bus.Bus):
+        self.bus = b
+
+    async def rows(self, query: str) -> list[list]:
+        while True:
+            try:
+                return (await self.bus.request(subjects.RPC_SQL, {"query": query}, timeout=30))["rows"]
+            except bus.BusError as exc:  # memory restarting: wait for it
+                log.warning("ledger query failed, retrying: %s", exc)
+                await asyncio.sleep(1.0)
+
+    async def events(self, where: str) -> list[schema.Event]:
+        rows = await self.rows(f"SELECT payload FROM events WHERE {where} ORDER BY pos")
+        return [schema.decode(r[0].encode()) for r in rows]
+
+    async def round_events(self, round_id: str, tag: str) -> list[schema.Event]:
+        return await self.events(f"round_id = {sql_literal(round_id)} AND type = {sql_literal(tag)}")
+
+
+class Master:
+    def __init__(self, b: bus.Bus, data: Path):
+        self.bus, self.data = b, Path(data)
+        self.ledger = Ledger(b)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.wake = asyncio.Event()
+
+    # --- rounds ------------------------------------------------------------------------------------
+
+    async def start_round(self, req: dict) -> dict:
+        params = {**round_defaults(), **{k: v for k, v in req.items() if v is not None}}
+        unknown = set(params) - set(round_defaults())
+        if unknown:
+            raise ValueError(f"unknown round parameters: {sorted(unknown)}")
+        check_providers(str(params["planner"]), str(params["coder"]))
+        for started in await self.unfinished():
+            if started.deployment == params["deployment"]:
+                self._spawn(started)
+                return {"round_id": started.round_id, "resumed": True}
+        round_id = f"round-{time.strftime('%Y%m%d-%H%M%S')}-{schema.new_event_id()[-6:]}"
+        started = schema.RoundStarted(event_id=f"{round_id}-started", round_id=round_id,
+                                      deployment=params["deployment"], rounds=int(params["rounds"]),
+                                      planner=str(params["planner"]), coder=str(params["coder"]),
+                                      devices=[str(i) for i in range(int(params["devices"]))],
+                                      sealed_requests=int(params["sealed_requests"]),
+                                      sealed_trials=int(params["sealed_trials"]),
+                                      minutes=float(params["minutes"]))
+        started, _ = await self.bus.publish(started)
+        self._spawn(started)  # type: ignore[arg-type]
+        return {"round_id": round_id, "resumed": False}
+
+    async def unfinished(self) -> list[schema.RoundStarted]:
+        started = await self.ledger.events("type = 'round.started'")
+        finished = {e.round_id for e in await self.ledger.events("type = 'round.finished'")}
+        return [e for e in started if e.round_id not in finished]  # type: ignore[misc]
+
+    def _spawn(self, started: schema.RoundStarted) -> None:
+        if started.round_id not in self.tasks or self.tasks[started.round_id].done():
+            self.tasks[started.round_id] = asyncio.create_task(self._drive_logged(started))
+
+    async def _drive_logged(self, started: schema.RoundStarted) -> None:
+        try:
+            await RoundDriver(self, started).drive()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("round %s failed", started.round_id)
+
+    async def resume_all(self) -> None:
+        for started in await self.unfinished():
+            log.info("resuming %s", started.round_id)
+            self._spawn(started)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Drain this service's consumer (events wake the round drivers) until stopped."""
+        resuming = asyncio.create_task(self.resume_all())  # waits for memory, which may start later
+        while not stop.is_set():
+            try:
+                async for _event, delivery in self.bus.consume(stop, batch=64):
+                    self.wake.set()
+                    await delivery.ack()
+            except (bus.BusError, ConnectionError) as exc:
+                log.warning("bus trouble, retrying: %s", exc)
+                await asyncio.sleep(0.5)
+        resuming.cancel()
+        for task in self.tasks.values():
+            task.cancel()
+
+
+class RoundDriver:
+    def __init__(self, master: Master, started: schema.RoundStarted):
+        self.master, self.started = master, started
+        self.ledger = master.ledger
+        self.round_id, self.deployment = started.round_id, started.deployment
+
+    async def emit(self, event: schema.Event) -> schema.Event:
+        stamped = schema.stamp(event, round_id=self.round_id, deployment=self.deployment,
+                               causation_id=event.causation_id or self.started.event_id,
+                               correlation_id=self.round_id)
+        published, _ = await self.master.bus.publish(stamped)
+        return published
+
+    async def wait_for(self, tag: str, timeout: float) -> list[schema.Event]:
+        """This round's events of type ``tag``, waiting up to ``timeout`` for the first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self.ledger.round_events(self.round_id, tag)
+            if found or time.monotonic() > deadline:
+                return found
+            await self.nap(POLL_S)
+
+    async def nap(self, seconds: float) -> None:
+        """Sleep until a new event arrives on the master's consumer, or ``seconds``."""
+        self.master.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.master.wake.wait(), seconds)
+
+    async def drive(self) -> None:
+        log.info("round %s on %s: %d waves, coder %s", self.round_id, self.deployment, self.started.rounds,
+                 self.started.coder)
+        ceiling = await self.phase0()
+        for wave in range(self.started.rounds):
+            if not await self.wave(wave, ceiling):
+                break
+        final = await self.final()
+        await self.finish(ceiling, final)
+
+    # --- phase 0 -------------------------------------------------------------------------------------
+
+    async def phase0(self) -> schema.CeilingComputed | None:
+        done = await self.ledger.round_events(self.round_id, "ceiling.computed")
+        if done:
+            return done[-1]  # type: ignore[return-value]
+        profiles = await self.wait_for("profile.measured", PHASE0_TIMEOUT_S)
+        hardware = await self.ledger.round_events(self.round_id, "hardware.measured")
+        if not profiles or not hardware or profiles[-1].step_s <= 0:  # type: ignore[attr-defined]
+            log.warning("round %s: no usable profile; planning without a ceiling", self.round_id)
+            return None
+        prof: schema.ProfileMeasured = profiles[-1]  # type: ignore[assignment]
+        hw: schema.HardwareMeasured = hardware[-1]  # type: ignore[assignment]
+        result = compute_ceiling(prof, hw)
+        event = await self.emit(schema.CeilingComputed(
+            event_id=f"{self.round_id}-ceiling", ceiling_speedup=result.speedup,
+            factors=result.factors, floors_s=result.floors_s,
+            replay_tau={str(k): v for k, v in replay(prof).items()},
+            causation_id=prof.event_id))
+        with contextlib.suppress(Exception):  # a chart is a nicety; the event is the record
+            plots.factor_chart(result.factors, result.speedup, self.master.data / "rounds" / self.round_id / "factors.png")
+        return event  # type: ignore[return-value]
+
+    # --- waves ---------------------------------------------------------------------------------------
+
+    async def wave(self, wave: int, ceiling: schema.CeilingComputed | None) -> bool:
+        """Plan (or find) this wave's directions and wait for their verdicts; False when nothing is left."""
+        prefix = f"{self.round_id}-w{wave}-"
+        directions = [d for d in await self.ledger.round_events(self.round_id, "direction.planned")
+                      if d.event_id.startswith(prefix)]
+        if not directions:
+            planned = await self.within_budget(await self.plan(ceiling))
+            if not planned:
+                log.info("round %s: nothing left to try (or no time) after %d waves", self.round_id, wave)
+                return False
+            for i, d in enumerate(planned):
+                directions.append(await self.emit(schema.DirectionPlanned(
+                    event_id=f"{prefix}d{i}", direction_id=f"{prefix}d{i}", title=d.title, rationale=d.rationale,
+                    factor=d.factor, provider=d.provider, device=str(i), memory_entry_id=d.memory_entry_id,
+                    hints={**d.hints, "expected_patches": d.expected_patches})))
+        for d in directions:
+            await self.wait_direction(d)  # type: ignore[arg-type]
+        return True
+
+    async def within_budget(self, planned: list[planner.Direction]) -> list[planner.Direction]:
+        """``planned`` cut to what fits the round's ``minutes`` before the sealed final, judged by the
+        earlier timings on this deployment (the first wave, with none yet, runs whole)."""
+        if self.started.minutes <= 0 or not planned:
+            return planned
+        rows = await self.ledger.events(f"type = 'timing.measured' AND deployment = {sql_literal(self.deployment)}")
+        samples = [planner.TimingSample(t.wall_s, len(t.incumbent_s), t.requests) for t in rows[-8:]]  # type: ignore[attr-defined]
+        estimates = planner.budget_estimates(samples, self.started.sealed_requests, self.started.sealed_trials)
+        if estimates is None:
+            return planned
+        candidate_s, sealed_s = estimates
+        remaining_s = self.started.minutes * 60 - (time.time() - self.started.ts_ns / 1e9) - sealed_s
+        fitted = planner.fit_to_budget(planned, remaining_s, candidate_s)
+        if fitted != planned:
+            log.info("round %s: %.0f s left before the sealed final (~%.0f s), ~%.0f s a candidate: %s",
+                     self.round_id, remaining_s, sealed_s, candidate_s,
+                     "no time for another wave" if not fitted else "fewer candidates")
+        return fitted
+
+    async def plan(self, ceiling: schema.CeilingComputed | None) -> list[planner.Direction]:
+        from specpilot.harness.deployment import load_deployment
+        from specpilot_engine.options import EngineOptions
+
+        facts = load_deployment(self.deployment).facts()
+        best = await self.ledger.events(f"type = 'best.advanced' AND deployment = {sql_literal(self.deployment)}")
+        best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
+        tried: set[tuple[str, str]] = set()
+        applied: set[str] = set()
+        for d in await self.ledger.events(f"type = 'direction.planned' AND deployment = {sql_literal(self.deployment)}"):
+            if d.provider == "sweep":  # type: ignore[attr-defined]
+                tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
+            if d.memory_entry_id:  # type: ignore[attr-defined]
+                applied.add(d.memory_entry_id)  # type: ignore[attr-defined]
+        try:
+            reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
+            entries = reply.get("entries", [])
+        except bus.BusError:
+            entries = []
+        # An entry this deployment's own promotion taught is in its best system already (12-01: one
+        # was re-applied in the same round, a wasted wave).
+        applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
+        predict = None
+        profiles = [p for p in await self.ledger.round_events(self.round_id, "profile.measured") if p.step_s > 0]  # type: ignore[attr-defined]
+        if profiles:
+            model = step_model(profiles[-1])  # type: ignore[arg-type]
+            stock = load_deployment(self.deployment).stock_options().to_dict()
+
+            def predict(option: str, value: Any, base: dict) -> float | None:
+                return costmodel.predicted_gain(model, option, value, base, stock)
+        known = set(EngineOptions.__dataclass_fields__)
+        devices = max(1, len(self.started.devices))
+        if self.started.planner not in ("", "rules"):
+            from specpilot.errors import UserError
+            from specpilot.services.master.llm_planner import plan_with_llm
+
+            context = {"deployment": facts, "best_options": best_options, "stock_options": EngineOptions().to_dict(),
+                       "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors),
+                                   "replay_tau": dict(ceiling.replay_tau)} if ceiling else None,
+                       "profile_s": dict(profiles[-1].classes_s) if profiles else None,  # type: ignore[attr-defined]
+                       "tried": sorted(f"{o}={v}" for o, v in tried), "memory_entries": entries}
+            try:
+                return await asyncio.to_thread(plan_with_llm, self.started.planner, context, known, best_options,
+                                               self.started.coder, devices)
+            except UserError as exc:  # provider errors and missing keys: plan by the rules instead
+                log.warning("round %s: LLM planner %s failed (%s); planning by the rules", self.round_id,
+                            self.started.planner, exc)
+        return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
+                            known_options=known, entries=entries,
+                            history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
+                            coder=self.started.coder, devices=devices, predict=predict)
+
+    async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
+        did = sql_literal(direction.direction_id)
+        t0 = time.monotonic()
+        while True:
+            patches = await self.ledger.rows(
+                "SELECT json_extract_string(payload, '$.patch_id') FROM events WHERE type = 'patch.proposed' AND "
+                f"json_extract_string(payload, '$.direction_id') = {did}")
+            ids = [r[0] for r in patches]
+            decided = await self.ledger.rows(
+                "SELECT count(DISTINCT json_extract_string(payload, '$.patch_id')) FROM events WHERE type IN "
+                "('verdict.issued', 'patch.refused') AND json_extract_string(payload, '$.patch_id') IN "
+                f"({', '.join(map(sql_literal, ids))})") if ids else [[0]]
+            elapsed = time.monotonic() - t0
+            if ids and decided[0][0] >= len(ids):  # a subagent stores a direction's patches in one atomic batch
+                return
+            if not ids and (await self.ledger.rows(
+                    "SELECT count(*) FROM events WHERE type = 'direction.failed' AND "
+                    f"json_extract_string(payload, '$.direction_id') = {did}"))[0][0]:
+                log.warning("direction %s failed in the subagent (see the ledger)", direction.direction_id)
+                return
+            if not ids and elapsed > NO_PATCH_TIMEOUT_S:
+                log.warning("direction %s produced no patch in %.0f s", direction.direction_id, elapsed)
+                return
+            if elapsed > DIRECTION_TIMEOUT_S:
+                log.warning("direction %s: verdicts still missing after %.0f s", direction.direction_id, elapsed)
+                return
+            await self.nap(POLL_S * 4)
+
+    # --- phase 4 -------------------------------------------------------------------------------------
+
+    async def final(self) -> schema.SealedFinalReported | None:
+        if not await self.ledger.round_events(self.round_id, "sealed.final.requested"):
+            await self.emit(schema.SealedFinalRequested(event_id=f"{self.round_id}-final", requests=self.started.sealed_requests,
+                                                        trials=self.started.sealed_trials))
+        reported = await self.wait_for("sealed.final.reported", FINAL_TIMEOUT_S)
+        return reported[-1] if reported else None  # type: ignore[return-value]
+
+    async def finish(self, ceiling: schema.CeilingComputed | None, final: schema.SealedFinalReported | None) -> None:
+        if await self.ledger.round_events(self.round_id, "round.finished"):
+            return
+        verdicts = await self.ledger.round_events(self.round_id, "verdict.issued")
+        refused = await self.ledger.round_events(self.round_id, "patch.refused")
+        proposals = {p.patch_id: p for p in await self.ledger.round_events(self.round_id, "patch.proposed")}  # type: ignore[attr-defined]
+        summary = summarise(final, ceiling, verdicts, refused, proposals)
+        await self.emit(schema.RoundFinished(event_id=f"{self.round_id}-finished", summary=summary))
+        log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
+
+
+# --- pure helpers ------------------------------------------------------------------------------------
+
+def check_providers(planner_name: str, coder: str) -> None:
+    """Refuse a round whose planner or coder string does not parse (keys are checked where they are used:
+    the coder's on the subagent's host)."""
+    from specpilot.providers import OFFLINE, parse_provider
+
+    if planner_name not in ("", "rules") and parse_provider(planner_name).kind in OFFLINE:
+        raise ValueError(f"planner {planner_name!r}: use 'rules' or an LLM provider (anthropic, openai, openai-compatible:URL)")
+    parse_provider(coder)
+
+
+def replay(prof: schema.ProfileMeasured, chain: bool = False) -> dict[int, float]:
+    """Replayed tau per node budget, pooled over the profiled requests (steps weighted): the best tree
+    in hindsight, or (``chain``) the drafter's first candidate cut to the budget."""
+    return costmodel.pooled_replay(prof.chain_depths if chain else prof.replay_depths)
+
+
+def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
+    drafters = {name: (costmodel.pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
+                for name, d in prof.drafters.items() if d.get("chain_depths")}
+    return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
+                               verified_tokens=prof.verified_tokens,
+                               replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {},
+                               drafters=drafters, chain_cost=dict(prof.chain_cost))
+
+
+def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> costmodel.Ceiling:
+    shape = costmodel.Shape(**prof.shape)
+    bytes_per = 2.0 if prof.dtype == "bf16" else 4.0
+    return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
+                             weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
+                             step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
+                             profile_s=dict(prof.classes_s), replay=replay(prof), launches=dict(prof.launches),
+                             launch_s=hw.launch_s)
+
+
+def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,
+              verdicts: list, refused: list, proposals: dict) -> dict[str, Any]:
+    results = dict(final.results) if final else {}
+    headline: dict[str, Any] = {}
+    if "final" in results and "stock" in results:
+        headline = {
+            "stock_over_ar": results["stock"].get("over_ar"), "final_over_ar": results["final"].get("over_ar"),
+            "final_over_stock": results["final"].get("over_stock"),
+            "final_over_stock_ci95": results["final"].get("over_stock_ci95"),
+            "lossless": bool(final.lossless) if final else False,
+        }
+        peer = results.get("peer")
+        if isinstance(peer, dict) and "speedup" in peer:
+            headline["peer_over_its_ar"] = peer["speedup"]
+            headline["peer_tok_s"] = peer["prompt_lookup_tok_s"]
+            headline["final_tok_s"] = results["final"].get("tok_s")
+            headline["final_faster_than_peer"] = bool(results["final"].get("tok_s", 0) > peer["prompt_lookup_tok_s"])
+    candidates = []
+    for v in verdicts:
+        p = proposals.get(v.patch_id)
+        candidates.append({"patch_id": v.patch_id, "provider": p.provider if p else "", "options": dict(p.options) if p else {},
+                           "decision": v.decision, "gain": v.gain, "lower_bound": v.lower_bound, "bar": v.bar,
+                           "reason": v.reason})
+    for r in refused:
+        candidates.append({"patch_id": r.patch_id, "decision": "refused", "reason": r.reason})
+    return {"headline": headline, "sealed": results, "candidates": candidates,
+            "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors)} if ceiling else {},
+            "final_commit": final.final_commit if final else ""}
+
+
+def make(cfg: service.ServiceConfig):
+    holder: dict[str, Master] = {}
+
+    async def body(b: bus.Bus, stop: asyncio.Event) -> None:
+        master = holder.setdefault("m", Master(b, cfg.data))
+        master.bus = b
+        master.ledger = Ledger(b)
+        await master.run(stop)
+
+    async def round_endpoint(req: dict) -> dict:
+        if "m" not in holder:
+            raise RuntimeError("the master is still starting; try again")
+        return await holder["m"].start_round(req)
+
+    return body, {RPC_ROUND: round_endpoint}
+
+
+def main(argv: list[str] | None = None) -> None:
+    service.main(NAME, DESCRIPTION, make, argv=argv)

@@ -1,0 +1,199 @@
+"""Planning, pure: which directions to try next, from the cost model's factors, the deployment's
+facts, accepted memory entries and what the ledger says was already tried (DESIGN §7).
+
+The offline planner (``rules``) works in this order:
+1. accepted memory entries whose requirements hold here and that no direction has applied yet
+   (provider ``memory``);
+2. option sweeps, grouped by the factor they attack, largest factor first, skipping option values
+   already tried on this deployment and options the engine does not have; on a GPU the overhead
+   and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
+   Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
+   drafter setting) are kept only when it predicts a gain; timing a candidate costs minutes,
+   predicting it nothing. A sweep it cannot rank at all (a kernel option) offers its first value a
+   wave, the next one in a later wave;
+3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
+One direction per free device per wave. A direction is a `Direction` (the master publishes it as
+``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# A value the cost model predicts to lose more than this is not timed. The step model is crude (linear in
+# the drafted tokens; measured on SmolLM2 1-thread CPU it called an 11% gain a 6% loss), so only clear
+# predicted losses are screened out; what is left is timed best-predicted first.
+MIN_PREDICTED_GAIN = 0.9
+# A mechanism the cost model cannot predict (a kernel, graphs, an untried drafter) is credited this
+# share of its factor's gap, in log terms (factor ** share), when ranked against predicted ones: a
+# 6x overhead factor puts CUDA graphs (1.57) ahead of a tree predicted at +20%, while a 1.9x kernel
+# factor on a CPU (1.17) waits behind a drafter the replay predicts at +22%.
+UNPREDICTED_SHARE = 0.25
+
+# Option sweeps by the factor they attack: (option, values, devices it makes sense on).
+SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
+    "tau": [
+        ("verify", ["tree"], ("cpu", "cuda")),
+        ("tree_nodes", [8, 32], ("cpu", "cuda")),
+        ("block_size", [2, 6, 8], ("cpu", "cuda")),
+        ("ngram_min_match", [1, 3], ("cpu", "cuda")),
+        ("drafter", ["eagle", "parallel"], ("cpu", "cuda")),
+    ],
+    "overhead": [
+        ("cuda_graphs", [True], ("cuda",)),
+        ("fused_kernels", [True], ("cuda",)),  # fewer kernels per step: what a graph replay costs
+        ("fused_gemv", [True], ("cuda",)),  # fewer still: norms and SiLU·mul inside Triton GEMVs
+        ("compile", [True], ("cuda",)),
+    ],
+    "kernel": [
+        ("weight_format", ["w12"], ("cuda",)),
+        # "stream" first: the AVX2 kernel of specpilot_kernels.cpu_gemm (fp32 one-token forward 62 vs 97 ms for
+        # onednn_all on the 2-core Zen 3 VM, 2026-12-02); oneDNN's packed GEMMs come next where it loses.
+        ("linear_backend", ["stream", "onednn_all", "onednn"], ("cpu",)),
+    ],
+}
+# Options that only mean something when another one is set.
+DEPENDS: dict[str, tuple[str, Any]] = {"tree_nodes": ("verify", "tree"), "fused_gemv": ("fused_kernels", True)}
+LLM_TASKS = {
+    "tau": "raise tokens per step (tau): a better drafter or tree shape, without changing what the target accepts",
+    "kernel": "make the step's kernels closer to their byte floors (fewer bytes moved, fused work)",
+    "overhead": "cut host and launch overhead between kernels in the decode step",
+}
+
+
+@dataclass(frozen=True)
+class Direction:
+    title: str
+    factor: str
+    provider: str
+    rationale: str = ""
+    hints: dict[str, Any] = field(default_factory=dict)
+    memory_entry_id: str = ""
+
+    @property
+    def expected_patches(self) -> int:
+        return len(self.hints.get("values", [])) if self.provider == "sweep" else 1
+
+
+@dataclass(frozen=True)
+class History:
+    tried_options: frozenset[tuple[str, str]] = frozenset()  # (option, repr(value)) already proposed
+    applied_entries: frozenset[str] = frozenset()
+    llm_directions: int = 0
+
+
+def entries_in_lineage(entries: list[dict[str, Any]], advanced_event_ids: set[str]) -> set[str]:
+    """Ids of the entries learned from a promotion of this deployment (their evidence holds one of its
+    ``BestAdvanced`` event ids): the deployment's best system already contains them."""
+    return {e["entry_id"] for e in entries if advanced_event_ids & set(e.get("evidence", []))}
+
+
+def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
+         known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
+         devices: int = 1, predict: Callable[[str, Any, dict[str, Any]], float | None] | None = None,
+         ) -> list[Direction]:
+    """Up to ``devices`` directions for the next wave; [] when nothing is left to try.
+
+    ``predict(option, value, base)``: the cost model's predicted gain over the best of setting
+    ``option`` to ``value`` on top of ``base``; None when it cannot say."""
+    out: list[Direction] = []
+    for entry in entries:
+        if entry["entry_id"] not in history.applied_entries:
+            out.append(Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
+                                 factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
+                                 rationale="validated on a deployment whose facts match this one",
+                                 hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}}))
+    order = sorted(factors, key=lambda f: -factors[f]) or list(SWEEPS)
+    llm = coder not in ("sweep", "memory", "")
+    if llm and order:
+        top = order[0]
+        out.append(Direction(title=f"{top}: {LLM_TASKS.get(top, 'make the decode step faster')}", factor=top,
+                             provider=coder, rationale=_why(top, factors),
+                             hints={"factors": factors, "best_options": best_options}))
+    sweeps: list[tuple[float, Direction]] = []
+    for factor in order:
+        for option, values, kinds in SWEEPS.get(factor, []):
+            if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
+                continue
+            fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
+            base = dict(best_options)
+            if option in DEPENDS:
+                need, value = DEPENDS[option]
+                if base.get(need) != value:
+                    base[need] = value
+            predicted = {repr(v): predict(option, v, base) for v in fresh} if predict else {}
+            fresh = [v for v in fresh if predicted.get(repr(v)) is None or predicted[repr(v)] >= MIN_PREDICTED_GAIN]
+            if not fresh:
+                continue
+            guesses = {k: round(g, 3) for k, g in predicted.items() if g is not None and k in map(repr, fresh)}
+            if predict is not None and not guesses:
+                # Values the cost model cannot rank (a kernel, graphs) cost a whole timing each: the first
+                # (the prior's best) now, the next in a later wave if it still ranks first then. 12-02: a
+                # 15-minute CPU round spent its second candidate on linear_backend = "onednn" (-30%) after
+                # "onednn_all" (+50%) and had no time left for the parallel drafter.
+                fresh = fresh[:1]
+            hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
+            if guesses:
+                hints["predicted_gain"] = guesses
+                fresh.sort(key=lambda v: -guesses.get(repr(v), 1.0))
+            prior = max(1.0, factors.get(factor, 1.0)) ** UNPREDICTED_SHARE
+            sweeps.append((max(guesses.values(), default=prior), Direction(
+                title=_sweep_title(option, fresh), factor=factor, provider="sweep",
+                rationale=_why(factor, factors), hints=hints)))
+    out += [d for _, d in sorted(sweeps, key=lambda sd: -sd[0])]  # stable: factor, then SWEEPS order among equals
+    return out[:devices]
+
+
+def _sweep_title(option: str, values: list[Any]) -> str:
+    return f"sweep {option} over {values}"
+
+
+def _why(factor: str, factors: dict[str, float]) -> str:
+    if not factors:
+        return "no cost-model factors yet"
+    ranked = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(factors.items(), key=lambda kv: -kv[1]))
+    return f"factor {factor} ({ranked})"
+
+
+# --- the round's time budget -------------------------------------------------------------------------
+
+CANDIDATE_OVERHEAD = 1.25  # a candidate's wall time over its timing's: the default check and a test run
+SEALED_REQUESTS_IF_ALL = 8  # assumed when the sealed final runs every sealed request (count unknown here)
+
+
+@dataclass(frozen=True)
+class TimingSample:
+    wall_s: float  # the whole timing experiment (TimingMeasured.wall_s)
+    trials: int
+    requests: int  # per run
+
+
+def budget_estimates(samples: list[TimingSample], sealed_requests: int, sealed_trials: int,
+                     ) -> tuple[float, float] | None:
+    """(seconds per candidate, seconds of the sealed final) from earlier timings on this deployment and
+    device; None before any. The sealed final runs final, stock and AR ``sealed_trials`` times and the
+    transformers peer twice (greedy and prompt lookup), each over ``sealed_requests`` requests."""
+    usable = [t for t in samples if t.wall_s > 0 and t.trials > 0 and t.requests > 0]
+    if not usable:
+        return None
+    candidate_s = CANDIDATE_OVERHEAD * sum(t.wall_s for t in usable) / len(usable)
+    per_request_run_s = sum(t.wall_s / (2 * t.trials * t.requests) for t in usable) / len(usable)
+    sealed_s = per_request_run_s * (sealed_requests or SEALED_REQUESTS_IF_ALL) * (3 * sealed_trials + 2)
+    return candidate_s, sealed_s
+
+
+def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: float) -> list[Direction]:
+    """The directions cut to the candidates that fit in ``remaining_s`` (each direction runs on its own
+    device, so each may take that many); [] when not even one fits."""
+    fits = int(remaining_s // candidate_s) if candidate_s > 0 else len(directions)
+    if fits < 1:
+        return []
+    out = []
+    for d in directions:
+        if d.provider == "sweep" and len(d.hints.get("values", [])) > fits:
+            values = d.hints["values"][:fits]
+            d = replace(d, title=_sweep_title(d.hints["option"], values), hints={**d.hints, "values": values})
+        out.append(d)
+    return out

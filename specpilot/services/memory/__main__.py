@@ -1,0 +1,3 @@
+from specpilot.services.memory.main import main
+
+main()

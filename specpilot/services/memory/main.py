@@ -1,0 +1,132 @@
+"""The memory service: the only DuckDB writer.
+
+It records every event exactly once: fetch a batch from its durable consumer, decide (``logic``),
+append the batch in one transaction, commit, **then** ack. A crash between commit and ack causes a
+redelivery that the primary key absorbs; acking first would lose events. It also serves the
+ledger read-only over NATS micro endpoints (``sql``, ``audit``, ``replay``, ``export``, ``entries``).
+
+Memory entries: every recorded ``MemoryEntryProposed`` without a decision is validated
+(``entries.validate``: stock + delta must reproduce the source system's files) and answered with
+``MemoryEntryAccepted``/``Rejected`` under a fixed event id, so a crash between the check and the
+answer repeats the check and the answer is recorded once. ``entries`` serves the accepted entries
+whose requirements hold for the facts in the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import msgspec
+
+from specpilot import bus, entries, ledger, projections, schema, service, subjects
+from specpilot.services.memory import logic
+
+NAME = "memory"
+DESCRIPTION = "Sole ledger writer: records every event once, serves read-only SQL and memory entries."
+BATCH = 2000
+_DECIDED = ("json_extract_string(payload, '$.entry_id') {} (SELECT json_extract_string(payload, '$.entry_id') "
+            "FROM events WHERE type = '{}')")
+PENDING_ENTRIES = ("type = 'memory.entry.proposed' AND " + _DECIDED.format("NOT IN", "memory.entry.accepted")
+                   + " AND " + _DECIDED.format("NOT IN", "memory.entry.rejected"))
+ACCEPTED_ENTRIES = "type = 'memory.entry.proposed' AND " + _DECIDED.format("IN", "memory.entry.accepted")
+log = logging.getLogger(NAME)
+
+
+class Recorder:
+    """Fetch → classify → append+commit → ack. ``record`` keeps that order; tests subclass it."""
+
+    def __init__(self, led: ledger.Ledger, b: bus.Bus):
+        self.ledger = led
+        self.bus = b
+        self.projection = projections.State()
+        self.projection.reset_to(led.live_projections())
+
+    async def step(self, timeout: float = 0.5) -> int:
+        deliveries = await self.bus.fetch(batch=BATCH, timeout=timeout)
+        if deliveries:
+            await self.record(deliveries)
+            if any(d.subject.endswith(".memory.entry.proposed") for d in deliveries):
+                await self.review_entries()
+        return len(deliveries)
+
+    async def review_entries(self) -> None:
+        """Decide every proposed entry that has no decision in the ledger yet."""
+        for entry in self.ledger.events(PENDING_ENTRIES):
+            problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files,  # type: ignore[attr-defined]
+                                              stock_files=entry.stock_files)  # type: ignore[attr-defined]
+            decision_id = f"entry-decision-{entry.entry_id}"  # type: ignore[attr-defined]
+            if problem:
+                log.warning("memory entry %s rejected: %s", entry.entry_id, problem)  # type: ignore[attr-defined]
+                decision: schema.Event = schema.MemoryEntryRejected(event_id=decision_id, entry_id=entry.entry_id,  # type: ignore[attr-defined]
+                                                                     reason=problem)
+            else:
+                decision = schema.MemoryEntryAccepted(event_id=decision_id, entry_id=entry.entry_id)  # type: ignore[attr-defined]
+            await self.bus.publish(decision, cause=entry)
+
+    async def record(self, deliveries: list[bus.Delivery]) -> None:
+        plan = logic.classify(deliveries)
+        self.commit(plan)
+        await self.acknowledge(plan)
+
+    def commit(self, plan: logic.Plan) -> None:
+        self.ledger.append(plan.record, plan.dead, self.projection)
+
+    async def acknowledge(self, plan: logic.Plan) -> None:
+        for d in plan.finished:
+            await d.ack()
+        for d in plan.dead_deliveries:
+            await d.term()
+        for d in plan.retry:
+            await d.nak(delay=bus.DECODE_RETRY_DELAY_S)
+        await self.bus.flush()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        reviewed = False
+        while not stop.is_set():
+            if not reviewed:  # entries proposed before a crash are decided now
+                with contextlib.suppress(bus.BusError):
+                    await self.review_entries()
+                    reviewed = True
+            try:
+                await self.step()
+            except (bus.BusError, ConnectionError) as exc:
+                log.warning("bus trouble, retrying: %s", exc)
+                await asyncio.sleep(0.5)
+
+
+def endpoints(led: ledger.Ledger) -> dict:
+    async def sql(req: dict) -> dict:
+        return led.query_readonly(str(req.get("query", "")))
+
+    async def audit(req: dict) -> dict:
+        return {"events": [schema.encode(e).decode() for e in led.audit(str(req.get("event_id", "")))]}
+
+    async def replay(req: dict) -> dict:
+        return ledger.verify(led).as_dict()
+
+    async def export(req: dict) -> dict:
+        return {"files": [str(p) for p in led.export_parquet(Path(str(req["dir"])))]}
+
+    async def accepted(req: dict) -> dict:
+        facts = req.get("facts") or {}
+        found = [e for e in led.events(ACCEPTED_ENTRIES) if entries.matches(e.requirements, facts)]  # type: ignore[attr-defined]
+        return {"entries": [msgspec.to_builtins(e) for e in found]}
+
+    return {subjects.RPC_SQL: sql, subjects.RPC_AUDIT: audit, subjects.RPC_REPLAY: replay, subjects.RPC_EXPORT: export,
+            subjects.RPC_ENTRIES: accepted}
+
+
+def make(cfg: service.ServiceConfig, recorder_cls: type[Recorder] = Recorder):
+    led = ledger.Ledger(cfg.data)
+
+    async def body(b: bus.Bus, stop: asyncio.Event) -> None:
+        await recorder_cls(led, b).run(stop)
+
+    return body, endpoints(led)
+
+
+def main(argv: list[str] | None = None, recorder_cls: type[Recorder] = Recorder) -> None:
+    service.main(NAME, DESCRIPTION, lambda cfg: make(cfg, recorder_cls), argv=argv)

@@ -1,0 +1,3 @@
+from specpilot.services.subagent.main import main
+
+main()

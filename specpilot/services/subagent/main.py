@@ -1,0 +1,245 @@
+"""The subagent service: turns one direction into a patch behind an engine option (I/O only).
+
+Several subagent processes bound to the durable pull consumer ``subagent`` form a queue group: each
+takes one ``DirectionPlanned`` at a time (other master events are acked and ignored) and:
+
+1. rebuilds the current best system of the direction's deployment from the ledger (through memory's
+   read-only SQL endpoint): every ``best.advanced`` of that deployment in ledger order, each one's
+   ``patch.proposed`` diff applied on this host's stock (``workspace.build_workspace``). ``base_commit``
+   is the latest ``BestAdvanced.commit`` ("" while stock); the best's options are its ``options``;
+2. runs the provider the direction names (``providers.parse_provider``: sweep, memory, anthropic,
+   openai, openai-compatible) in a worker thread, telling the server every ``HEARTBEAT_S`` that the
+   direction is in progress;
+3. publishes one ``PatchProposed`` per proposal with ``cause=direction`` (so ``round_id``,
+   ``deployment`` and the correlation carry over), ``patch_id = f"{direction_id}-p{i}"`` and an
+   ``event_id`` derived from the direction's, all in one atomic batch, **then** acks the direction.
+
+A provider failure (missing key, SDK error, no ``finish`` within the turn limit, a diff that does not
+apply, no valid sweep value) is logged and answered with ``DirectionFailed`` (the master stops
+waiting for that direction), then the direction is acked. A redelivered direction whose patches
+are already in the ledger is acked without running again. If publishing fails the direction is not
+acked and comes back. On a stop signal a direction in progress is abandoned unacked (redelivered to
+another subagent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpilot import bus, providers, schema, service, subjects
+from specpilot.errors import UserError
+from specpilot.ledger import sql_literal
+from specpilot.paths import REPO_ROOT
+from specpilot.services.subagent import offline
+from specpilot.services.subagent.offline import Proposal
+from specpilot.services.subagent.workspace import DEFAULT_TEST_TIMEOUT_S, Tools, Workspace, build_workspace
+
+NAME = "subagent"
+DESCRIPTION = "Turns one direction into one patch behind an engine option."
+HEARTBEAT_S = 10.0  # well inside the consumer's ack wait (60 s)
+SQL_TIMEOUT_S = 30.0
+log = logging.getLogger(NAME)
+
+
+@dataclass(frozen=True)
+class Best:
+    """The current best system of a deployment as the ledger tells it."""
+
+    promotions: list[tuple[str, str]] = field(default_factory=list)  # (patch_id, diff) in ledger order
+    commit: str = ""  # the latest BestAdvanced.commit; "" while stock
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    source: Path = REPO_ROOT  # where stock's specpilot_engine/, specpilot_kernels/, deployments/ and tests/engine/ come from
+    default_provider: str = providers.ANTHROPIC  # for a direction whose provider is empty
+    max_turns: int = 30
+    test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
+    work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
+
+
+async def current_best(b: bus.Bus, deployment: str) -> Best:
+    """Promotions of ``deployment`` and the diffs of their patches, from memory's read-only SQL."""
+    rows = (await b.request(subjects.RPC_SQL, {"query": (
+        "SELECT payload FROM events WHERE type = 'best.advanced' AND coalesce(deployment, '') = "
+        f"{sql_literal(deployment)} ORDER BY pos")}, timeout=SQL_TIMEOUT_S))["rows"]
+    promotions: list[tuple[str, str]] = []
+    commit, options = "", {}
+    for (payload,) in rows:
+        adv = schema.decode(payload.encode())
+        assert isinstance(adv, schema.BestAdvanced)
+        found = (await b.request(subjects.RPC_SQL, {"query": (
+            "SELECT payload FROM events WHERE type = 'patch.proposed' AND "
+            f"json_extract_string(payload, '$.patch_id') = {sql_literal(adv.patch_id)} ORDER BY pos LIMIT 1")},
+            timeout=SQL_TIMEOUT_S))["rows"]
+        if not found:
+            raise providers.ProviderError(f"cannot rebuild the best of {deployment!r}: promoted patch "
+                                          f"{adv.patch_id!r} (commit {adv.commit[:12]}) has no patch.proposed in the ledger")
+        patch = schema.decode(found[0][0].encode())
+        assert isinstance(patch, schema.PatchProposed)
+        promotions.append((adv.patch_id, patch.diff))
+        commit, options = adv.commit, dict(adv.options)
+    return Best(promotions=promotions, commit=commit, options=options)
+
+
+def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
+            env: Mapping[str, str] | None = None) -> list[Proposal]:
+    """The proposals of one direction (blocking: runs in a worker thread). Raises ``UserError`` on failure."""
+    spec = providers.parse_provider(direction.provider or settings.default_provider)
+    key = providers.api_key(spec, env) if spec.kind in providers.LLM else ""  # a missing key fails before any work
+    dest = None
+    if settings.work_dir is not None:
+        Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
+        dest = Path(settings.work_dir) / f"{direction.direction_id}-{direction.event_id[-12:]}"
+    ws = Workspace(build_workspace(settings.source, best.promotions, dest))
+    try:
+        if spec.kind == providers.SWEEP:
+            return offline.sweep(direction.hints, offline.workspace_validator(ws))
+        if spec.kind == providers.MEMORY:
+            return [offline.memory(direction.hints, ws)]
+        from specpilot.services.subagent import llm  # the SDKs load only when an LLM provider is used
+
+        tools = Tools(ws, test_timeout_s=settings.test_timeout_s)
+        return [llm.propose(spec, direction, tools, key, best_options=best.options, max_turns=settings.max_turns)]
+    finally:
+        ws.remove()
+
+
+def patch_event_id(direction_event_id: str, index: int) -> str:
+    """The id of a direction's ``index``-th patch event: the direction's millisecond prefix and hash bits, so a
+    republished patch is the same event (the server's dedupe and the ledger's primary key absorb it)."""
+    hexid = direction_event_id.replace("-", "")
+    ms = hexid[:12] if len(hexid) == 32 else "0" * 12
+    h = hashlib.sha256(f"patch.proposed:{direction_event_id}:{index}".encode()).hexdigest()
+    raw = f"{ms}7{h[:3]}{'89ab'[int(h[15], 16) % 4]}{h[3:18]}"
+    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+
+
+def patch_events(direction: schema.DirectionPlanned, proposals: list[Proposal], best: Best,
+                 provider: str) -> list[schema.PatchProposed]:
+    return [schema.PatchProposed(event_id=patch_event_id(direction.event_id, i), direction_id=direction.direction_id,
+                                 patch_id=f"{direction.direction_id}-p{i}", diff=p.diff, options=dict(p.options),
+                                 base_commit=best.commit, provider=provider, notes=p.notes)
+            for i, p in enumerate(proposals)]
+
+
+def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """Run ``fn`` in a daemon thread: a stopping service does not wait for a model that is still thinking."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the service stopped meanwhile
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=target, name="subagent-provider", daemon=True).start()
+    return fut
+
+
+class Subagent:
+    def __init__(self, b: bus.Bus, settings: Settings | None = None, env: Mapping[str, str] | None = None):
+        self.bus, self.settings = b, settings or Settings()
+        self.env = os.environ if env is None else env
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                async for event, delivery in self.bus.consume(stop, batch=1):
+                    await self.handle(event, delivery, stop)
+            except (bus.BusError, ConnectionError) as exc:  # the broker went away; it will come back
+                log.warning("bus trouble, retrying: %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def already_proposed(self, direction_id: str) -> bool:
+        with contextlib.suppress(bus.BusError):
+            rows = (await self.bus.request(subjects.RPC_SQL, {"query": (
+                "SELECT count(*) FROM events WHERE type = 'patch.proposed' AND "
+                f"json_extract_string(payload, '$.direction_id') = {sql_literal(direction_id)}")}, timeout=10))["rows"]
+            return rows[0][0] > 0
+        return False
+
+    async def handle(self, event: schema.Event, delivery: bus.Delivery, stop: asyncio.Event | None = None) -> None:
+        if not isinstance(event, schema.DirectionPlanned):
+            await delivery.ack()
+            return
+        d = event
+        if delivery.num_delivered > 1 and await self.already_proposed(d.direction_id):
+            log.info("direction %s already has its patches; acking the redelivery", d.direction_id)
+            await delivery.ack()
+            return
+        provider = d.provider or self.settings.default_provider
+        log.info("direction %s (%s, %s): %s", d.direction_id, provider, d.deployment, d.title)
+        try:
+            best = await current_best(self.bus, d.deployment)
+            work = _in_daemon_thread(produce, d, best, self.settings, self.env)
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=HEARTBEAT_S)
+                if done:
+                    break
+                if stop is not None and stop.is_set():
+                    log.warning("stopping: direction %s abandoned unacked (it will be redelivered)", d.direction_id)
+                    return
+                try:
+                    await delivery.in_progress()
+                except bus.BusError as exc:
+                    log.warning("in_progress for %s failed: %s", d.direction_id, exc)
+            proposals = work.result()
+        except (bus.BusError, ConnectionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a provider failure must not kill the service
+            log.error("direction %s: provider failure (%s): %s", d.direction_id, provider, exc,
+                      exc_info=not isinstance(exc, UserError))
+            failed = schema.DirectionFailed(event_id=patch_event_id(d.event_id, -1), direction_id=d.direction_id,
+                                            provider=provider, reason=f"{type(exc).__name__}: {exc}"[:2000])
+            await self.bus.publish(failed, cause=d)
+            await delivery.ack()
+            return
+        patches = patch_events(d, proposals, best, provider)
+        await self.bus.publish_many(patches, cause=d)
+        await delivery.ack()
+        for p in patches:
+            log.info("direction %s: %s (%d-byte diff, options %s)", d.direction_id, p.patch_id, len(p.diff), p.options)
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--default-provider", default=providers.ANTHROPIC,
+                        help="provider for a direction that names none (see specpilot/services/subagent/providers.py)")
+    parser.add_argument("--max-turns", type=int, default=30, help="model calls before an LLM provider gives up")
+    parser.add_argument("--test-timeout", type=float, default=DEFAULT_TEST_TIMEOUT_S,
+                        help="seconds one run_tests call may take")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where workspaces are built (default: a temp dir)")
+    parser.add_argument("--source", type=Path, default=REPO_ROOT,
+                        help="the checkout whose specpilot_engine/, specpilot_kernels/, deployments/ and tests/engine/ are stock")
+
+
+def make(cfg: service.ServiceConfig):
+    a = cfg.args
+    settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
+                        test_timeout_s=a.test_timeout, work_dir=a.work_dir)
+    providers.parse_provider(settings.default_provider)  # a bad flag fails at start-up
+
+    async def body(b: bus.Bus, stop: asyncio.Event) -> None:
+        await Subagent(b, settings).run(stop)
+
+    return body, {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    service.main(NAME, DESCRIPTION, make, argv=argv, add_args=add_args)

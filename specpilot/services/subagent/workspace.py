@@ -1,0 +1,363 @@
+"""A subagent's workspace (a git copy of the current best system) and the tools an agent uses on it.
+
+Contract:
+- ``build_workspace(root, promotions)``: stock is ``root``'s own ``specpilot_engine/``, ``specpilot_kernels/``,
+  ``deployments/`` and ``tests/engine/`` (plus ``tests/__init__.py`` and a ``pytest.ini``) committed as
+  "stock" in a fresh git repository; each ``(patch_id, diff)`` of ``promotions`` (ledger order) is then
+  applied with ``git apply`` and committed. The last commit is the workspace's *base*: the patch a
+  subagent proposes is ``git diff`` of the workspace against it, restricted to ``specpilot_engine/`` and
+  ``specpilot_kernels/``. No network, no NATS: the service feeds it what it read from the ledger.
+- ``apply_diff`` applies a diff as it is (then with recounted hunks); ``merge_from_stock`` applies a diff
+  written against stock (a memory entry) to a later commit, by a 3-way merge when it does not apply as is.
+- ``Tools`` executes the provider-neutral tools in ``TOOL_SPECS`` (``list_files``, ``read_file``,
+  ``apply_diff``, ``run_tests``, ``finish``) and never raises for an agent's mistake: every problem is
+  a ``ToolResult`` with ``error=True`` and a message saying what to do. Reading is confined to
+  ``READABLE`` (request sets are off limits); diffs go through the controller's own policy
+  (``specpilot.policy.check``: only ``specpilot_engine/`` and ``specpilot_kernels/``, no tests, no ``..``).
+  ``run_tests`` runs ``python -m pytest -q -x tests/engine -k PATTERN`` inside the workspace with a
+  timeout and an environment without API keys or NATS credentials; it is a convenience for the agent,
+  not a sandbox (the controller re-tests everything in its own).
+- ``finish(options, notes)`` is accepted only when the options pass the policy and the workspace's own
+  ``specpilot_engine.options.options_from_dict`` (a patch may add options); then ``Tools.finished`` is set.
+
+This module imports no LLM SDK.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpilot import policy
+from specpilot.errors import UserError
+from specpilot.llm import ToolResult
+
+STOCK_DIRS = ("specpilot_engine", "specpilot_kernels", "deployments", "tests/engine")
+STOCK_FILES = ("tests/__init__.py",)
+PATCH_ROOTS = ("specpilot_engine", "specpilot_kernels")  # what a proposed patch is made of (policy.ALLOWED_ROOTS)
+READABLE = ("specpilot_engine/", "specpilot_kernels/", "tests/engine/", "deployments/")
+UNREADABLE_SUFFIXES = (".json", ".jsonl")  # request sets live in deployments/ as JSON: off limits
+MAX_READ_CHARS = 60_000
+MAX_LIST = 400
+TEST_OUTPUT_TAIL = 6_000
+DEFAULT_TEST_TIMEOUT_S = 600.0
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+_GITIGNORE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+_PYTEST_INI = ("[pytest]\naddopts = -m \"not long\" -p no:cacheprovider\n"
+               "markers =\n    slow: slow\n    gpu: needs CUDA\n    long: many minutes\n")
+_GIT_ENV = {"GIT_AUTHOR_NAME": "specpilot-subagent", "GIT_AUTHOR_EMAIL": "subagent@specpilot.local",
+            "GIT_COMMITTER_NAME": "specpilot-subagent", "GIT_COMMITTER_EMAIL": "subagent@specpilot.local",
+            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
+# Environment variables a test run never sees (the agent's code runs there).
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|NATS|AUTH", re.I)
+
+
+class WorkspaceError(UserError):
+    pass
+
+
+def git(cwd: Path, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, **_GIT_ENV}
+    res = subprocess.run(["git", *args], cwd=cwd, input=input, capture_output=True, text=True, env=env, timeout=120)
+    if check and res.returncode != 0:
+        raise WorkspaceError(f"git {' '.join(args[:2])} failed in {cwd}: {res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def apply_diff(cwd: Path, diff: str) -> str:
+    """Apply a unified diff to the work tree (as it is, then with recounted hunks).
+
+    Returns how it applied; raises ``WorkspaceError`` with git's message when it does not."""
+    if not diff.strip():
+        return "empty"
+    errors = []
+    for how, extra in (("plain", []), ("recount", ["--recount"])):
+        res = git(cwd, "apply", "--whitespace=nowarn", *extra, "-", input=diff, check=False)
+        if res.returncode == 0:
+            return how
+        errors.append(f"{how}: {res.stderr.strip()}")
+    raise WorkspaceError("the diff does not apply: " + " | ".join(errors))
+
+
+def merge_from_stock(cwd: Path, diff: str) -> str:
+    """Apply a diff *against stock* to a workspace at a later commit: directly when it applies, else as a
+    3-way merge (the diff committed on top of the ``stock`` tag, then cherry-picked without committing).
+
+    Needs a clean work tree. Returns how it applied; on a conflict the work tree is restored and
+    ``WorkspaceError`` says which files conflicted."""
+    try:
+        return apply_diff(cwd, diff)
+    except WorkspaceError as exc:
+        direct = str(exc)
+    with tempfile.TemporaryDirectory(prefix="sp-merge-") as tmp:
+        side = Path(tmp) / "stock"
+        git(cwd, "worktree", "add", "-q", "--detach", str(side), "stock")
+        try:
+            apply_diff(side, diff)
+            commit = commit_all(side, "memory entry on stock")
+        except WorkspaceError as exc:
+            raise WorkspaceError(f"{direct} | on stock: {exc}") from exc
+        finally:
+            git(cwd, "worktree", "remove", "--force", str(side), check=False)
+    res = git(cwd, "cherry-pick", "--no-commit", commit, check=False)
+    if res.returncode != 0:
+        conflicts = git(cwd, "diff", "--name-only", "--diff-filter=U", check=False).stdout.split()
+        git(cwd, "cherry-pick", "--abort", check=False)
+        git(cwd, "reset", "-q", "--hard")
+        raise WorkspaceError(f"{direct} | 3-way merge from stock conflicts in {', '.join(conflicts) or '?'}: "
+                             f"{(res.stderr or res.stdout).strip()[:1000]}")
+    git(cwd, "reset", "-q")  # keep the merged files in the work tree, not staged
+    return "3-way"
+
+
+def commit_all(cwd: Path, message: str) -> str:
+    git(cwd, "add", "-A")
+    git(cwd, "commit", "-q", "--allow-empty", "-m", message)
+    return git(cwd, "rev-parse", "HEAD").stdout.strip()
+
+
+def build_workspace(root: Path, promotions: list[tuple[str, str]], dest: Path | None = None) -> Path:
+    """A git repository holding stock from ``root`` with each promoted ``(patch_id, diff)`` applied in order.
+
+    ``dest`` (a directory that must not exist yet) defaults to a fresh temporary directory; the caller
+    removes it."""
+    root = Path(root)
+    if dest is None:
+        dest = Path(tempfile.mkdtemp(prefix="sp-subagent-")) / "ws"
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    for d in STOCK_DIRS:
+        if (root / d).is_dir():
+            shutil.copytree(root / d, dest / d, ignore=_IGNORE)
+    for f in STOCK_FILES:
+        if (root / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / f, dest / f)
+    (dest / ".gitignore").write_text(_GITIGNORE)
+    (dest / "pytest.ini").write_text(_PYTEST_INI)
+    git(dest, "init", "-q", "-b", "work")
+    commit_all(dest, "stock")
+    git(dest, "tag", "stock")
+    for patch_id, diff in promotions:
+        try:
+            apply_diff(dest, diff)
+        except WorkspaceError as exc:
+            raise WorkspaceError(f"cannot rebuild the current best: promoted patch {patch_id}: {exc}") from exc
+        commit_all(dest, f"promoted {patch_id}")
+    return dest
+
+
+class Workspace:
+    """A built workspace: its base commit (the current best) and its diff against it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.base = git(self.path, "rev-parse", "HEAD").stdout.strip()
+
+    def diff(self) -> str:
+        """The proposed patch: every change to specpilot_engine/ and specpilot_kernels/ since the base (new files included)."""
+        git(self.path, "add", "-A", "--", *PATCH_ROOTS)
+        return git(self.path, "diff", "--cached", "--no-color", "--no-ext-diff", self.base, "--", *PATCH_ROOTS).stdout
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path.parent if self.path.parent.name.startswith("sp-subagent-") else self.path,
+                      ignore_errors=True)
+
+
+def validate_options(workspace: Path, options: dict, timeout_s: float = 60.0) -> str | None:
+    """Why ``options`` are not valid for the workspace's own engine (None when they are).
+
+    Runs the workspace's ``specpilot_engine.options.options_from_dict`` in a subprocess: a patch may add options,
+    and the agent's code is never imported into the service."""
+    code = ("import json, sys\nfrom specpilot_engine.options import options_from_dict\n"
+            "try:\n    options_from_dict(json.loads(sys.argv[1]))\n"
+            "except (ValueError, TypeError) as exc:\n    print(exc); sys.exit(3)\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code, json.dumps(options)], cwd=workspace, capture_output=True,
+                             text=True, env=scrubbed_env(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"checking the options took over {timeout_s:.0f} s"
+    if res.returncode == 0:
+        return None
+    return (res.stdout.strip() or res.stderr.strip()[-2000:]) or f"exit status {res.returncode}"
+
+
+def scrubbed_env() -> dict[str, str]:
+    """This environment without anything that looks like a secret. PYTHONPATH stays (``specpilot`` may be
+    found through it); ``python -m``/``-c`` put the workspace first on ``sys.path``, so its ``engine`` wins."""
+    env = {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+# --- tools ---------------------------------------------------------------------------------------
+
+TOOL_SPECS: list[dict] = [
+    {"name": "list_files",
+     "description": "List the files under a folder of the workspace (specpilot_engine/, specpilot_kernels/, tests/engine/, deployments/). "
+                    "An empty path lists the top-level folders.",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string", "description": "folder, e.g. specpilot_engine/"}},
+                      "required": []}},
+    {"name": "read_file",
+     "description": "Read a text file of the workspace, optionally only lines start_line..end_line (1-based).",
+     "input_schema": {"type": "object", "properties": {
+         "path": {"type": "string"}, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}},
+         "required": ["path"]}},
+    {"name": "apply_diff",
+     "description": "Apply a unified diff (git diff format, paths a/specpilot_engine/... b/specpilot_engine/...) to the workspace. Only "
+                    "files under specpilot_engine/ and specpilot_kernels/ may change, tests may not. Diffs accumulate; read the file "
+                    "again before a second diff to the same place.",
+     "input_schema": {"type": "object", "properties": {"diff": {"type": "string"}}, "required": ["diff"]}},
+    {"name": "run_tests",
+     "description": "Run the engine's tests in the workspace: python -m pytest -q -x tests/engine -k PATTERN "
+                    "(optionally only one test file under tests/engine/). Returns the exit status and the output's tail.",
+     "input_schema": {"type": "object", "properties": {
+         "pattern": {"type": "string", "description": "pytest -k expression; empty runs all (slow)"},
+         "path": {"type": "string", "description": "a test file under tests/engine/ (optional)"}},
+         "required": []}},
+    {"name": "finish",
+     "description": "Finish: the workspace's changes are the patch. options are the engine option settings that "
+                    "enable the new mechanism (relative to stock); notes say what changed and why it is faster.",
+     "input_schema": {"type": "object", "properties": {
+         "options": {"type": "object", "description": "engine option name -> value"},
+         "notes": {"type": "string"}}, "required": ["options", "notes"]}},
+]
+
+
+@dataclass(frozen=True)
+class Finished:
+    options: dict
+    notes: str
+
+
+class Tools:
+    """Executes tool calls on one workspace; ``finished`` is set by an accepted ``finish``."""
+
+    specs = TOOL_SPECS
+
+    def __init__(self, workspace: Workspace, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S):
+        self.ws = workspace
+        self.test_timeout_s = test_timeout_s
+        self.finished: Finished | None = None
+        self.calls: list[tuple[str, dict, ToolResult]] = []
+
+    def call(self, name: str, args: dict | None) -> ToolResult:
+        args = args if isinstance(args, dict) else {}
+        fn = {"list_files": self.list_files, "read_file": self.read_file, "apply_diff": self.apply_diff,
+              "run_tests": self.run_tests, "finish": self.finish}.get(name)
+        if fn is None:
+            res = ToolResult(f"unknown tool {name!r}; tools: {', '.join(t['name'] for t in TOOL_SPECS)}", True)
+        else:
+            try:
+                res = fn(**args)
+            except TypeError as exc:
+                res = ToolResult(f"bad arguments for {name}: {exc}", True)
+            except (WorkspaceError, OSError, subprocess.SubprocessError, ValueError) as exc:
+                res = ToolResult(f"{name} failed: {exc}", True)
+        self.calls.append((name, args, res))
+        return res
+
+    # --- paths -----------------------------------------------------------------------------------
+
+    def _path(self, path: str, *, folder: bool = False) -> Path | ToolResult:
+        p = str(path or "").strip().replace("\\", "/")
+        if p.startswith("./"):
+            p = p[2:]
+        parts = p.rstrip("/").split("/")
+        if p.startswith("/") or ".." in parts or "." in parts:
+            return ToolResult(f"{path!r}: give a relative path inside the workspace, without '..'", True)
+        rel = p.rstrip("/")
+        if not any(rel == r.rstrip("/") or rel.startswith(r) for r in READABLE):
+            return ToolResult(f"{path!r} is outside {', '.join(READABLE)}", True)
+        if not folder and rel.endswith(UNREADABLE_SUFFIXES) and rel.startswith("deployments/"):
+            return ToolResult(f"{path!r}: request sets are off limits", True)
+        full = (self.ws.path / p).resolve()
+        if not full.is_relative_to(self.ws.path.resolve()):
+            return ToolResult(f"{path!r} leaves the workspace", True)
+        return full
+
+    # --- the tools -------------------------------------------------------------------------------
+
+    def list_files(self, path: str = "") -> ToolResult:
+        if not str(path or "").strip("./"):
+            return ToolResult("\n".join(READABLE))
+        full = self._path(path, folder=True)
+        if isinstance(full, ToolResult):
+            return full
+        if full.is_file():
+            return ToolResult(str(full.relative_to(self.ws.path)))
+        if not full.is_dir():
+            return ToolResult(f"{path!r}: no such folder", True)
+        files = sorted(str(f.relative_to(self.ws.path)) for f in full.rglob("*")
+                       if f.is_file() and "__pycache__" not in f.parts)
+        more = f"\n... and {len(files) - MAX_LIST} more" if len(files) > MAX_LIST else ""
+        return ToolResult("\n".join(files[:MAX_LIST]) + more)
+
+    def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> ToolResult:
+        full = self._path(path)
+        if isinstance(full, ToolResult):
+            return full
+        if not full.is_file():
+            return ToolResult(f"{path!r}: no such file", True)
+        data = full.read_bytes()
+        if b"\0" in data[:8192]:
+            return ToolResult(f"{path!r} is a binary file ({len(data)} bytes)", True)
+        text = data.decode("utf-8", errors="replace")
+        if start_line or end_line:
+            lines = text.splitlines(True)
+            lo, hi = max(1, int(start_line or 1)), min(len(lines), int(end_line or len(lines)))
+            text = "".join(lines[lo - 1:hi])
+        if len(text) > MAX_READ_CHARS:
+            text = text[:MAX_READ_CHARS] + f"\n... truncated at {MAX_READ_CHARS} characters; read a line range"
+        return ToolResult(text)
+
+    def apply_diff(self, diff: str) -> ToolResult:
+        if not isinstance(diff, str) or not diff.strip():
+            return ToolResult("the diff is empty", True)
+        if not diff.endswith("\n"):
+            diff += "\n"
+        if refusal := policy.check(diff, {}):
+            return ToolResult(f"refused ({refusal.rule}): {refusal.reason}", True)
+        how = apply_diff(self.ws.path, diff)
+        return ToolResult(f"applied ({how}) to {', '.join(sorted(policy.touched_paths(diff)))}")
+
+    def run_tests(self, pattern: str = "", path: str = "") -> ToolResult:
+        target = "tests/engine"
+        if path:
+            full = self._path(path)
+            if isinstance(full, ToolResult):
+                return full
+            target = str(full.relative_to(self.ws.path.resolve()))
+            if not target.startswith("tests/engine"):
+                return ToolResult(f"{path!r}: tests live under tests/engine/", True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", target]
+        if pattern:
+            cmd += ["-k", str(pattern)]
+        try:
+            res = subprocess.run(cmd, cwd=self.ws.path, capture_output=True, text=True, env=scrubbed_env(),
+                                 timeout=self.test_timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or "") if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+            return ToolResult(f"tests timed out after {self.test_timeout_s:.0f} s\n{out[-TEST_OUTPUT_TAIL:]}", True)
+        out = (res.stdout + res.stderr)[-TEST_OUTPUT_TAIL:]
+        return ToolResult(f"exit status {res.returncode}\n{out}", res.returncode not in (0, 5))
+
+    def finish(self, options: dict | None = None, notes: str = "") -> ToolResult:
+        options = options or {}
+        if not isinstance(options, dict):
+            return ToolResult("options must be an object of option name -> value", True)
+        diff = self.ws.diff()
+        if refusal := policy.check(diff, options):
+            return ToolResult(f"not finished, the controller would refuse it ({refusal.rule}): {refusal.reason}", True)
+        if problem := validate_options(self.ws.path, options):
+            return ToolResult(f"not finished, the options are not valid for the workspace's engine: {problem}", True)
+        self.finished = Finished(options=dict(options), notes=str(notes or ""))
+        return ToolResult(f"finished: the patch changes {len(policy.touched_paths(diff))} file(s), "
+                          f"options {json.dumps(options, sort_keys=True)}")

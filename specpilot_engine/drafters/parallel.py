@@ -1,0 +1,387 @@
+"""Parallel drafter: K draft tokens in one small forward from the target's last hidden state.
+
+Inputs (all from the target, nothing re-run): the final-norm hidden state ``h_t`` that chose the
+root token ``x_{t+1}``, and the target's embeddings of the last ``n_context`` committed tokens
+(root included). One pass of a small network predicts ``x_{t+2} .. x_{t+1+K}`` at once:
+
+    z   = W_in [norm(h_t); norm(e(x_{t+1})); norm(e(x_t)); ...]       shared trunk
+    a_k = Trunk(z + pos_k);  a_k = Head_k(a_k)                          one residual block per position
+    logits_k = norm(W_out a_k) . E_d^T + b                               E_d: the target's embedding rows
+                                                                         of a small draft vocabulary
+
+The output layer reuses the target's (frozen) embedding rows of the ``draft_vocab`` most frequent
+tokens, so drafting stays cheap (a few MB read per step) and the file stays small; only the
+trunk, heads and projections are trained (`specpilot.harness.train`). Positions are predicted
+independently, so a candidate's score is the product of its tokens' probabilities; trees come
+from a beam over positions.
+
+With ``lookup`` (a copy path, as in pointer-generator networks) each position also gets the
+token that followed the most recent earlier occurrence of the context's suffix
+(`specpilot_engine.drafters.ngram.SuffixIndex`: ``l_k``, or none) and the match length ``m``:
+
+    a_k += W_l norm(e(l_k)) + M[m]                        (a learned vector when there is no l_k)
+    logits_k = [u_k . E_d^T + b ;  u_k . e(l_k) + c[m]]   one more column: "copy l_k"
+
+so the heads learn when the context repeats itself, and can propose a token outside the draft
+vocabulary (an identifier of the prompt) by copying it. The copy column's probability is added
+to ``l_k``'s own entry when the draft vocabulary has it. With ``copy_min_match`` a lookup whose
+suffix matched at least that deep is proposed as a whole span instead of position by position
+(`copy_span`): independent marginals cannot keep a copied span consistent, and on HumanEval
+(12-01, 72 dev requests) the net's own picks at such matches lost 2.5% of tau. When every
+position of the block is copied the net is not run at all (its picks would all be replaced).
+
+Blocks longer than the net's ``k`` (``block_size > k``): the net still drafts ``k`` positions; a
+chain then runs on only where copying is likely to hold: a whole copied span continues to the
+block size, and after the net's own picks the lookup continues where their tail (at least
+``copy_min_match`` tokens) recurs in the context (`SuffixIndex.continuation`). So a step verifies
+``k`` drafts when the context does not repeat and up to ``block_size`` when it does. On the 72
+HumanEval dev requests (exact replay, bf16, 12-02) tau went 2.63 (block 4) -> 2.92 (8) -> 3.06 (12).
+
+The weights file records the target it was trained for, the draft vocabulary, the hash of its
+training data and its figures. A drafter only proposes: acceptance stays exact greedy matching
+in `specpilot_engine.tree`, so a poor drafter costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpilot_engine.drafters.ngram import SuffixIndex
+from specpilot_engine.tree import Candidate
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DEFAULT_WEIGHTS = {"smollm2-135m": WEIGHTS_DIR / "smollm2_parallel.pt"}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    target: str  # engine.model.CONFIGS name of the target
+    dim: int  # target hidden size
+    width: int = 576  # drafter hidden size
+    k: int = 4  # positions drafted per pass (a copied span may run on to the engine's block size)
+    n_context: int = 3  # committed tokens embedded (root included)
+    draft_vocab: int = 4096
+    lookup: bool = False  # the copy path over the context's earlier occurrences (see the module docstring)
+    lookup_min: int = 2  # SuffixIndex match lengths
+    lookup_max: int = 4
+    lookup_periodic: bool = False  # SuffixIndex(periodic=...): loops continue past the context's end
+    copy_min_match: int = 0  # a lookup matched this deep is proposed whole (`copy_span`); 0: never
+
+
+def _rms(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * _rms(x)
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = _Norm(width)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+        nn.init.zeros_(self.down.weight)  # each block starts as the identity
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+class ParallelDrafterNet(nn.Module):
+    def __init__(self, cfg: ParallelConfig, vocab_ids: Tensor, target_embed: Tensor):
+        super().__init__()
+        self.cfg = cfg
+        d, w = cfg.dim, cfg.width
+        self.in_norms = nn.ModuleList(_Norm(d) for _ in range(1 + cfg.n_context))
+        self.inp = nn.Linear((1 + cfg.n_context) * d, w, bias=False)
+        self.pos = nn.Parameter(torch.zeros(cfg.k, w))
+        self.trunk = _Residual(w, 2 * w)
+        self.heads = nn.ModuleList(_Residual(w, w // 2) for _ in range(cfg.k))
+        self.out = nn.Linear(w, d, bias=False)
+        self.out_norm = _Norm(d)
+        self.bias = nn.Parameter(torch.zeros(cfg.draft_vocab))
+        if cfg.lookup:
+            self.look_norm = _Norm(d)
+            self.look_in = nn.Linear(d, w, bias=False)
+            self.look_none = nn.Parameter(torch.zeros(w))
+            self.match = nn.Parameter(torch.zeros(cfg.lookup_max + 1, w))  # by match length (0: none)
+            self.copy_bias = nn.Parameter(torch.zeros(cfg.lookup_max + 1))
+        # Frozen, not saved: they come from the target at load time.
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
+        self.register_buffer("embed", target_embed, persistent=False)  # [V, d], the target's
+        self.register_buffer("out_embed", target_embed[vocab_ids.long()].clone(), persistent=False)
+        to_draft = torch.full((target_embed.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
+        to_draft[vocab_ids.long()] = torch.arange(len(vocab_ids), device=vocab_ids.device)
+        self.register_buffer("to_draft", to_draft, persistent=False)  # target id -> draft index, -1: none
+        self.vocab_linear: nn.Module | None = None  # u -> u . out_embed^T another way (`use_stream_linears`)
+
+    def use_stream_linears(self) -> None:
+        """Every linear of the net, the draft vocabulary's projection included, through the AVX2 kernel
+        of `specpilot_kernels.cpu_gemm` (what ``linear_backend = "stream"`` gives the target; CPU only). On the
+        2-core AVX2 VM PyTorch's bf16 products of a few rows made up 2.7 of the 5 ms a chain proposal
+        took (2026-12-02)."""
+        from specpilot_engine.packed import StreamLinear, pack_linears
+
+        pack_linears(self, "stream")
+        self.vocab_linear = StreamLinear(self.out_embed)
+
+    def head_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The per-position heads stacked for batched matmuls: norm [k, w], up [k, w, h], down [k, h, w]."""
+        heads = self.heads
+        return (torch.stack([h.norm.weight for h in heads]),
+                torch.stack([h.up.weight for h in heads]).transpose(1, 2),
+                torch.stack([h.down.weight for h in heads]).transpose(1, 2))
+
+    def forward(self, hidden: Tensor, ctx_tokens: Tensor, look: Tensor | None = None,
+                match: Tensor | None = None, heads: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """hidden [B, d], ctx_tokens [B, n_context] (oldest first, root last) -> logits [B, k, draft_vocab].
+
+        With ``cfg.lookup`` also look [B, k] (the lookup's tokens, -1 where none) and match [B]
+        (its match length, 0 for none), and the logits get the copy column: [B, k, draft_vocab + 1].
+        ``heads``: `head_weights()` computed once by an inference caller (stacked here otherwise).
+
+        The inputs' norms and the k heads each run as one batched operator (bmm over positions):
+        at batch 1 on a CPU the forward takes 0.55 instead of 0.80 ms (bf16, warm caches, 12-02).
+        """
+        e = self.embed[ctx_tokens.flip(-1)]  # [B, n_context, d], root first
+        x = _rms(torch.cat([hidden[:, None], e], dim=1)) * torch.stack([n.weight for n in self.in_norms])
+        a = self.inp(x.flatten(1))[:, None, :] + self.pos  # [B, k, w]
+        if self.cfg.lookup:
+            has = look >= 0
+            look_e = self.embed[look.clamp(min=0)]  # [B, k, d]
+            a = a + torch.where(has[..., None], self.look_in(self.look_norm(look_e)), self.look_none)
+            a = a + self.match[match][:, None, :]
+        a = self.trunk(a)
+        norm_w, up, down = self.head_weights() if heads is None else heads
+        t = (_rms(a) * norm_w).transpose(0, 1)  # [k, B, w]: head i's block on position i
+        a = a + torch.bmm(F.silu(torch.bmm(t, up)), down).transpose(0, 1)
+        u = self.out_norm(self.out(a))
+        logits = F.linear(u, self.out_embed, self.bias) if self.vocab_linear is None else self.vocab_linear(u) + self.bias
+        if not self.cfg.lookup:
+            return logits
+        copy = (u * look_e).sum(-1) + self.copy_bias[match][:, None]
+        return torch.cat([logits, copy.masked_fill(~has, -math.inf)[..., None]], dim=-1)
+
+    def candidates(self, logits: Tensor, look: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(log-probabilities, token ids), both [B, k, C], of every proposable token per position.
+
+        Without the copy path C is the draft vocabulary. With it the copy column's probability is
+        moved onto the looked-up token's own entry when the draft vocabulary has it (the column
+        then holds probability 0); otherwise the column proposes that token itself.
+        """
+        B, k = logits.shape[:2]
+        ids = self.vocab_ids.expand(B, k, -1)
+        if not self.cfg.lookup:
+            return torch.log_softmax(logits.float(), dim=-1), ids
+        probs = torch.softmax(logits.float(), dim=-1)
+        slot = self.to_draft[look.clamp(min=0)].masked_fill(look < 0, -1)  # [B, k]
+        known = slot >= 0
+        copy = probs[..., -1]
+        vocab = probs[..., :-1].scatter_add(-1, slot.clamp(min=0)[..., None], (copy * known)[..., None])
+        probs = torch.cat([vocab, (copy * ~known)[..., None]], dim=-1)
+        return probs.log(), torch.cat([ids, look[..., None]], dim=-1)
+
+
+def copy_span(guess: Tensor, look: Tensor, match: Tensor, min_match: int) -> Tensor:
+    """``guess`` [B, k] with the lookup's tokens (``look`` [B, k], -1: none) put in where the match
+    (``match`` [B]) is at least ``min_match`` deep; unchanged when ``min_match`` is 0."""
+    if min_match <= 0:
+        return guess
+    use = (match[:, None] >= min_match) & (look >= 0)
+    return torch.where(use, look, guess)
+
+
+def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
+    """A `SuffixIndex` answer as the net's ``look`` row: ``k`` tokens, -1 where it has none."""
+    return [*found, *[-1] * (k - len(found))]
+
+
+class _ChainGraph:
+    """A chain proposal's tensor work as one static computation: the net, the copy column's merge,
+    each position's best token and the copied span. A call copies its inputs into static buffers (one
+    transfer) and reads the k tokens and scores back (one sync). With ``capture`` (CUDA) the
+    computation is captured once as a CUDA graph and replayed: eagerly it is ~40 small kernels, 1.5 ms
+    a step on an H200 where an AR step of SmolLM2 takes 0.87 ms (12-02). Without, it runs eagerly."""
+
+    def __init__(self, drafter: ParallelDrafter, capture: bool):
+        net, cfg = drafter.net, drafter.cfg
+        self.drafter = drafter  # its cfg is read at each computation (a capture fixes copy_min_match)
+        device = net.out_embed.device
+        n_ids = cfg.n_context + (cfg.k + 1 if cfg.lookup else 0)  # context, then the lookup's row and match
+        self.ids = torch.zeros(n_ids, dtype=torch.int64, device=device)
+        self.host = torch.zeros(n_ids, dtype=torch.int64, pin_memory=capture)
+        self.hidden = torch.zeros(1, cfg.dim, dtype=net.out_embed.dtype, device=device)
+        self.graph = None
+        if capture:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), torch.no_grad():
+                self._compute()  # warm-up off the capture (allocations, lazy initialisation)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.no_grad():
+                self.out = self._compute()
+
+    def _compute(self) -> Tensor:
+        """[2, k] float64: each position's token id, then the chain's cumulative probability."""
+        cfg, net = self.drafter.cfg, self.drafter.net
+        ctx = self.ids[None, : cfg.n_context]
+        look = self.ids[None, cfg.n_context: cfg.n_context + cfg.k] if cfg.lookup else None
+        match = self.ids[-1:] if cfg.lookup else None
+        logp, ids = net.candidates(net(self.hidden, ctx, look, match, self.drafter.heads), look)
+        best, idx = logp[0].max(dim=-1)
+        tokens = ids[0].gather(-1, idx[:, None])[:, 0]
+        if look is not None:
+            tokens = copy_span(tokens[None], look, match, cfg.copy_min_match)[0]
+        return torch.stack([tokens.double(), best.cumsum(0).exp().double()])
+
+    def __call__(self, hidden: Tensor, ids: list[int]) -> tuple[list[int], list[float]]:
+        self.host.copy_(torch.tensor(ids, dtype=torch.int64))
+        self.ids.copy_(self.host, non_blocking=True)
+        self.hidden.copy_(hidden)
+        if self.graph is None:
+            with torch.no_grad():
+                out = self._compute()
+        else:
+            self.graph.replay()
+            out = self.out
+        tokens, scores = out.tolist()
+        return [int(t) for t in tokens], scores
+
+
+class ParallelDrafter:
+    """The `specpilot_engine.drafters.Drafter` over a trained `ParallelDrafterNet`. Chain proposals run through a
+    `_ChainGraph`, captured as a CUDA graph when ``graph`` is set and the net is on CUDA."""
+
+    def __init__(self, net: ParallelDrafterNet, beam_top: int = 4, graph: bool = False):
+        self.net = net.eval()
+        self.cfg = net.cfg
+        with torch.no_grad():
+            self.heads = net.head_weights()  # stacked once: the net is not trained from here on
+        self.beam_top = beam_top
+        self.index = (SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min, self.cfg.lookup_periodic)
+                      if self.cfg.lookup else None)
+        self.graph = graph
+        self._chain: _ChainGraph | None = None  # built at the first chain proposal (on the net's device)
+
+    def reset(self) -> None:
+        if self.index is not None:
+            self.index.reset()
+
+    def copies_whole(self, match: int) -> bool:
+        """Whether a lookup that matched ``match`` tokens deep is proposed as a whole span."""
+        return 0 < self.cfg.copy_min_match <= match
+
+    @torch.no_grad()
+    def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
+        if last_hidden is None or k <= 0:
+            return []
+        span_k, k = k, min(k, self.cfg.k)
+        ctx = context[-self.cfg.n_context:]
+        ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
+        net = self.net
+        h = last_hidden.reshape(1, -1).to(net.out_embed.dtype)
+        look = match = None
+        found = found_all = ()
+        m = 0
+        if self.index is not None:
+            found, m = self.index.lookup(context, max(span_k, self.cfg.k))
+            found_all, found = found, found[: self.cfg.k]
+            if n <= 1 and self.copies_whole(m) and len(found) >= k:
+                # A chain whose every position is copied: the net's picks would all be replaced. The
+                # span may run on past the net's k, to the asked length.
+                span = found_all[:span_k]
+                return [Candidate(tuple(span), (1.0,) * len(span))]
+        lookup_row = padded_lookup(found, self.cfg.k) + [m] if self.index is not None else []
+        if n <= 1:
+            if self._chain is None:
+                self._chain = _ChainGraph(self, capture=self.graph and h.device.type == "cuda")
+            tokens, scores = self._chain(h, ctx + lookup_row)
+            tokens, scores = tokens[:k], scores[:k]
+            if span_k > k and self.index is not None and self.cfg.copy_min_match > 0:
+                # Past the net's block, copy on where the drafted tail recurs in the context.
+                extra = self.index.continuation(context[-self.cfg.lookup_max:] + tokens, span_k - k,
+                                                self.cfg.copy_min_match)
+                tokens, scores = tokens + list(extra), scores + [scores[-1]] * len(extra)
+            return [Candidate(tuple(tokens), tuple(scores))]
+        if self.index is not None:
+            look = torch.tensor([lookup_row[:-1]], device=h.device)
+            match = torch.tensor([m], device=h.device)
+        logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match, self.heads), look)
+        logp, ids = logp[0, :k], ids[0, :k]
+        # Trees: a long enough match's span is one more candidate, ahead of the beam (scored first).
+        spans = ([Candidate(found_all[:span_k], (1.0,) * len(found_all[:span_k]))]
+                 if look is not None and self.copies_whole(m) and found else [])
+        top = min(self.beam_top, logp.shape[-1])
+        vals, idx = logp.topk(top, dim=-1)
+        vals, toks = vals.tolist(), ids.gather(-1, idx).tolist()
+        # Beam over positions (independent marginals): keep the n best prefixes at each depth.
+        beams: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = [(0.0, (), ())]
+        for d in range(k):
+            grown = [(s + vals[d][j], t + (toks[d][j],), c + (s + vals[d][j],))
+                     for s, t, c in beams for j in range(top)]
+            beams = heapq.nlargest(n, grown, key=lambda b: b[0])
+        return [*spans, *(Candidate(t, tuple(math.exp(x) for x in c)) for _, t, c in beams)][:n]
+
+
+def save_drafter(path: Path, net: ParallelDrafterNet, meta: dict) -> None:
+    """Weights in fp16 (the file stays small), the draft vocabulary, the config and ``meta``."""
+    state = {k: v.detach().to(torch.float16).cpu() for k, v in net.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"format": 1, "config": asdict(net.cfg), "vocab_ids": net.vocab_ids.to(torch.int32).cpu(),
+                "state": state, "meta": meta}, tmp)
+    tmp.replace(path)
+
+
+def load_net(model, path: Path | str | None, kind: str, default_weights: dict[str, Path], config_cls, build):
+    """A drafter net of ``kind`` for ``model`` from ``path`` (or ``default_weights[target]``).
+
+    ``build(cfg, vocab_ids)`` makes the untrained net from the file's config; its fp16 state is
+    loaded and the net cast to the target's device and dtype. Shared by every trained drafter so
+    the file format, the target check and the error messages stay one.
+    """
+    name = model.cfg.name
+    path = Path(path) if path else default_weights.get(name)
+    if path is None or not path.is_file():
+        flag = "" if kind == "parallel" else f" --kind {kind}"
+        raise FileNotFoundError(f"no {kind} drafter weights for target {name!r} (looked for {path}); "
+                                f"train them with `specpilot drafter train{flag} --deployment <a deployment of {name}> "
+                                f"--out <file>`")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    # Files written before drafters had kinds hold parallel drafters.
+    if (found := blob["config"].get("kind", "parallel")) != kind:
+        raise ValueError(f"{path} holds a {found!r} drafter, not a {kind!r} one")
+    cfg = config_cls(**blob["config"])
+    if cfg.target != name or cfg.dim != model.cfg.dim:
+        raise ValueError(f"{path} was trained for {cfg.target!r} (dim {cfg.dim}), not {name!r}")
+    embed = model.embed.weight.detach()
+    net = build(cfg, blob["vocab_ids"].to(embed.device))
+    net.load_state_dict({k: v.float() for k, v in blob["state"].items()})
+    return net.to(device=embed.device, dtype=embed.dtype)
+
+
+def load_parallel_drafter(model, path: Path | str | None = None, graph: bool = False,
+                          stream_linears: bool = False) -> ParallelDrafter:
+    """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file;
+    ``graph``: chain proposals as one CUDA graph (`_ChainGraph`); ``stream_linears``: the net's linears
+    through `specpilot_kernels.cpu_gemm` (`ParallelDrafterNet.use_stream_linears`; ignored off the CPU)."""
+    embed = model.embed.weight.detach()
+    net = load_net(model, path, "parallel", DEFAULT_WEIGHTS, ParallelConfig,
+                   lambda cfg, vocab_ids: ParallelDrafterNet(cfg, vocab_ids, embed))
+    if stream_linears and embed.device.type == "cpu":
+        net.use_stream_linears()
+    return ParallelDrafter(net, graph=graph)

