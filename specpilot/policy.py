@@ -4,14 +4,18 @@ A patch is a unified diff (``git diff`` format) plus option settings. It may onl
 delete regular text files under ``specpilot_engine/`` and ``specpilot_kernels/``, and must stay under a size limit.
 Everything else — the harness, tests, services, request sets, deployments, packaging, symlinks,
 binary patches, renames or copies out of the allowed folders, paths that climb out with ``..`` —
-is refused with the rule that caught it. Option values are checked later by the candidate's own
-engine (a patch may add options), inside the sandbox.
+is refused with the rule that caught it (`refused` turns that into the controller's `PatchRefused`).
+Option values are checked later by the candidate's own engine (a patch may add options), inside the
+sandbox. The harness lives in ``specpilot/`` (``specpilot/harness/``: worker, replay, request sets and
+their dev/sealed split, deployments, profiler, forcing), so no patch can reach it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from specpilot import schema
 
 ALLOWED_ROOTS = ("specpilot_engine/", "specpilot_kernels/")
 MAX_DIFF_BYTES = 200_000
@@ -86,4 +90,11 @@ def check(diff: str, options: dict, *, max_bytes: int = MAX_DIFF_BYTES) -> Refus
     for p in sorted(paths):
         if problem := _path_problem(p):
             return Refusal("paths", problem)
+    return None
+
+
+def refused(patch: schema.PatchProposed) -> schema.PatchRefused | None:
+    """The controller's refusal of ``patch`` (None when it may be tried): the rule and why."""
+    if refusal := check(patch.diff, patch.options):
+        return schema.PatchRefused(patch_id=patch.patch_id, rule=refusal.rule, reason=refusal.reason)
     return None

@@ -1,6 +1,7 @@
 import pytest
 
 from specpilot import policy
+from specpilot.paths import REPO_ROOT
 from tests.controller.patches import diff, worker_patch
 
 
@@ -35,3 +36,21 @@ def test_symlinks_binaries_size_and_options():
     assert policy.check("", {"Bad-Name": 1}).rule == "options"
     assert policy.check("", {"x": [1, 2]}).rule == "options"
     assert policy.check("just some text\n", {}).rule == "format"
+
+
+HARNESS = sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "specpilot" / "harness").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", HARNESS + ["deployments/chat_prompts.json", "deployments/smollm2-cpu.toml"])
+def test_a_patch_to_the_harness_request_sets_or_split_is_refused_naming_the_rule(path):
+    """Every harness module (the worker, replay, request sets and their dev/sealed split in requests.py,
+    deployments, profiler, forcing, training) and the request data: a real edit of the real file is refused."""
+    from specpilot import schema
+
+    text = (REPO_ROOT / path).read_text()
+    patch = schema.PatchProposed(direction_id="d", patch_id="p", diff=diff(path, text + "\n# changed\n"),
+                                 options={}, source="subagent")
+    refusal = policy.refused(patch)
+    assert isinstance(refusal, schema.PatchRefused) and refusal.patch_id == "p"
+    assert refusal.rule == "paths" and path in refusal.reason and "outside specpilot_engine/" in refusal.reason
+    assert "specpilot/harness/requests.py" in HARNESS and "specpilot/harness/worker.py" in HARNESS

@@ -195,8 +195,8 @@ class Controller:
         if await self.already_decided(patch.patch_id):
             log.info("patch %s already has a verdict; skipping the redelivery", patch.patch_id)
             return
-        if refusal := policy.check(patch.diff, patch.options):
-            await self.emit(schema.PatchRefused(patch_id=patch.patch_id, rule=refusal.rule, reason=refusal.reason), patch)
+        if refusal := policy.refused(patch):
+            await self.emit(refusal, patch)
             return
         dep = patch.deployment or _default_deployment()
         ev = self.evaluator(dep)
