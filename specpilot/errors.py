@@ -1,5 +1,46 @@
-"""The one base class for errors a user can act on; the CLI prints their message and exits 1."""
+"""Errors a user can act on, and the argument types that refuse bad numbers up front.
+
+`UserError` is the one base class: the CLI prints its message as one line and exits 2 (bad input; see
+`specpilot.output`).
+"""
+
+import argparse
 
 
 class UserError(RuntimeError):
     """An error whose message says what happened and what to do."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number of at least 0."""
+    try:
+        return 0.0 if float(text) == 0 else positive_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value

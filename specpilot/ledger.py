@@ -272,7 +272,8 @@ class Ledger:
         return {"columns": columns, "rows": [[_jsonable(v) for v in r] for r in rows]}
 
     def audit(self, event_id: str) -> list[schema.Event]:
-        """The causal trail of one event: its causes back to the root, then everything it caused."""
+        """The causal trail of one event: its causes back to the root, the timing a verdict rests on, then
+        everything it caused."""
         by_id = {e.event_id: e for e in self._related(event_id)}
         if event_id not in by_id:
             raise LedgerError(f"no event {event_id} in the ledger")
@@ -281,6 +282,10 @@ class Ledger:
         while cur.causation_id and cur.causation_id in by_id:
             cur = by_id[cur.causation_id]
             trail.insert(0, cur)
+        # What a verdict rests on: the timing event it names (a sibling, caused by the same patch).
+        evidence = getattr(by_id[event_id], "timing_event_id", "")
+        if evidence and evidence in by_id and by_id[evidence] not in trail:
+            trail.append(by_id[evidence])
         trail.append(by_id[event_id])
         frontier = {event_id}
         children = sorted(by_id.values(), key=lambda e: e.event_id)

@@ -21,24 +21,24 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from specpilot import __version__, bus, ledger, natsd, paths, subjects
+from specpilot import __version__, bus, ledger, natsd, output, paths, subjects
 from specpilot.errors import UserError
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 from specpilot.schema import SERVICES
 from specpilot.service import add_connection_flags
 
-console = Console(stderr=True)
-out = Console()
+console = output.console(stderr=True)
+out = output.console()
 
 
 # --- connection helpers --------------------------------------------------------------------------
 
 
 def data_dir(args: argparse.Namespace) -> Path:
-    return Path(args.data or paths.default_data_dir())
+    data = Path(args.data or paths.default_data_dir())
+    if data.exists() and not data.is_dir():
+        raise UserError(f"--data {data} is a file, not a data directory: give a folder (it is created if missing)")
+    return data
 
 
 def server_url(args: argparse.Namespace) -> str | None:
@@ -157,9 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = Table(title=f"SpecPilot services ({server_url(args) or 'no server running'})")
-    for col in ("name", "version", "id", "endpoints"):
-        table.add_column(col)
+    table = output.table(f"SpecPilot services ({server_url(args) or 'no server running'})",
+                         ("name", "version", "id", "endpoints"))
     for r in rows:
         table.add_row(r["name"], r["version"], r["id"], ", ".join(r["endpoints"]))
     out.print(table)
@@ -175,6 +174,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     """Render credentials and the server config without starting anything (compose, other hosts)."""
     data = data_dir(args)
     host, _, port = args.listen.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--listen must be HOST:PORT such as 0.0.0.0:4222, got {args.listen!r}")
     conf = natsd.render_config(data, int(port), natsd.ensure_credentials(data), host=host or "0.0.0.0")
     out.print(f"config: {conf}\ncredentials: {data / 'creds'} (one file per service; give each host only its own)")
     return 0
@@ -228,9 +229,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([dict(zip(res["columns"], r, strict=True)) for r in res["rows"]]))
         return 0
-    table = Table()
-    for c in res["columns"]:
-        table.add_column(c)
+    table = output.table(None, res["columns"])
     for r in res["rows"]:
         table.add_row(*(str(v) for v in r))
     out.print(table)
@@ -246,13 +245,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(events))
         return 0
-    table = Table(title=f"causal trail of {args.event_id}")
-    for c in ("event_id", "type", "source", "causes", "summary"):
-        table.add_column(c)
+    table = output.table(f"causal trail of {args.event_id}", ("event_id", "type", "source", "causes", "summary"))
     skip = {"event_id", "type", "source", "causation_id", "ts_ns", "correlation_id", "round_id", "deployment"}
     for e in events:
         summary = {k: v for k, v in e.items() if k not in skip}
-        table.add_row(e["event_id"], e["type"], e["source"], e.get("causation_id", ""), json.dumps(summary)[:120])
+        table.add_row(e["event_id"], e["type"], e["source"], e.get("causation_id", ""), json.dumps(summary))
     out.print(table)
     return 0
 
@@ -314,8 +311,10 @@ def rebuild(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.system:
+        from specpilot.harness.deployment import load_deployment
         from specpilot.services.controller.systems import export_system
 
+        load_deployment(args.deployment)  # an unknown deployment is an error, not an export of stock
         res = export_system(data_dir(args), args.deployment, Path(args.system).resolve())
         out.print(f"best system of {res['deployment']} ({res['commit'][:12]}, options {res['options']}) "
                   f"written to {res['dir']}")
@@ -330,6 +329,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Bring a data directory made by an earlier SpecPilot to this version (see `systems.migrate`)."""
+    from specpilot.services.controller.systems import migrate
+
+    data = data_dir(args)
+    if not data.is_dir():
+        raise UserError(f"no data directory at {data}")
+    if natsd.running(data):
+        raise UserError(f"services are running on {data}: run `specpilot down --data {data}` first")
+    for line in migrate(data):
+        out.print(line)
+    return 0
+
+
 # --- parser --------------------------------------------------------------------------------------
 
 
@@ -339,15 +352,25 @@ PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
     "round": ("specpilot.app.cmd_round", "run a round: measure, plan, patch, time, promote, sealed final"),
     "bench": ("specpilot.app.cmd_bench", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
     "drafter": ("specpilot.app.cmd_bench", "train the parallel drafter"),
-    "w12": ("specpilot_kernels.w12.cli", "pack a model's weights in the lossless 12-bit W12 format and report"),
+    "w12": ("specpilot.app.cmd_w12", "pack a model's weights in the lossless 12-bit W12 format and report"),
     "force": ("specpilot.app.cmd_force", "token-force a system's outputs through the stock target"),
     "time": ("specpilot.app.cmd_time", "evaluate a patch like the controller does (policy, tests, timing, verdict)"),
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (exit 2) that points at ``--help``; its subparsers are Parsers too."""
+
+    def error(self, message: str):
+        output.error_line(f"{message} (see `{self.prog} --help`)", prog=self.prog)
+        sys.exit(output.EXIT_BAD_INPUT)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="specpilot", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="exit codes: 0 done (promoted, passed), 1 rejected, 2 refused or bad input, "
+                           "3 internal error, 130 interrupted")
     parser.add_argument("--version", action="version", version=f"specpilot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -381,25 +404,36 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--system", metavar="DIR", help="write the best system's files, final.patch and options.json")
     p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="whose best system --system writes")
 
+    # Only the module of the command being run is imported (and registers its real parser, with every
+    # command it owns); the rest are listed by name so `specpilot --help` shows them.
+    command("migrate", cmd_migrate, "bring a data directory made by an earlier SpecPilot to this version")
+
     wanted = next((a for a in (argv or []) if not a.startswith("-")), None)
-    for name, (module, help_) in PLUGGED_COMMANDS.items():
-        if name == wanted:
-            importlib.import_module(module).add_commands(sub)
-        elif name not in sub.choices:
+    if wanted in PLUGGED_COMMANDS:
+        importlib.import_module(PLUGGED_COMMANDS[wanted][0]).add_commands(sub)
+    for name, (_, help_) in PLUGGED_COMMANDS.items():
+        if name not in sub.choices:
             sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr and an exit code (`specpilot.output`)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
     try:
+        args = build_parser(argv).parse_args(argv)
         return int(args.func(args) or 0)
     except UserError as exc:
-        console.print(f"[red]error[/red]: {exc}")
-        return 1
+        output.error_line(str(exc))
+        return output.EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        return output.EXIT_INTERRUPTED
+    except Exception as exc:  # a bug, not the user's input: say so in one line, the traceback on request
+        if os.environ.get("SPECPILOT_DEBUG"):
+            raise
+        output.error_line(f"internal error ({type(exc).__name__}: {exc}); rerun with SPECPILOT_DEBUG=1 for the "
+                          "traceback and report it")
+        return output.EXIT_INTERNAL
 
 
 if __name__ == "__main__":

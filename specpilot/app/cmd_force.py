@@ -7,7 +7,7 @@ for that prompt; otherwise the stock engine generates it) or text
 in the chat template when ``chat``). It runs exactly what the forcer service runs
 (`forcing.Forcer.run` on the deployment's stock engine) and prints a summary table; with
 ``--json`` the table goes to stderr and stdout gets one JSON line
-``{"passed", "reason", "stats", "audited"}``. Exit status: 0 passed, 1 rejected or unusable input.
+``{"passed", "reason", "stats", "audited"}``. Exit status: 0 passed, 1 rejected, 2 unusable input (an unknown deployment, a missing or malformed file).
 
 The run itself is `specpilot.harness.forcing.force_outputs` (what the controller also runs on the sealed
 outputs). `add_commands(subparsers)` registers the command; torch is imported only when it runs.
@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from specpilot import output
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 
 
@@ -44,13 +45,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def render(report: dict, console) -> None:
-    from rich.table import Table
-
     st = report["stats"]
-    t = Table(title=f"token forcing on {st.get('deployment', '?')} (δ = {st['delta']:.4g}, events: margin > "
-                    f"{st['event_threshold']:.4g})")
-    for col in ("run", "positions", "mismatches", "rate", "events", "audited", "unexplained"):
-        t.add_column(col, justify="right" if col != "run" else "left")
+    columns = ("run", "positions", "mismatches", "rate", "events", "audited", "unexplained")
+    t = output.table(f"token forcing on {st.get('deployment', '?')} (δ = {st['delta']:.4g}, events: margin > "
+                     f"{st['event_threshold']:.4g})", columns, right=columns[1:])
     for name in ("system", "stock"):
         c = st[name]
         t.add_row(name, str(c["positions"]), str(c["mismatches"]), f"{c['rate']:.2%}", str(c["events"]),
@@ -63,9 +61,8 @@ def render(report: dict, console) -> None:
                   f"stock's {e['stock_unexplained']} (p={e['p_value']:.3g})")
     audited = report["audited"]
     if audited:
-        a = Table(title=f"audited events (first 20 of {len(audited)})")
-        for col in ("prompt", "position", "system", "argmax", "margin", "stock picks", "explained"):
-            a.add_column(col)
+        a = output.table(f"audited events (first 20 of {len(audited)})",
+                         ("prompt", "position", "system", "argmax", "margin", "stock picks", "explained"))
         for ev in audited[:20]:
             a.add_row(str(ev["prompt_index"]), str(ev["position"]), str(ev["system_token"]),
                       str(ev["argmax_token"]), f"{ev['margin']:.3f}", str(ev["stock_token"]), str(ev["explained"]))
@@ -74,10 +71,10 @@ def render(report: dict, console) -> None:
 
 
 def cmd_force(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from specpilot.errors import UserError
+    from specpilot.harness.deployment import load_deployment
 
+    load_deployment(args.deployment)  # an unknown or malformed deployment fails before any file is read
     rows = read_jsonl(args.outputs)
     try:
         from specpilot.harness.forcing import force_outputs
@@ -85,7 +82,7 @@ def cmd_force(args: argparse.Namespace) -> int:
         report = force_outputs(args.deployment, rows, args.data, args.device, args.max_audit, args.seed)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
-    render(report, Console(stderr=args.json))
+    render(report, output.console(stderr=args.json))
     if args.json:
         print(json.dumps(report, default=str))
     return 0 if report["passed"] else 1

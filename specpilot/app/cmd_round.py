@@ -16,20 +16,24 @@ import asyncio
 import json
 import time
 
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from specpilot import bus, schema, subjects
+from specpilot import bus, output, schema, subjects
 from specpilot.app import cli
-from specpilot.errors import UserError
+from specpilot.errors import (
+    UserError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from specpilot.ledger import sql_literal
 from specpilot.service import add_connection_flags
 from specpilot.services.master import plots
 from specpilot.services.master.main import RPC_ROUND, round_defaults
 
-console = Console(stderr=True)
-out = Console()
+console = output.console(stderr=True)
+out = output.console()
 ROUND_MINUTES = 15.0  # the default round's wall-clock budget (the master stops trying candidates in time)
 
 
@@ -43,16 +47,16 @@ def add_commands(sub) -> None:
                    help="planner: rules (offline, the default), anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
     p.add_argument("--coder", default=d["coder"],
                    help="subagent provider: sweep, memory, anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
-    p.add_argument("--rounds", type=int, default=d["rounds"], help="waves of directions")
-    p.add_argument("--sealed-requests", type=int, default=d["sealed_requests"], help="sealed requests in phase 4 (0: all)")
-    p.add_argument("--sealed-trials", type=int, default=d["sealed_trials"])
-    p.add_argument("--minutes", type=float, default=ROUND_MINUTES,
+    p.add_argument("--rounds", type=positive_int, default=d["rounds"], help="waves of directions")
+    p.add_argument("--sealed-requests", type=non_negative_int, default=d["sealed_requests"], help="sealed requests in phase 4 (0: all)")
+    p.add_argument("--sealed-trials", type=positive_int, default=d["sealed_trials"])
+    p.add_argument("--minutes", type=non_negative_float, default=ROUND_MINUTES,
                    help="wall-clock budget: once earlier timings show that another candidate would not end "
                         "before the sealed final must start, no more are tried (0: no budget)")
     from specpilot.harness.deployment import TIMING_DEFAULTS
 
     for name, value in TIMING_DEFAULTS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+        p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
                        help=f"controller timing: {name} (default: the deployment's [timing] table, else {value}; "
                             "only when this command starts the controller)")
     p.add_argument("--device", default=None, help="device the controller times on (default: the deployment's)")
@@ -62,7 +66,7 @@ def add_commands(sub) -> None:
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
                    help="controller timing: pin the workers to one core beside the device (default: on for GPUs; "
                         "only when this command starts the controller)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the round before giving up")
+    p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds to follow the round before giving up")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.set_defaults(func=cmd_round)
 
@@ -107,7 +111,8 @@ def cmd_round(args: argparse.Namespace) -> int:
         out.print(f"the local NATS server and services keep running; stop them with: specpilot down --data {data}")
     if args.json:
         print(json.dumps(result, separators=(",", ":")))
-    return 0
+    # 0: the round finished and its final passed forcing; 1: the forcer rejected the final (see the table)
+    return output.EXIT_REJECTED if result.get("lossless") is False else output.EXIT_OK
 
 
 async def _call(args: argparse.Namespace, subject: str, payload: dict, timeout: float = 60) -> dict:
@@ -217,10 +222,9 @@ def _table(summary: dict) -> None:
     sealed = summary.get("sealed", {})
     if "error" in sealed:
         console.print(f"[red]sealed final failed[/red]: {sealed['error']}")
-    t = Table(title=f"sealed split: {sealed.get('requests', '?')} requests x {sealed.get('max_new_tokens', '?')} tokens, "
-                    f"{sealed.get('trials', '?')} trials")
-    for col in ("system", "tokens/s", "over AR (95% CI)", "over stock (95% CI)", "identical to stock"):
-        t.add_column(col)
+    t = output.table(f"sealed split: {sealed.get('requests', '?')} requests x {sealed.get('max_new_tokens', '?')} "
+                     f"tokens, {sealed.get('trials', '?')} trials",
+                     ("system", "tokens/s", "over AR (95% CI)", "over stock (95% CI)", "identical to stock"))
     for name in ("ar", "stock", "final"):
         row = sealed.get(name)
         if not row:
@@ -234,9 +238,7 @@ def _table(summary: dict) -> None:
     forcing = sealed.get("forcing", {})
     if forcing:
         out.print(f"forcing verdict on the final: {'passed' if forcing.get('passed') else 'FAILED'} ({forcing.get('reason', '')})")
-    c = Table(title="candidates")
-    for col in ("patch", "provider", "options", "gain", "lower bound", "bar", "verdict"):
-        c.add_column(col)
+    c = output.table("candidates", ("patch", "provider", "options", "gain", "lower bound", "bar", "verdict"))
     for cand in summary.get("candidates", []):
         c.add_row(cand["patch_id"], cand.get("provider", ""), json.dumps(cand.get("options", {})),
                   _pct(cand.get("gain")), _pct(cand.get("lower_bound")), _pct(cand.get("bar")), cand["decision"])

@@ -4,6 +4,11 @@ The same code as the service (policy, sandboxed default check, stock-versus-stoc
 timing, forcing when outputs differ, the promotion rule) without NATS: events are printed instead of
 published, and forcing runs in this process. The data directory keeps the systems repository and the
 model cache between runs.
+
+Input is checked before anything starts: a missing patch file, ``--options`` that are not a JSON object,
+an unknown deployment, a patch that is empty with no options (nothing to time), or, when the patch does
+not touch `specpilot_engine/options.py` (so it cannot add options), an option the engine does not have.
+Exit status: 0 promoted, 1 rejected, 2 refused by the policy or bad input (`specpilot.output`).
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import asyncio
 import json
 from pathlib import Path
 
-from specpilot import paths, schema
-from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
+from specpilot import output, paths, policy, schema
+from specpilot.errors import UserError, positive_int
+from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
+
+OPTIONS_MODULE = "specpilot_engine/options.py"  # where a patch would add options
 
 
 def add_commands(sub) -> None:
@@ -24,45 +32,69 @@ def add_commands(sub) -> None:
                                             "use /dev/null for options only")
     p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
     p.add_argument("--options", default="{}", help='JSON engine options the patch enables, e.g. \'{"verify": "tree"}\'')
-    p.add_argument("--trials", type=int, default=None, help="ABBA trials (default: the controller's)")
-    p.add_argument("--requests", type=int, default=4, help="timing requests from the dev split")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--trials", type=positive_int, default=None, help="ABBA trials (default: the controller's)")
+    p.add_argument("--requests", type=positive_int, default=4, help="timing requests from the dev split")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", type=Path, default=None, help="data directory (systems repository, model cache)")
     p.add_argument("--json", action="store_true", help="print the events as JSON lines, the verdict last")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+def read_patch(args: argparse.Namespace) -> schema.PatchProposed:
+    """The patch and options of the command line, checked as the module docstring says."""
+    try:
+        diff = args.patch.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read the patch {args.patch}: {exc}") from None
+    try:
+        options = json.loads(args.options)
+    except ValueError as exc:
+        raise UserError(f"--options must be a JSON object such as '{{\"verify\": \"tree\"}}': {exc}") from None
+    if not isinstance(options, dict):
+        raise UserError(f"--options must be a JSON object, got {type(options).__name__}")
+    deployment = load_deployment(args.deployment)
+    if not diff.strip() and not options:
+        raise UserError(f"nothing to time: {args.patch} is empty and no --options were given")
+    if OPTIONS_MODULE not in policy.touched_paths(diff):
+        try:
+            deployment.options(options)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    return schema.PatchProposed(direction_id="cli", patch_id=f"cli-{schema.new_event_id()[:13]}", diff=diff,
+                                options=options, deployment=args.deployment, source="subagent")
 
+
+def run(args: argparse.Namespace) -> int:
     from specpilot.services.controller.main import Controller
 
-    options = json.loads(args.options)
-    diff = args.patch.read_text()
+    patch = read_patch(args)
     data = Path(args.data or paths.default_data_dir())
     kw = {"n_requests": args.requests, "max_new_tokens": args.max_new_tokens}
     if args.trials:
         kw["trials"] = args.trials
     ctl = Controller(data, None, device=args.device, evaluator_kw=kw)
-    patch = schema.PatchProposed(direction_id="cli", patch_id=f"cli-{schema.new_event_id()[:13]}", diff=diff,
-                                 options=options, deployment=args.deployment, source="subagent")
-    console = Console(stderr=True)
-    with console.status("evaluating (noise, default check, paired timing)"):
+    with output.console(stderr=True).status("evaluating (noise, default check, paired timing)"):
         asyncio.run(ctl.handle_patch(patch))
     if args.json:
         for e in ctl.events:
             print(schema.encode(e).decode())
-        return 0
-    table = Table(title=f"patch {args.patch} on {args.deployment}")
-    for c in ("event", "summary"):
-        table.add_column(c)
-    for e in ctl.events:
-        d = json.loads(schema.encode(e))
-        for k in ("event_id", "ts_ns", "round_id", "deployment", "source", "causation_id", "correlation_id", "type"):
-            d.pop(k, None)
-        table.add_row(e.tag, json.dumps(d)[:160])
-    Console().print(table)
-    verdict = next((e for e in reversed(ctl.events) if isinstance(e, schema.VerdictIssued | schema.PatchRefused)), None)
-    return 0 if isinstance(verdict, schema.VerdictIssued) else 2
+    else:
+        table = output.table(f"patch {args.patch} on {args.deployment}", ("event", "summary"))
+        for e in ctl.events:
+            d = json.loads(schema.encode(e))
+            for k in ("event_id", "ts_ns", "round_id", "deployment", "source", "causation_id", "correlation_id", "type"):
+                d.pop(k, None)
+            table.add_row(e.tag, json.dumps(d))
+        output.console().print(table)
+    return exit_status(ctl.events)
+
+
+def exit_status(events: list[schema.Event]) -> int:
+    """0 promoted, 1 rejected, 2 refused (the last decision among ``events``)."""
+    decision = next((e for e in reversed(events) if isinstance(e, schema.VerdictIssued | schema.PatchRefused)), None)
+    if isinstance(decision, schema.VerdictIssued):
+        return output.EXIT_OK if decision.decision == "promote" else output.EXIT_REJECTED
+    if isinstance(decision, schema.PatchRefused):
+        output.error_line(f"refused by the policy ({decision.rule}): {decision.reason}")
+    return output.EXIT_BAD_INPUT

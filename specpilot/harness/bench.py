@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.errors import UserError, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
 from specpilot.harness.requests import encode_requests, load_requests
 from specpilot_engine.api import MODEL_OPTIONS, Engine, apply_model_options
@@ -46,18 +47,18 @@ from specpilot_engine.weights import load_model
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="deployment name or TOML path")
-    ap.add_argument("--limit", type=int, default=None, help="dev requests to use (default: the deployment's bench_requests)")
+    ap.add_argument("--limit", type=positive_int, default=None, help="dev requests to use (default: the deployment's bench_requests)")
     ap.add_argument("--set", default=None, help="only dev requests of this request set (e.g. humaneval, chat)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the deployment's")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the deployment's")
     ap.add_argument("--ns", default="1,2,4,8", help="draft lengths N for tau(N), c(N), S(N); '' skips the sweep")
-    ap.add_argument("--trials", type=int, default=1, help="paired AR/system runs per request")
+    ap.add_argument("--trials", type=positive_int, default=1, help="paired AR/system runs per request")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None, help="folder for plots and bench.json (default: <data>/bench/<deployment>)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--peer-requests", type=int, default=4,
+    ap.add_argument("--peer-requests", type=positive_int, default=4,
                     help="first requests the peer (transformers' prompt lookup) runs on; the e2e comparison "
                          "covers the same ones when this equals --limit")
     ap.add_argument("--no-plots", action="store_true")
@@ -410,9 +411,9 @@ def _plots(result: dict, out: Path) -> list[str]:
 
 
 def _console():
-    from rich.console import Console
+    from specpilot import output
 
-    return Console(file=sys.stderr)
+    return output.console(stderr=True)
 
 
 def _table(result: dict) -> None:
@@ -468,19 +469,24 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or dep.device)
     max_new = args.max_new_tokens or dep.max_new_tokens
     limit = args.limit or dep.bench_requests
-    ns = [int(x) for x in args.ns.split(",") if x.strip()]
+    try:
+        ns = [int(x) for x in args.ns.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--ns must be comma-separated draft lengths such as 1,2,4,8 (or ''), got {args.ns!r}") from None
+    if any(n < 1 for n in ns):
+        raise UserError(f"--ns draft lengths must be at least 1, got {args.ns!r}")
 
     model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
     stock = dep.options()
     requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][:limit]
     if not requests:
         sets = sorted({r.set for r in load_requests(dep, "dev")})
-        raise SystemExit(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
+        raise UserError(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
     prompts = encode_requests(requests, tok)
-    sys_engine = Engine(model, tok, opts, dep)
+    sys_engine = Engine(model, tok, opts)
     # AR keeps the deployment's stock model and CUDA-graph setting, so they count towards the speedup too.
     ar_opts = opts.replace(drafter="none", cuda_graphs=stock.cuda_graphs, **{k: getattr(stock, k) for k in MODEL_OPTIONS})
-    ar_engine = Engine(stock_model, tok, ar_opts, dep)
+    ar_engine = Engine(stock_model, tok, ar_opts)
     for e in (sys_engine, ar_engine):
         warm_up(e, prompts, max_new)
 

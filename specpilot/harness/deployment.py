@@ -23,6 +23,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot.errors import UserError
 from specpilot.paths import REPO_ROOT
 from specpilot_engine.options import EngineOptions, OptionValue, options_from_dict
 
@@ -108,22 +109,32 @@ def list_deployments() -> list[str]:
     return sorted(p.stem for p in DEPLOYMENTS_DIR.glob("*.toml"))
 
 
+class DeploymentError(UserError):
+    """A deployment that does not exist or does not parse: the message names the file and what to fix."""
+
+
 def load_deployment(name_or_path: str | Path = DEFAULT_DEPLOYMENT) -> Deployment:
-    """Parse a deployment by name (``deployments/<name>.toml``) or path."""
+    """Parse a deployment by name (``deployments/<name>.toml``) or path; `DeploymentError` when it cannot."""
     path = deployment_path(name_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"no deployment {str(name_or_path)!r} (looked for {path}); "
-                                f"known: {', '.join(list_deployments())}")
-    data = tomllib.loads(path.read_text())
+        raise DeploymentError(f"no deployment {str(name_or_path)!r} (looked for {path}); "
+                              f"known: {', '.join(list_deployments())}, or give a TOML file's path")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise DeploymentError(f"{path} is not valid TOML: {exc}") from None
     data.setdefault("name", path.stem)
     data["extra_options"] = data.pop("options", {})
     allowed = {f.name for f in dataclasses.fields(Deployment)} - {"path", "extra_options"} | {"options"}
     unknown = sorted(set(data) - allowed - {"extra_options"})
     if unknown:
-        raise ValueError(f"{path}: unknown deployment key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        raise DeploymentError(f"{path}: unknown deployment key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
     if "request_sets" in data:
         data["request_sets"] = tuple(data["request_sets"])
-    return Deployment(**data, path=str(path))
+    try:
+        return Deployment(**data, path=str(path))
+    except (TypeError, ValueError) as exc:
+        raise DeploymentError(f"{path}: {exc}") from None
 
 
 def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMENT,

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specpilot.errors import UserError, positive_float, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 from specpilot_engine.drafters import eagle
 from specpilot_engine.drafters.ngram import SuffixIndex
@@ -64,12 +65,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kind", choices=sorted(KINDS), default="parallel", help="which drafter to train")
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="its target and dev requests are used")
     ap.add_argument("--out", type=Path, default=None, help="weights file (default: the shipped file for the target)")
-    ap.add_argument("--minutes", type=float, default=18.0, help="total time budget (generation + training)")
+    ap.add_argument("--minutes", type=positive_float, default=18.0, help="total time budget (generation + training)")
     ap.add_argument("--gen-share", type=float, default=0.6, help="share of the budget spent generating data")
-    ap.add_argument("--batch", type=int, default=16, help="prompts generated in lockstep")
-    ap.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt")
+    ap.add_argument("--batch", type=positive_int, default=16, help="prompts generated in lockstep")
+    ap.add_argument("--new-tokens", type=positive_int, default=96, help="tokens generated per prompt")
     ap.add_argument("--max-prompt-tokens", type=int, default=192)
-    ap.add_argument("--prompts", type=int, default=2000, help="standard-library prompts of each kind (code, chat)")
+    ap.add_argument("--prompts", type=positive_int, default=2000, help="standard-library prompts of each kind (code, chat)")
     ap.add_argument("--device", default="cpu", help="where the target generates and the drafter trains")
     ap.add_argument("--k", type=int, default=None,
                     help="positions drafted per pass (parallel, default 4) / steps unrolled (eagle, default 6)")
@@ -729,9 +730,9 @@ def load_shard(path: Path, prompts: list[list[int]], new_tokens: int, half: bool
     try:
         batch = torch.load(path, weights_only=True)
     except Exception as e:  # a truncated or foreign file
-        raise SystemExit(f"{path} is not a generated batch ({e}); delete it or use another --data directory") from e
+        raise UserError(f"{path} is not a generated batch ({e}); delete it or use another --data directory") from e
     if batch.get("prompts") != prompts or batch["tokens"].shape[1] != new_tokens:
-        raise SystemExit(f"{path} was generated from other prompts or lengths (another --seed, prompt flag, "
+        raise UserError(f"{path} was generated from other prompts or lengths (another --seed, prompt flag, "
                          f"--batch or --new-tokens): use another --data directory")
     return batch if half else {k: v.float() if k.endswith("hidden") else v for k, v in batch.items()}
 
@@ -819,7 +820,7 @@ def run(args: argparse.Namespace) -> int:
     is_eagle = args.kind == "eagle"
     k = args.k or (6 if is_eagle else 4)
     if out_path is None and not args.generate_only:
-        raise SystemExit(f"no default weights path for target {dep.target!r}: pass --out")
+        raise UserError(f"no default weights path for target {dep.target!r}: pass --out")
     device = torch.device(args.device)
     model, tok = load_model(dep.target, dtype="fp32", device=device, data_dir=args.data_dir)
     cfg = model.cfg

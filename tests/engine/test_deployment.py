@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.harness.deployment import list_deployments, load_deployment
+from specpilot.errors import UserError
+from specpilot.harness.deployment import DeploymentError, list_deployments, load_deployment
 from specpilot.harness.requests import REQUEST_SETS, load_requests, split_of
 
 
@@ -30,17 +31,23 @@ def test_deployment_options_layer_overrides_on_stock():
 def test_bad_deployment_files(tmp_path):
     p = tmp_path / "x.toml"
     p.write_text('target = "tiny"\nspeed = 3\n')
-    with pytest.raises(ValueError, match=r"unknown deployment key\(s\) \['speed'\]"):
+    with pytest.raises(DeploymentError, match=r"unknown deployment key\(s\) \['speed'\]"):
         load_deployment(p)
     p.write_text('target = "gpt5"\n')
-    with pytest.raises(ValueError, match="unknown target 'gpt5'"):
+    with pytest.raises(DeploymentError, match="unknown target 'gpt5'"):
         load_deployment(p)
     p.write_text('target = "tiny"\ndrafter = "medusa"\n')
-    with pytest.raises(ValueError, match="unknown value 'medusa' for option 'drafter'"):
+    with pytest.raises(DeploymentError, match="unknown value 'medusa' for option 'drafter'"):
         load_deployment(p)
     p.write_text('target = "tiny"\nrequest_sets = ["mmlu"]\n')
-    with pytest.raises(ValueError, match="unknown request sets"):
+    with pytest.raises(DeploymentError, match="unknown request sets"):
         load_deployment(p)
+    p.write_text('target = "tiny"\nblock_size = [\n')
+    with pytest.raises(DeploymentError, match="is not valid TOML"):
+        load_deployment(p)
+    with pytest.raises(DeploymentError, match="no deployment 'nosuch'.*known: smollm2-cpu"):
+        load_deployment("nosuch")
+    assert issubclass(DeploymentError, UserError)  # the CLI prints it as one line and exits 2
     p.write_text('target = "tiny"\n[options]\nverify = "tree"\n')
     assert load_deployment(p).options().verify == "tree"
 

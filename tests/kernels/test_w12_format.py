@@ -115,7 +115,7 @@ def test_smollm2_all_tensors_bit_exact(smollm2_tensors):
 @pytest.fixture(scope="module")
 def smollm2_tensors():
     pytest.importorskip("gguf")
-    from specpilot_kernels.w12.cli import gguf_tensors, smollm2_gguf_path
+    from specpilot.app.cmd_w12 import gguf_tensors, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -177,7 +177,7 @@ def test_w12linear_bf16_input_and_state_dict():
 
 
 def test_cli_random_8b_json(capsys):
-    from specpilot_kernels.w12.cli import main
+    from specpilot.app.cmd_w12 import main
 
     assert main(["w12", "pack", "--random-8b", "--sample-rows", "64", "--json", "--device", "cpu"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,7 +1,9 @@
 """Where systems live: a git repository under the controller's data directory.
 
-Stock is the project's own ``specpilot_engine/`` and ``specpilot_kernels/`` (plus ``deployments/`` so a checkout can run
-on its own) committed when a deployment is first registered. A candidate is its base commit with a
+Stock is the project's own runtime, ``specpilot_engine/`` and ``specpilot_kernels/`` (`SYSTEM_DIRS`), committed
+when a deployment is first registered; the harness that runs it (worker, deployments, request sets) is
+never part of a system. A repository made by SpecPilot 0.1 (whose runtime lived in ``engine/`` and
+``kernels/``, with the worker inside) is refused with the one command that migrates it (`migrate`). A candidate is its base commit with a
 patch applied (``git apply``, never a shell); every promotion is a commit on the branch
 ``best/<deployment>``. After applying, the changed paths are checked again against the policy's
 allowed roots, so a patch cannot reach further than its headers claimed.
@@ -19,7 +21,8 @@ from specpilot.errors import UserError
 from specpilot.paths import REPO_ROOT
 from specpilot.policy import ALLOWED_ROOTS
 
-SYSTEM_DIRS = ("specpilot_engine", "specpilot_kernels", "deployments")
+SYSTEM_DIRS = ("specpilot_engine", "specpilot_kernels")
+OLD_LAYOUT = ("engine", "kernels")  # SpecPilot 0.1's runtime folders
 _GIT_ENV = {"GIT_AUTHOR_NAME": "specpilot-controller", "GIT_AUTHOR_EMAIL": "controller@specpilot.local",
             "GIT_COMMITTER_NAME": "specpilot-controller", "GIT_COMMITTER_EMAIL": "controller@specpilot.local",
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
@@ -46,6 +49,7 @@ class Systems:
     def ensure_stock(self, source: Path = REPO_ROOT) -> str:
         """Commit the project's engine as stock (once); returns the stock commit."""
         if (self.root / ".git").exists():
+            self.check_layout()
             return self.git("rev-parse", "stock")
         self.root.mkdir(parents=True, exist_ok=True)
         self.git("init", "-q", "-b", "stock")
@@ -54,6 +58,14 @@ class Systems:
         self.git("add", "-A")
         self.git("commit", "-q", "-m", "stock: the project's engine, kernels and deployments")
         return self.git("rev-parse", "HEAD")
+
+    def check_layout(self) -> None:
+        """Refuse a repository whose stock has 0.1's layout, naming the command that migrates it."""
+        top = set(self.git("ls-tree", "--name-only", "stock").split())
+        if SYSTEM_DIRS[0] not in top:
+            data = self.root.parent.parent
+            raise UserError(f"the systems in {self.root} were made by SpecPilot 0.1 (runtime in engine/ and "
+                            f"kernels/): run `specpilot migrate --data {data}` once, then run this again")
 
     def best(self, deployment: str) -> str:
         """The current best commit for a deployment (stock until something is promoted)."""
@@ -107,7 +119,7 @@ class Systems:
 
 def export_system(data: Path, deployment: str, dest: Path) -> dict:
     """Write the best system of ``deployment`` for use outside SpecPilot: its tree (``specpilot_engine/``,
-    ``specpilot_kernels/``, ``deployments/``), ``final.patch`` (its diff against stock, apply with ``git apply``
+    ``specpilot_kernels/``), ``final.patch`` (its diff against stock, apply with ``git apply``
     in a SpecPilot checkout) and ``options.json`` (the engine option settings it runs with)."""
     import json
 
@@ -115,6 +127,7 @@ def export_system(data: Path, deployment: str, dest: Path) -> dict:
     if not (root / ".git").exists():
         raise UserError(f"no systems under {root}: run `specpilot round` (or `specpilot time`) first")
     systems = Systems(root)
+    systems.check_layout()
     best, stock = systems.best(deployment), systems.git("rev-parse", "stock")
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
@@ -127,3 +140,58 @@ def export_system(data: Path, deployment: str, dest: Path) -> dict:
         options = {}
     (dest / "options.json").write_text(json.dumps(options, indent=2) + "\n")
     return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}
+
+
+def migrate(data: Path, source: Path = REPO_ROOT) -> list[str]:
+    """Bring a data directory's systems repository from SpecPilot 0.1's layout to this one; what it did.
+
+    The old repository moves aside (``controller/systems-0.1``, kept for ``git log``); stock is committed
+    anew from ``source``; each ``best/<deployment>`` branch is carried over by re-applying its diff against
+    the old stock with the runtime's folders renamed (``engine/`` → ``specpilot_engine/``, ``kernels/`` →
+    ``specpilot_kernels/``; changes to the old worker, which is harness now, cannot be carried). A branch
+    whose diff no longer applies restarts from stock, and the result says so. The ledger is untouched:
+    its events keep naming the old commits, which stay in the moved-aside repository."""
+    root = Path(data) / "controller" / "systems"
+    if not (root / ".git").exists():
+        return [f"nothing to migrate: no systems repository under {root}"]
+    old = Systems(root)
+    if SYSTEM_DIRS[0] in set(old.git("ls-tree", "--name-only", "stock").split()):
+        return [f"nothing to migrate: {root} already has this version's layout"]
+    aside = root.with_name("systems-0.1")
+    if aside.exists():
+        raise UserError(f"{aside} exists (an earlier migration?): move it away, then run this again")
+    old_stock = old.git("rev-parse", "stock")
+    branches = [b for b in old.git("for-each-ref", "--format=%(refname:short)", "refs/heads/best/").split() if b]
+    # git() strips its output: a patch needs its last newline back
+    diffs = {b.removeprefix("best/"): old.git("diff", old_stock, b, "--", *OLD_LAYOUT) + "\n" for b in branches}
+    root.rename(aside)
+    new = Systems(root)
+    stock = new.ensure_stock(source)
+    done = [f"moved the 0.1 systems repository to {aside}", f"committed stock {stock[:12]} from {source}"]
+    for dep, diff in sorted(diffs.items()):
+        if not diff.strip():
+            done.append(f"best/{dep}: no code change (options only), it stays at stock")
+            continue
+        renamed = _renamed(diff)
+        try:
+            commit = new.apply(stock, renamed, f"best/{dep} carried from SpecPilot 0.1")
+        except (PatchDoesNotApply, subprocess.CalledProcessError) as exc:
+            done.append(f"best/{dep}: its code change does not apply to this version ({exc}); it restarts from "
+                        "stock (the old branch is in the moved-aside repository)")
+            continue
+        new.advance(dep, commit)
+        done.append(f"best/{dep}: carried over as {commit[:12]}")
+    return done
+
+
+def _renamed(diff: str) -> str:
+    """A 0.1 diff with its runtime paths under this version's package names."""
+    out = []
+    for line in diff.splitlines(keepends=True):
+        if line.startswith(("diff --git ", "--- ", "+++ ", "rename from ", "rename to ")):
+            for old, new in zip(OLD_LAYOUT, SYSTEM_DIRS, strict=True):
+                line = line.replace(f"a/{old}/", f"a/{new}/").replace(f"b/{old}/", f"b/{new}/")
+                line = line.replace(f"rename from {old}/", f"rename from {new}/")
+                line = line.replace(f"rename to {old}/", f"rename to {new}/")
+        out.append(line)
+    return "".join(out)

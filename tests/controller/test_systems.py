@@ -1,0 +1,75 @@
+"""The systems repository: a data directory made by SpecPilot 0.1 is refused with the command that
+migrates it, and `migrate` carries each best branch over with its runtime paths renamed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from specpilot.errors import UserError
+from specpilot.paths import REPO_ROOT
+from specpilot.services.controller.systems import Systems, export_system, migrate
+
+ANCHOR = "class DraftTree"
+
+
+def _old_data_dir(tmp_path):
+    """A 0.1-style systems repository: the runtime under engine/ and kernels/, the worker inside, and
+    two best branches: one that changes engine/tree.py, one that changed the (now harness) worker."""
+    root = tmp_path / "data" / "controller" / "systems"
+    root.mkdir(parents=True)
+    shutil.copytree(REPO_ROOT / "specpilot_engine", root / "engine", ignore=shutil.ignore_patterns("__pycache__", "*.pt"))
+    shutil.copytree(REPO_ROOT / "specpilot_kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "engine" / "worker.py").write_text("print('ready')\n")
+    old = Systems(root)
+    old.git("init", "-q", "-b", "stock")
+    old.git("add", "-A")
+    old.git("commit", "-q", "-m", "stock (0.1)")
+    stock = old.git("rev-parse", "HEAD")
+    tree = (root / "engine" / "tree.py").read_text()
+    assert ANCHOR in tree
+    diff = _edit(root, "engine/tree.py", tree.replace(ANCHOR, "# carried by migrate\n" + ANCHOR, 1))
+    old.advance("tiny-cpu", old.apply_unchecked(stock, diff, "a code promotion"))
+    diff = _edit(root, "engine/worker.py", "print('ready!')\n")
+    old.advance("smollm2-cpu", old.apply_unchecked(stock, diff, "a worker promotion"))
+    return tmp_path / "data"
+
+
+def _edit(root, path: str, text: str) -> str:
+    before = (root / path).read_text()
+    (root / path).write_text(text)
+    diff = Systems(root).git("diff", "--", path)
+    (root / path).write_text(before)
+    return diff + "\n"
+
+
+def test_an_old_data_directory_is_refused_then_migrated(tmp_path, monkeypatch):
+    def apply_unchecked(self, base, diff, message):  # 0.1's repository took engine/ paths
+        self.git("checkout", "-q", "--detach", base)
+        self.git("apply", "-", input=diff)
+        self.git("commit", "-qam", message)
+        commit = self.git("rev-parse", "HEAD")
+        self.git("checkout", "-q", "stock")
+        return commit
+
+    monkeypatch.setattr(Systems, "apply_unchecked", apply_unchecked, raising=False)
+    data = _old_data_dir(tmp_path)
+    systems = Systems(data / "controller" / "systems")
+    with pytest.raises(UserError, match=r"made by SpecPilot 0.1.*specpilot migrate --data"):
+        systems.ensure_stock()
+    with pytest.raises(UserError, match="specpilot migrate"):
+        export_system(data, "tiny-cpu", tmp_path / "out")
+
+    done = migrate(data)
+    assert any("moved the 0.1 systems repository" in d for d in done)
+    assert any(d.startswith("best/tiny-cpu: carried over") for d in done), done
+    assert any(d.startswith("best/smollm2-cpu: its code change does not apply") for d in done), done
+    assert (data / "controller" / "systems-0.1" / ".git").is_dir()
+
+    res = export_system(data, "tiny-cpu", tmp_path / "out")
+    assert "# carried by migrate" in (tmp_path / "out" / "specpilot_engine" / "tree.py").read_text()
+    assert "specpilot_engine/tree.py" in (tmp_path / "out" / "final.patch").read_text()
+    assert res["commit"] != res["stock"]
+    assert Systems(data / "controller" / "systems").best("smollm2-cpu") == res["stock"]
+    assert migrate(data) == [f"nothing to migrate: {data / 'controller' / 'systems'} already has this version's layout"]
