@@ -62,6 +62,10 @@ class BusError(UserError):
     pass
 
 
+class ServiceError(BusError):
+    """The service answered with an error (its request was bad): retrying the same request will not help."""
+
+
 @dataclass
 class Delivery:
     """One message fetched from a durable consumer."""
@@ -327,7 +331,7 @@ class Bus:
             raise BusError(f"{subject} did not answer within {timeout:.0f} s") from None
         reply = json.loads(msg.data or b"{}")
         if msg.headers and msg.headers.get("Nats-Service-Error"):
-            raise BusError(msg.headers["Nats-Service-Error"])
+            raise ServiceError(msg.headers["Nats-Service-Error"])
         return reply
 
     async def serve(self, name: str, version: str, description: str,

@@ -37,6 +37,7 @@ READ_ONLY_TYPES = {"SELECT", "EXPLAIN"}
 # EXPLAIN ANALYZE runs its statement (DuckDB: `EXPLAIN ANALYZE DELETE ...` deletes), so it is refused;
 # comments are removed first so that none can hide the keyword.
 _SQL_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
+_FIELD = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _EXPLAIN_ANALYZE = re.compile(r"\s*explain\s*(\([^)]*\banaly[sz]e\b|analy[sz]e\b)", re.I)
 
 DDL = """
@@ -239,6 +240,38 @@ class Ledger:
     def events(self, where: str = "", params: list | None = None) -> list[schema.Event]:
         sql = "SELECT payload FROM events " + (f"WHERE {where} " if where else "") + "ORDER BY pos"
         return [schema.decode(r[0].encode()) for r in self.con.execute(sql, params or []).fetchall()]
+
+    def select(self, q) -> list[schema.Event] | int:
+        """The events a `specpilot.reads.EventQuery` names, in recording order (or their count): the one
+        place a typed read becomes SQL. Payload field names are checked, values are parameters."""
+        where, params = [], []
+        if q.types:
+            where.append(f"type IN ({', '.join('?' for _ in q.types)})")
+            params += list(q.types)
+        if q.deployment is not None:
+            where.append("coalesce(deployment, '') = ?")
+            params.append(q.deployment)
+        if q.round_id is not None:
+            where.append("coalesce(round_id, '') = ?")
+            params.append(q.round_id)
+        for name, value in q.fields.items():
+            if not _FIELD.fullmatch(name):
+                raise LedgerError(f"not a payload field name: {name!r}")
+            values = value if isinstance(value, list) else [value]
+            if not values:
+                where.append("false")
+                continue
+            where.append(f"json_extract_string(payload, '$.{name}') IN ({', '.join('?' for _ in values)})")
+            params += [str(v).lower() if isinstance(v, bool) else str(v) for v in values]
+        clause = f"WHERE {' AND '.join(where)} " if where else ""
+        if q.count:
+            return self.con.execute(f"SELECT count(*) FROM events {clause}", params).fetchone()[0]
+        if q.last:
+            sql = (f"SELECT payload FROM (SELECT payload, pos FROM events {clause}ORDER BY pos DESC LIMIT {int(q.last)}) "
+                   "ORDER BY pos")
+        else:
+            sql = f"SELECT payload FROM events {clause}ORDER BY pos OFFSET {int(q.offset)}"
+        return [schema.decode(r[0].encode()) for r in self.con.execute(sql, params).fetchall()]
 
     def query_readonly(self, sql: str, limit: int = 10_000) -> dict[str, Any]:
         """Run one read-only statement; refuse anything that could write."""

@@ -60,7 +60,8 @@ RPC_AUDIT = rpc(MEMORY, "audit")
 RPC_REPLAY = rpc(MEMORY, "replay")
 RPC_EXPORT = rpc(MEMORY, "export")
 RPC_ENTRIES = rpc(MEMORY, "entries")
-SERVICE_RPCS = (RPC_SQL, RPC_AUDIT, RPC_REPLAY, RPC_ENTRIES)  # memory endpoints a service user may call
+RPC_EVENTS = rpc(MEMORY, "events")  # typed reads (specpilot.reads.EventQuery)
+SERVICE_RPCS = (RPC_SQL, RPC_AUDIT, RPC_REPLAY, RPC_ENTRIES, RPC_EVENTS)  # memory endpoints a service user may call
 MICRO_DISCOVERY = "$SRV.INFO"
 MICRO_ALL = "$SRV.>"
 

@@ -28,7 +28,7 @@ from specpilot_engine.decode import DecodeConfig, Generation, generate
 from specpilot_engine.drafters import make_drafter
 from specpilot_engine.graphs import GraphRunner, graphs_supported
 from specpilot_engine.model import Transformer
-from specpilot_engine.options import EngineOptions
+from specpilot_engine.options import EngineOptions, model_options
 from specpilot_engine.weights import Tokenizer, load_model
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,9 @@ def _note_graphs_off_cuda(device: torch.device) -> None:
         log.warning("cuda_graphs=True has no effect on device %s (CUDA only): decoding stays eager", device)
 
 
-# The options `apply_model_options` reads: two systems that differ in one of them need two models.
-MODEL_OPTIONS = ("fused_kernels", "fused_gemv", "weight_format", "lm_head", "linear_backend", "compile")
+# The options `apply_model_options` reads (their OptionInfo says model=True): two systems that differ in
+# one of them need two models.
+MODEL_OPTIONS = model_options()
 
 
 def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:

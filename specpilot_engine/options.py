@@ -1,16 +1,21 @@
-"""Engine options: one frozen dataclass whose defaults are stock.
+"""Engine options: one frozen dataclass whose defaults are stock, each field describing itself.
 
-Every knob an optimisation may turn lives here, once. The CLI flags (`add_option_flags`) and the
-controller's option dicts (`options_from_dict`) are both generated from the fields below, so no
-default is written twice. A patch that adds a mechanism adds a field whose default reproduces
-stock's behaviour exactly.
+Every knob an optimisation may turn lives here, once, with what the rest of SpecPilot needs to know
+about it in its `OptionInfo` (``option(default, ...)``): a help line, the values worth timing, the
+cost-model factor it attacks, the device kinds it means something on, whether it changes the loaded
+model, which other settings it requires, and whether it may change the output's bits. The CLI flags
+(`add_option_flags`), the controller's option dicts (`options_from_dict`), the planner's sweeps and
+dependencies (`sweeps`, `requirements`), the model-option list (`model_options`) and the cost model's
+predictable options (`factor_options("tau")`) are all generated from the fields below, so adding an
+option touches this file alone. A patch that adds a mechanism adds a field whose default reproduces
+stock's behaviour exactly. Fields are grouped by the factor they attack and, within a factor, listed
+in the order the planner tries them when the cost model ranks them equal.
 
 Fields whose default is ``None`` mean "the deployment's value" (today only ``dtype``); they are
-filled in by `specpilot.harness.deployment.Deployment.options` or, without a deployment, by
-`EngineOptions.resolved`.
+filled in by the harness's ``Deployment.options`` or, without a deployment, by `EngineOptions.resolved`.
 
 This module validates values and converts them between strings, dicts and dataclasses; it does
-not know what any option does.
+not know what any option does, and imports nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -19,37 +24,98 @@ import argparse
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 OptionValue = str | int | float | bool
+FACTORS = ("tau", "overhead", "kernel")  # the cost model's factors (its ceiling's gaps), in planning order
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """What an option is, beside its type and stock default."""
+
+    help: str
+    sweep: tuple[OptionValue, ...] = ()  # values worth timing against the best, in the planner's order
+    factor: str | None = None  # the cost-model factor it attacks (FACTORS), None: not a speed mechanism
+    devices: tuple[str, ...] = DEVICE_KINDS  # device kinds where setting it means something
+    model: bool = False  # applied to the loaded target (`apply_model_options`): a different model
+    requires: Mapping[str, OptionValue] = field(default_factory=dict)  # settings it only means something with
+    may_change_outputs: bool = False  # True: may change the output's bits (forcing decides); False: lossless
+    minimum: int | None = None  # the smallest value of an integer option
+
+    def __post_init__(self) -> None:
+        if self.factor is not None and self.factor not in FACTORS:
+            raise ValueError(f"factor must be one of {FACTORS} or None, got {self.factor!r}")
+        if bad := set(self.devices) - set(DEVICE_KINDS):
+            raise ValueError(f"unknown device kinds {sorted(bad)}; known: {DEVICE_KINDS}")
+
+
+def option(default: Any, help: str, **info: Any) -> Any:
+    """A field of `EngineOptions` (or a subclass): its stock ``default`` and its `OptionInfo`."""
+    return field(default=default, metadata={"info": OptionInfo(help=help, **info)})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Stock configuration of the engine; see the comment beside each field."""
+    """Stock configuration of the engine; each field's `OptionInfo` says what it is."""
 
-    drafter: Literal["ngram", "parallel", "eagle", "none"] = "ngram"  # "none" is plain AR decoding
-    block_size: int = 4  # draft tokens per step (chain length, or tree depth when verify == "tree")
-    verify: Literal["chain", "tree"] = "chain"  # stock verifies a single chain
-    tree_nodes: int = 16  # draft-node budget of one tree (root excluded) when verify == "tree"
-    dtype: Literal["fp32", "bf16"] | None = None  # None: the deployment's dtype
-    weight_format: Literal["bf16", "w12"] = "bf16"  # "w12": specpilot_kernels.w12 replaces the linears
-    lm_head: Literal["default", "fp32"] = "default"  # "fp32": the head computes in fp32 whatever dtype
-    # "onednn": packed CPU GEMMs for multi-row blocks; "onednn_all": one-row decode steps too;
-    # "stream": the AVX2 weight-streaming kernel of specpilot_kernels.cpu_gemm (specpilot_engine.packed)
-    linear_backend: Literal["default", "onednn", "onednn_all", "stream"] = "default"
-    compile: bool = False  # torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)
-    cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA
-    fused_kernels: bool = False  # fused norm/RoPE/SiLU kernels + concatenated QKV, gate/up GEMMs (specpilot_engine.fused)
-    fused_gemv: bool = False  # with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in
-    ngram_max_match: int = 4  # longest context suffix the n-gram drafter tries to match
-    ngram_min_match: int = 2  # shortest; below it the n-gram drafter proposes nothing
-    drafter_weights: str = ""  # parallel drafter weights file; "": the one shipped for the target
+    # --- tau: tokens committed per step. Lossless by construction: the target verifies every token.
+    verify: Literal["chain", "tree"] = option(
+        "chain", "verify a single chain (stock) or a best-first tree of drafts", sweep=("tree",), factor="tau")
+    tree_nodes: int = option(
+        16, "draft-node budget of one tree (root excluded) when verify = tree", sweep=(8, 32), factor="tau",
+        requires={"verify": "tree"}, minimum=1)
+    block_size: int = option(
+        4, "draft tokens per step (chain length, or tree depth when verify = tree)", sweep=(2, 6, 8),
+        factor="tau", minimum=1)
+    ngram_max_match: int = option(
+        4, "longest context suffix the n-gram drafter tries to match", factor="tau", minimum=1)
+    ngram_min_match: int = option(
+        2, "shortest suffix the n-gram drafter matches; below it it proposes nothing", sweep=(1, 3),
+        factor="tau", minimum=1)
+    drafter: Literal["ngram", "parallel", "eagle", "none"] = option(
+        "ngram", "who drafts: n-gram lookup, the parallel or eagle drafter, or none (plain AR decoding)",
+        sweep=("eagle", "parallel"), factor="tau")
+    drafter_weights: str = option("", "parallel drafter weights file; empty: the one shipped for the target")
+
+    # --- precision: the deployment's choice, never swept.
+    dtype: Literal["fp32", "bf16"] | None = option(
+        None, "compute dtype; unset: the deployment's", model=True, may_change_outputs=True)
+    lm_head: Literal["default", "fp32"] = option(
+        "default", "fp32: the LM head computes in fp32 whatever the dtype", model=True, may_change_outputs=True)
+
+    # --- overhead: host and launch time between kernels.
+    cuda_graphs: bool = option(
+        False, "replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA",
+        sweep=(True,), factor="overhead", devices=("cuda",))
+    fused_kernels: bool = option(
+        False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused)",
+        sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)
+    fused_gemv: bool = option(
+        False, "with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in", sweep=(True,),
+        factor="overhead", devices=("cuda",), model=True, requires={"fused_kernels": True},
+        may_change_outputs=True)
+    compile: bool = option(
+        False, "torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)", sweep=(True,),
+        factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)
+
+    # --- kernel: each step's kernels against their byte floors.
+    weight_format: Literal["bf16", "w12"] = option(
+        "bf16", "w12: the lossless 12-bit format of specpilot_kernels.w12 replaces the linears", sweep=("w12",),
+        factor="kernel", devices=("cuda",), model=True, may_change_outputs=True)
+    # "stream" first: the AVX2/AVX-512/AMX kernel of specpilot_kernels.cpu_gemm beat oneDNN on every CPU
+    # measured (docs/FIGURES.md); oneDNN's packed GEMMs come next where it loses.
+    linear_backend: Literal["default", "onednn", "onednn_all", "stream"] = option(
+        "default", "CPU linears: onednn (packed GEMMs for multi-row blocks), onednn_all (one-row steps too), "
+        "stream (specpilot_kernels.cpu_gemm, specpilot_engine.packed)", sweep=("stream", "onednn_all", "onednn"),
+        factor="kernel", devices=("cpu",), model=True, may_change_outputs=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_value(f, getattr(self, f.name))
+            _check_value(f, getattr(self, f.name), type(self))
         if self.fused_gemv and not self.fused_kernels:
             raise ValueError("option 'fused_gemv' needs fused_kernels = true (it folds into the fused blocks)")
         if self.ngram_min_match > self.ngram_max_match:
@@ -80,11 +146,43 @@ class EngineOptions:
         return {k: v for k, v in self.to_dict().items() if getattr(stock, k) != v}
 
 
-_MIN_INT = {"block_size": 1, "tree_nodes": 1, "ngram_max_match": 1, "ngram_min_match": 1}
+def info(f: dataclasses.Field) -> OptionInfo:
+    """A field's `OptionInfo`. A field declared without ``option(...)`` (a quick patch) still works: it
+    gets an empty one, so nothing sweeps it and it is taken to be lossless and model-free."""
+    return f.metadata.get("info") or OptionInfo(help="")
 
 
-def _hint(f: dataclasses.Field) -> Any:
-    return typing.get_type_hints(EngineOptions)[f.name]
+def infos(cls: type[EngineOptions] = EngineOptions) -> dict[str, OptionInfo]:
+    """Option name -> its `OptionInfo`, in field order."""
+    return {f.name: info(f) for f in fields(cls)}
+
+
+def sweeps(cls: type[EngineOptions] = EngineOptions) -> dict[str, list[tuple[str, list[OptionValue], tuple[str, ...]]]]:
+    """The planner's sweeps: factor -> [(option, values worth timing, device kinds)], in field order."""
+    out: dict[str, list] = {f: [] for f in FACTORS}
+    for name, i in infos(cls).items():
+        if i.factor and i.sweep:
+            out[i.factor].append((name, list(i.sweep), i.devices))
+    return out
+
+
+def requirements(cls: type[EngineOptions] = EngineOptions) -> dict[str, dict[str, OptionValue]]:
+    """Option -> the settings it only means something with (only options that have some)."""
+    return {name: dict(i.requires) for name, i in infos(cls).items() if i.requires}
+
+
+def model_options(cls: type[EngineOptions] = EngineOptions) -> tuple[str, ...]:
+    """Options applied to the loaded model: two systems that differ in one of them need two models."""
+    return tuple(name for name, i in infos(cls).items() if i.model and name != "dtype")
+
+
+def factor_options(factor: str, cls: type[EngineOptions] = EngineOptions) -> tuple[str, ...]:
+    """Options that attack ``factor``."""
+    return tuple(name for name, i in infos(cls).items() if i.factor == factor)
+
+
+def _hint(f: dataclasses.Field, cls: type = EngineOptions) -> Any:
+    return typing.get_type_hints(cls)[f.name]
 
 
 def _choices(hint: Any) -> tuple[tuple[Any, ...], bool]:
@@ -108,8 +206,8 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
-def _check_value(f: dataclasses.Field, value: Any) -> None:
-    hint = _hint(f)
+def _check_value(f: dataclasses.Field, value: Any, cls: type = EngineOptions) -> None:
+    hint = _hint(f, cls)
     choices, nullable = _choices(hint)
     if value is None:
         if nullable:
@@ -123,13 +221,14 @@ def _check_value(f: dataclasses.Field, value: Any) -> None:
     # bool is a subclass of int: refuse True for an int field explicitly.
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ValueError(f"option {f.name!r} must be {base.__name__}, got {value!r}")
-    if base is int and value < _MIN_INT.get(f.name, 0):
-        raise ValueError(f"option {f.name!r} must be >= {_MIN_INT.get(f.name, 0)}, got {value}")
+    minimum = info(f).minimum or 0
+    if base is int and value < minimum:
+        raise ValueError(f"option {f.name!r} must be >= {minimum}, got {value}")
 
 
-def _coerce(f: dataclasses.Field, value: Any) -> Any:
+def _coerce(f: dataclasses.Field, value: Any, cls: type = EngineOptions) -> Any:
     """Convert a str/int/float/bool from a dict or command line to the field's type."""
-    hint = _hint(f)
+    hint = _hint(f, cls)
     base = _base_type(hint)
     _, nullable = _choices(hint)
     if nullable and value in (None, "", "none", "None") and "none" not in _choices(hint)[0]:
@@ -161,12 +260,12 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-def allowed_options() -> dict[str, str]:
+def allowed_options(cls: type[EngineOptions] = EngineOptions) -> dict[str, str]:
     """Option name -> a short description of what it accepts (for error messages and docs)."""
     out = {}
-    for f in fields(EngineOptions):
-        choices, nullable = _choices(_hint(f))
-        desc = " | ".join(map(str, choices)) if choices else _base_type(_hint(f)).__name__
+    for f in fields(cls):
+        choices, nullable = _choices(_hint(f, cls))
+        desc = " | ".join(map(str, choices)) if choices else _base_type(_hint(f, cls)).__name__
         out[f.name] = desc + (" | null" if nullable else "")
     return out
 
@@ -175,15 +274,17 @@ def options_from_dict(d: dict[str, OptionValue | None], base: EngineOptions | No
     """Options from a dict such as the controller sends; unknown keys and values are refused.
 
     Values may be strings ("4", "true") as well as typed values. ``base`` (stock by default)
-    supplies the fields the dict does not name.
+    supplies the fields the dict does not name (and the class: a subclass's options are known too).
     """
-    names = {f.name: f for f in fields(EngineOptions)}
+    base = base if base is not None else EngineOptions()
+    cls = type(base)
+    names = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(names))
     if unknown:
-        allowed = ", ".join(f"{k} ({v})" for k, v in allowed_options().items())
+        allowed = ", ".join(f"{k} ({v})" for k, v in allowed_options(cls).items())
         raise ValueError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
-    values = {k: _coerce(names[k], v) for k, v in d.items()}
-    return dataclasses.replace(base or EngineOptions(), **values)
+    values = {k: _coerce(names[k], v, cls) for k, v in d.items()}
+    return dataclasses.replace(base, **values)
 
 
 def _flag(name: str) -> str:
@@ -198,7 +299,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         hint = _hint(f)
         choices, _ = _choices(hint)
         default = getattr(stock, f.name)
-        help_ = f"stock: {default if default is not None else 'the deployment’s'}"
+        help_ = f"{info(f).help} (stock: {default if default is not None else 'the deployment’s'})"
         dest = "opt_" + f.name
         if _base_type(hint) is bool:
             group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_)

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 from specpilot import __version__, bus, ledger, natsd, output, paths, subjects
 from specpilot.errors import UserError
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
@@ -315,7 +317,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         from specpilot.services.controller.systems import export_system
 
         load_deployment(args.deployment)  # an unknown deployment is an error, not an export of stock
-        res = export_system(data_dir(args), args.deployment, Path(args.system).resolve())
+        res = export_system(data_dir(args), args.deployment, Path(args.system).resolve(),
+                            lambda commit: promoted_options(args, args.deployment, commit))
         out.print(f"best system of {res['deployment']} ({res['commit'][:12]}, options {res['options']}) "
                   f"written to {res['dir']}")
         return 0
@@ -327,6 +330,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     for f in res["files"]:
         out.print(f)
     return 0
+
+
+def promoted_options(args: argparse.Namespace, deployment: str, commit: str) -> dict:
+    """The options ``commit`` was promoted with, from the ledger (the memory service, else the file), else
+    from the controller's local log (`specpilot time`); {} when neither knows the commit."""
+    from specpilot import reads, schema
+    from specpilot.services.controller.state import LOCAL_LOG
+
+    q = reads.query(schema.BestAdvanced, deployment=deployment, commit=commit, last=1)
+    with contextlib.suppress(ledger.LedgerError):
+        found = ledger_call(args, subjects.RPC_EVENTS, msgspec.to_builtins(q), lambda led: reads.reply_for(led, q))
+        if found["events"]:
+            return dict(schema.decode(found["events"][-1].encode()).options)  # type: ignore[attr-defined]
+    local = data_dir(args) / "controller" / LOCAL_LOG
+    events = [schema.decode(line.encode()) for line in local.read_text().splitlines()] if local.exists() else []
+    return next((dict(e.options) for e in reversed(events)  # type: ignore[attr-defined]
+                 if isinstance(e, schema.BestAdvanced) and e.deployment == deployment and e.commit == commit), {})
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import time
 
 from rich.markup import escape
 
-from specpilot import bus, output, schema, subjects
+from specpilot import bus, output, schema
 from specpilot.app import cli
 from specpilot.errors import (
     UserError,
@@ -27,7 +27,7 @@ from specpilot.errors import (
     positive_float,
     positive_int,
 )
-from specpilot.ledger import sql_literal
+from specpilot.reads import Reads
 from specpilot.service import add_connection_flags
 from specpilot.services.master import plots
 from specpilot.services.master.main import RPC_ROUND, round_defaults
@@ -136,6 +136,7 @@ async def _call(args: argparse.Namespace, subject: str, payload: dict, timeout: 
 async def follow(args: argparse.Namespace, round_id: str) -> schema.RoundFinished:
     """Print the round's events as they are recorded; return its RoundFinished."""
     b = await cli.admin_bus(args)
+    reads = Reads.over(b, retry=False)
     seen = 0
     deadline = time.monotonic() + args.timeout
     t0 = time.monotonic()
@@ -143,13 +144,10 @@ async def follow(args: argparse.Namespace, round_id: str) -> schema.RoundFinishe
         with console.status("waiting for the round's events") as status:
             while True:
                 try:
-                    rows = (await b.request(subjects.RPC_SQL, {"query": (
-                        f"SELECT payload FROM events WHERE round_id = {sql_literal(round_id)} "
-                        f"ORDER BY pos OFFSET {seen}")}, timeout=30))["rows"]
+                    events = await reads.events(round_id=round_id, offset=seen)
                 except bus.BusError:
-                    rows = []
-                for (payload,) in rows:
-                    event = schema.decode(payload.encode())
+                    events = []
+                for event in events:
                     seen += 1
                     line = describe(event)
                     if line:

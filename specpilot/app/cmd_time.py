@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         kw["trials"] = args.trials
     ctl = Controller(data, None, device=args.device, evaluator_kw=kw)
     with output.console(stderr=True).status("evaluating (noise, default check, paired timing)"):
-        asyncio.run(ctl.handle_patch(patch))
+        asyncio.run(evaluate(ctl, patch))
     if args.json:
         for e in ctl.events:
             print(schema.encode(e).decode())
@@ -88,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(e.tag, json.dumps(d))
         output.console().print(table)
     return exit_status(ctl.events)
+
+
+async def evaluate(ctl, patch: schema.PatchProposed) -> None:
+    await ctl.restore()  # what earlier `specpilot time` runs on this data directory measured (noise, best)
+    await ctl.handle_patch(patch)
 
 
 def exit_status(events: list[schema.Event]) -> int:

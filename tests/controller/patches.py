@@ -36,7 +36,7 @@ def worker_patch(before_ready: str = "", before_reply: str = "") -> str:
     return diff(API, text)
 
 OPTIONS = "specpilot_engine/options.py"
-OPTION_ANCHOR = "    ngram_min_match: int = 2"
+OPTION_ANCHOR = "    drafter_weights: str = option("  # a one-line field: new ones go after it
 
 
 def with_option(field: str, before_ready: str = "", before_reply: str = "") -> str:

@@ -59,7 +59,7 @@ def test_an_old_data_directory_is_refused_then_migrated(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"made by SpecPilot 0.1.*specpilot migrate --data"):
         systems.ensure_stock()
     with pytest.raises(UserError, match="specpilot migrate"):
-        export_system(data, "tiny-cpu", tmp_path / "out")
+        export_system(data, "tiny-cpu", tmp_path / "out", lambda commit: {})
 
     done = migrate(data)
     assert any("moved the 0.1 systems repository" in d for d in done)
@@ -67,9 +67,14 @@ def test_an_old_data_directory_is_refused_then_migrated(tmp_path, monkeypatch):
     assert any(d.startswith("best/smollm2-cpu: its code change does not apply") for d in done), done
     assert (data / "controller" / "systems-0.1" / ".git").is_dir()
 
-    res = export_system(data, "tiny-cpu", tmp_path / "out")
+    old_best = Systems(data / "controller" / "systems-0.1").best("tiny-cpu")
+    res = export_system(data, "tiny-cpu", tmp_path / "out", lambda commit: {"verify": "tree"})
+    assert res["options"] == {"verify": "tree"}
     assert "# carried by migrate" in (tmp_path / "out" / "specpilot_engine" / "tree.py").read_text()
     assert "specpilot_engine/tree.py" in (tmp_path / "out" / "final.patch").read_text()
     assert res["commit"] != res["stock"]
-    assert Systems(data / "controller" / "systems").best("smollm2-cpu") == res["stock"]
+    systems = Systems(data / "controller" / "systems")
+    assert systems.best("smollm2-cpu") == res["stock"]
+    assert systems.resolve(old_best) == res["commit"]  # the ledger's old commit leads to the carried one
+    assert systems.resolve("0" * 40) is None
     assert migrate(data) == [f"nothing to migrate: {data / 'controller' / 'systems'} already has this version's layout"]

@@ -62,12 +62,14 @@ def test_token_ids_out_of_range(tiny_engine):
 def test_unknown_option_value_and_key():
     with pytest.raises(ValueError, match="unknown value 'beam' for option 'verify'; allowed: chain, tree"):
         load_engine("tiny-cpu", {"verify": "beam"})
-    with pytest.raises(ValueError, match="unknown engine option.*'speed'.*allowed: drafter"):
+    with pytest.raises(ValueError, match="unknown engine option.*'speed'.*allowed: verify"):
         load_engine("tiny-cpu", {"speed": 11})
 
 
 def test_unknown_deployment():
-    with pytest.raises(FileNotFoundError, match="no deployment 'nope'.*known: .*smollm2-cpu"):
+    from specpilot.harness.deployment import DeploymentError
+
+    with pytest.raises(DeploymentError, match="no deployment 'nope'.*known: .*smollm2-cpu"):
         load_engine("nope")
 
 

@@ -87,5 +87,5 @@ def test_a_timing_table_is_checked_and_layered_on_the_defaults(tmp_path):
                           ('trials = "6"', "positive integer")):
         bad = tmp_path / "bad.toml"
         bad.write_text(base + "[timing]\n" + body + "\n")
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(DeploymentError, match=message):
             load_deployment(bad)

@@ -4,6 +4,7 @@ import pytest
 
 from specpilot.services.master import planner
 from specpilot.services.master.planner import History
+from specpilot_engine.options import EngineOptions, option, sweeps
 
 CPU = {"device_kind": "cpu", "dtype": "fp32", "model_family": "llama", "mode": "batch1"}
 GPU = {**CPU, "device_kind": "cuda", "dtype": "bf16"}
@@ -74,7 +75,7 @@ def test_an_llm_coder_gets_an_open_direction_for_the_largest_factor():
 
 
 def test_nothing_left_means_no_directions():
-    tried = frozenset((o, repr(v)) for o, vs, _ in planner.SWEEPS["tau"] for v in vs)
+    tried = frozenset((o, repr(v)) for o, vs, _ in sweeps()["tau"] for v in vs)
     assert _plan({"tau": 2.0}, history=History(tried_options=tried)) == []
 
 
@@ -156,3 +157,29 @@ def test_values_the_cost_model_cannot_rank_go_one_a_wave():
     # predicted values keep the whole ranked list
     ds = _plan({"tau": 2.0}, devices=10, predict=lambda option, value, base: 1.2 if option == "block_size" else None)
     assert next(d for d in ds if d.hints["option"] == "block_size").hints["values"] == [2, 6, 8]
+
+
+def test_a_new_option_is_offered_from_its_field_alone():
+    """A throwaway option declared only in a test-only subclass: the planner offers it, on the devices
+    its OptionInfo names, with what it requires in its base, and the CLI and dict parsing know it."""
+    from dataclasses import dataclass
+
+    from specpilot_engine.options import options_from_dict, requirements
+
+    @dataclass(frozen=True)
+    class WithTurbo(EngineOptions):
+        turbo: int = option(0, "a test-only knob", sweep=(2, 3), factor="kernel", devices=("cpu",),
+                            requires={"verify": "tree"}, minimum=0)
+
+    dirs = planner.plan(factors={"kernel": 4.0}, facts=CPU, best_options={}, known_options={"turbo"}, entries=[],
+                        history=History(), devices=5, options=WithTurbo)
+    (turbo,) = [d for d in dirs if d.hints.get("option") == "turbo"]
+    assert turbo.factor == "kernel" and turbo.hints == {"option": "turbo", "values": [2, 3], "base": {"verify": "tree"}}
+    assert not [d for d in planner.plan(factors={"kernel": 4.0}, facts=GPU, best_options={}, known_options={"turbo"},
+                                        entries=[], history=History(), devices=5, options=WithTurbo)
+                if d.hints.get("option") == "turbo"]  # its OptionInfo says CPU only
+    assert requirements(WithTurbo)["turbo"] == {"verify": "tree"} and "turbo" not in requirements()
+    assert options_from_dict({"turbo": "3"}, WithTurbo()).turbo == 3
+    with pytest.raises(ValueError, match="turbo"):
+        options_from_dict({"turbo": -1}, WithTurbo())
+    assert "turbo" not in {d.hints.get("option") for d in _plan({"kernel": 4.0}, devices=10)}  # stock has none

@@ -2,7 +2,7 @@
 
 import argparse
 
-from specpilot.services.master import cli
+from specpilot.app import cmd_round as cli
 
 
 def _parse(*argv: str) -> argparse.Namespace:

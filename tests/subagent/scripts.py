@@ -8,7 +8,7 @@ from specpilot.paths import REPO_ROOT
 from tests.subagent.wire import Call, Turn
 
 OPTIONS = "specpilot_engine/options.py"
-ANCHOR = "    ngram_min_match: int = 2"
+ANCHOR = "    drafter_weights: str = option("  # a one-line field: new ones go after it
 DEMO_FIELD = "    demo_flag: bool = False  # a scripted agent's option: does nothing; stock when False"
 
 

@@ -143,12 +143,14 @@ def test_sweep_of_an_option_a_promotion_added(tmp_path):
 
 def test_memory_entry_merges_three_way_onto_the_current_best(tmp_path):
     stock = (REPO_ROOT / scripts.OPTIONS).read_text()
-    max_line = next(ln for ln in stock.splitlines() if ln.startswith("    ngram_max_match: int = 4"))
-    promoted = stock.replace(max_line, max_line + " (comment changed by a promotion)", 1)
+    lines = stock.splitlines()
+    # the line just above the entry's insertion point (inside its diff context), made different by a promotion
+    near = lines[next(i for i, ln in enumerate(lines) if ln.startswith(scripts.ANCHOR)) - 1]
+    promoted = stock.replace(near + "\n", near + "  # (comment changed by a promotion)\n", 1)
     promotion = scripts.diff(scripts.OPTIONS, stock, promoted)
     # the entry's delta is against stock; its context includes the line the promotion changed
     entry_field = "    entry_flag: bool = False  # from memory"
-    delta = scripts.diff(scripts.OPTIONS, stock, scripts.add_field(stock, entry_field, after="    drafter_weights"))
+    delta = scripts.diff(scripts.OPTIONS, stock, scripts.add_field(stock, entry_field))
     ws = Workspace(build_workspace(REPO_ROOT, [("p1", promotion)], dest=tmp_path / "ws"))
     plain = subprocess.run(["git", "apply", "--check", "-"], input=delta, text=True, cwd=ws.path, capture_output=True)
     assert plain.returncode != 0  # so the 3-way merge is what makes it apply

@@ -26,17 +26,17 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot import bus, policy, schema, service, subjects
-from specpilot.ledger import sql_literal
+from specpilot import bus, policy, schema, service
+from specpilot.errors import UserError
+from specpilot.reads import Reads
 from specpilot.services.controller import hardware, stats
 from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits
+from specpilot.services.controller.state import LOCAL_LOG, RESTORED_FROM, State, evolve, fold, noise_key
 from specpilot.shapes import shape_of
 
 NAME = "controller"
@@ -48,38 +48,18 @@ SANITY_CEILING = 20.0
 log = logging.getLogger(NAME)
 
 
-@dataclass
-class State:
-    """What the controller keeps between patches (also in ``DATA/controller/state.json``)."""
-
-    best_options: dict[str, dict] = field(default_factory=dict)  # deployment -> options of the best
-    noise: dict[str, float] = field(default_factory=dict)  # "deployment@device" -> noise of the gain
-    ceiling: dict[str, float] = field(default_factory=dict)  # deployment -> physical ceiling (speedup)
-    registered: list[str] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, path: Path) -> State:
-        try:
-            return cls(**json.loads(path.read_text()))
-        except (FileNotFoundError, ValueError, TypeError):
-            return cls()
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
-        tmp.replace(path)
-
-
 class Controller:
     def __init__(self, data: Path, b: bus.Bus | None, device: str = "cpu", evaluator_kw: dict | None = None):
-        """With ``b=None`` (``specpilot time``) events are collected in ``self.events`` and forcing runs
-        in this process instead of going through the forcer service."""
+        """With ``b=None`` (``specpilot time``) events are collected in ``self.events``, appended to the
+        local log (`state.LOCAL_LOG`) and forcing runs in this process instead of going through the forcer
+        service. The state starts empty: `restore` folds the ledger (or the local log) into it."""
         self.data, self.bus, self.device = Path(data), b, device
         self.events: list[schema.Event] = []
         self.evaluator_kw = evaluator_kw or {}
-        self.state_path = self.data / "controller" / "state.json"
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        self.state = State.load(self.state_path)
+        (self.data / "controller").mkdir(parents=True, exist_ok=True)
+        self.local_log = self.data / "controller" / LOCAL_LOG
+        self.reads = Reads.over(b) if b is not None else Reads.none()
+        self.state = State()
         self.evaluators: dict[str, Evaluator] = {}
         self.forcing: dict[str, asyncio.Future] = {}
 
@@ -92,14 +72,28 @@ class Controller:
         if self.bus is None:
             stamped = schema.stamp(event, source=NAME, causation_id=cause.event_id, round_id=cause.round_id,
                                    deployment=cause.deployment, correlation_id=cause.correlation_id or cause.event_id)
+            with self.local_log.open("a") as f:
+                f.write(schema.encode(stamped).decode() + "\n")
         else:
             stamped, _ = await self.bus.publish(event, cause=cause)
         self.events.append(stamped)
+        evolve(self.state, stamped)
         return stamped
+
+    async def restore(self) -> None:
+        """Rebuild the state from the ledger (with a bus) or from the local log (without)."""
+        if self.bus is not None:
+            self.state = fold(await self.reads.events(*RESTORED_FROM))
+        elif self.local_log.exists():
+            self.state = fold(schema.decode(line.encode()) for line in self.local_log.read_text().splitlines()
+                              if line.strip())
+        log.info("state restored: %d deployment(s) registered, best of %s", len(self.state.registered),
+                 sorted(self.state.best) or "none (stock)")
 
     # --- the loop --------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self.restore()
         work: asyncio.Queue = asyncio.Queue()
         worker = asyncio.create_task(self._work(work))
         try:
@@ -122,8 +116,7 @@ class Controller:
                     fut.set_result(event)
                 await delivery.ack()
             elif isinstance(event, schema.CeilingComputed):
-                self.state.ceiling[event.deployment] = event.ceiling_speedup
-                self.state.save(self.state_path)
+                evolve(self.state, event)
                 await delivery.ack()
             elif isinstance(event, schema.PatchProposed | schema.RoundStarted | schema.SealedFinalRequested):
                 # Held unacked until its work is done; kept alive so it is not redelivered meanwhile.
@@ -160,34 +153,35 @@ class Controller:
         else:  # phase 0: the master plans without a profile (it waits for one, then goes on)
             await self.emit(schema.ProfileMeasured(device=self.device, step_s=0.0, classes_s={"error": 0.0}), event)
 
-    async def _ledger_count(self, where: str) -> int:
-        """Rows of the ledger matching ``where`` (0 when memory cannot answer: the work is then redone)."""
-        if self.bus is None:
-            return 0
-        with contextlib.suppress(bus.BusError):
-            rows = (await self.bus.request(subjects.RPC_SQL, {"query": f"SELECT count(*) FROM events WHERE {where}"},
-                                           timeout=10))["rows"]
-            return int(rows[0][0])
-        return 0
-
     async def already_decided(self, patch_id: str) -> bool:
-        return await self._ledger_count(
-            "type IN ('verdict.issued', 'patch.refused') AND "
-            f"json_extract_string(payload, '$.patch_id') = {sql_literal(patch_id)}") > 0
+        """Whether the ledger holds a decision on the patch (False when memory cannot answer: redo the work)."""
+        with contextlib.suppress(bus.BusError):
+            return await self.reads.decided(patch_id)
+        return False
 
-    async def _already_reported(self, tag: str, round_id: str) -> bool:
-        return await self._ledger_count(f"type = {sql_literal(tag)} AND round_id = {sql_literal(round_id)}") > 0
+    async def _already_reported(self, kind: type[schema.Event], round_id: str) -> bool:
+        with contextlib.suppress(bus.BusError):
+            return await self.reads.count(kind, round_id=round_id) > 0
+        return False
 
     async def _register(self, ev: Evaluator, dep: str, cause: schema.Event) -> None:
         stock = await asyncio.to_thread(ev.prepare)
         if dep not in self.state.registered:
             await self.emit(schema.DeploymentRegistered(deployment=dep, stock_commit=stock,
                                                         spec={"device": self.device}), cause)
-            self.state.registered.append(dep)
-            self.state.save(self.state_path)
 
     def best_system(self, ev: Evaluator, dep: str) -> System:
-        return System(ev.systems.best(dep), self.state.best_options.get(dep, {}))
+        """The deployment's best as the ledger says (stock when nothing was promoted); the git branch
+        ``best/<dep>`` follows it."""
+        best = self.state.best.get(dep)
+        commit = ev.systems.resolve(best.commit) if best else ev.systems.git("rev-parse", "stock")
+        if commit is None:
+            raise UserError(f"the ledger's best system of {dep} ({best.commit[:12]}) is not in the systems repository "
+                            f"{ev.systems.root}: was the data directory's controller/systems replaced?")
+        if ev.systems.best(dep) != commit:
+            log.info("best/%s re-pointed to the ledger's best %s", dep, commit[:12])
+            ev.systems.advance(dep, commit)
+        return System(commit, self.state.best_options(dep))
 
     # --- one patch -------------------------------------------------------------------------------
 
@@ -256,8 +250,6 @@ class Controller:
                                                        **decision.verdict_fields()), patch)
         if decision.decision == "promote":
             previous = ev.systems.advance(dep, candidate.commit)
-            self.state.best_options[dep] = candidate.options
-            self.state.save(self.state_path)
             advanced = await self.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
                                                            patch_id=patch.patch_id, options=candidate.options,
                                                            gain=estimate.gain), verdict)
@@ -292,7 +284,7 @@ class Controller:
         """Phase 0: measure the device and profile the current best on the dev requests."""
         from specpilot.harness.deployment import load_deployment
 
-        if await self._already_reported("profile.measured", event.round_id):
+        if await self._already_reported(schema.ProfileMeasured, event.round_id):
             return
         dep = event.deployment or _default_deployment()
         ev = self.evaluator(dep)
@@ -351,7 +343,7 @@ class Controller:
         """Phase 4: the final system, stock and AR on the sealed requests, and the final's forcing verdict.
 
         Forcing runs here, not through the forcer service, so sealed prompts never enter the ledger."""
-        if await self._already_reported("sealed.final.reported", event.round_id):
+        if await self._already_reported(schema.SealedFinalReported, event.round_id):
             return
         from specpilot.harness.forcing import force_outputs
 
@@ -378,7 +370,7 @@ class Controller:
 
     async def noise(self, ev: Evaluator, best: System, cause: schema.Event) -> float:
         """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
-        key = f"{ev.deployment}@{self.device}"
+        key = noise_key(ev.deployment, self.device)
         if key not in self.state.noise:
             t0 = time.monotonic()
             trial = await asyncio.to_thread(ev.time, best, best)
@@ -390,8 +382,6 @@ class Controller:
                                                   candidate_commit=best.commit, noise=value, requests=ev.n_requests,
                                                   interleaved=ev.interleave, wall_s=wall_s,
                                                   **trial.event_fields()), cause)
-            self.state.noise[key] = value
-            self.state.save(self.state_path)
         return self.state.noise[key]
 
     async def force(self, ev: Evaluator, patch: schema.PatchProposed, candidate: System,

@@ -74,6 +74,15 @@ class Systems:
         except subprocess.CalledProcessError:
             return self.git("rev-parse", "stock")
 
+    def resolve(self, commit: str) -> str | None:
+        """``commit`` if the repository has it, else what `migrate` carried it over to, else None."""
+        for ref in (f"{commit}^{{commit}}", f"refs/migrated/{commit}"):
+            try:
+                return self.git("rev-parse", "--verify", "-q", ref)
+            except subprocess.CalledProcessError:
+                continue
+        return None
+
     def advance(self, deployment: str, commit: str) -> str:
         """Point ``best/<deployment>`` at ``commit``; returns the previous best."""
         previous = self.best(deployment)
@@ -117,10 +126,11 @@ class Systems:
         return self.git("diff", base, commit)
 
 
-def export_system(data: Path, deployment: str, dest: Path) -> dict:
+def export_system(data: Path, deployment: str, dest: Path, options_of) -> dict:
     """Write the best system of ``deployment`` for use outside SpecPilot: its tree (``specpilot_engine/``,
-    ``specpilot_kernels/``), ``final.patch`` (its diff against stock, apply with ``git apply``
-    in a SpecPilot checkout) and ``options.json`` (the engine option settings it runs with)."""
+    ``specpilot_kernels/``), ``final.patch`` (its diff against stock, apply with ``git apply`` in a
+    SpecPilot checkout) and ``options.json`` (the engine option settings it runs with:
+    ``options_of(commit)``, which the caller answers from the ledger)."""
     import json
 
     root = Path(data) / "controller" / "systems"
@@ -132,12 +142,9 @@ def export_system(data: Path, deployment: str, dest: Path) -> dict:
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"{dest} is not empty: choose a new folder")
+    options = options_of(best) if best != stock else {}
     systems.checkout(best, dest)
     (dest / "final.patch").write_text(systems.diff(stock, best) + "\n" if best != stock else "")
-    try:
-        options = json.loads((root.parent / "state.json").read_text()).get("best_options", {}).get(deployment, {})
-    except (FileNotFoundError, ValueError):
-        options = {}
     (dest / "options.json").write_text(json.dumps(options, indent=2) + "\n")
     return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}
 
@@ -164,23 +171,25 @@ def migrate(data: Path, source: Path = REPO_ROOT) -> list[str]:
     branches = [b for b in old.git("for-each-ref", "--format=%(refname:short)", "refs/heads/best/").split() if b]
     # git() strips its output: a patch needs its last newline back
     diffs = {b.removeprefix("best/"): old.git("diff", old_stock, b, "--", *OLD_LAYOUT) + "\n" for b in branches}
+    old_best = {b.removeprefix("best/"): old.git("rev-parse", b) for b in branches}
     root.rename(aside)
     new = Systems(root)
     stock = new.ensure_stock(source)
     done = [f"moved the 0.1 systems repository to {aside}", f"committed stock {stock[:12]} from {source}"]
     for dep, diff in sorted(diffs.items()):
+        commit = stock
         if not diff.strip():
             done.append(f"best/{dep}: no code change (options only), it stays at stock")
-            continue
-        renamed = _renamed(diff)
-        try:
-            commit = new.apply(stock, renamed, f"best/{dep} carried from SpecPilot 0.1")
-        except (PatchDoesNotApply, subprocess.CalledProcessError) as exc:
-            done.append(f"best/{dep}: its code change does not apply to this version ({exc}); it restarts from "
-                        "stock (the old branch is in the moved-aside repository)")
-            continue
+        else:
+            try:
+                commit = new.apply(stock, _renamed(diff), f"best/{dep} carried from SpecPilot 0.1")
+                done.append(f"best/{dep}: carried over as {commit[:12]}")
+            except (PatchDoesNotApply, subprocess.CalledProcessError) as exc:
+                done.append(f"best/{dep}: its code change does not apply to this version ({exc}); it restarts "
+                            "from stock with its options (the old branch is in the moved-aside repository)")
         new.advance(dep, commit)
-        done.append(f"best/{dep}: carried over as {commit[:12]}")
+        # The ledger's BestAdvanced events keep naming the old commit: `resolve` follows this ref to the new one.
+        new.git("update-ref", f"refs/migrated/{old_best[dep]}", commit)
     return done
 
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specpilot.shapes import Shape
+from specpilot_engine.options import factor_options
 
 FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.9
@@ -173,7 +174,8 @@ def kernel_time_s(measured_s: float, floor_s: float, launch_cost_s: float) -> fl
 
 # --- predictions for planning ---------------------------------------------------------------------
 
-PREDICTABLE = ("block_size", "verify", "tree_nodes", "drafter", "ngram_min_match")
+# The options replay can judge: those that attack tau (their OptionInfo says factor="tau").
+PREDICTABLE = factor_options("tau")
 
 
 @dataclass(frozen=True)

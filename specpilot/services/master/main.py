@@ -1,8 +1,8 @@
 """The master service: runs rounds. Phase 0 asks for measurements and computes the ceiling, then
 waves of directions go to the subagents, and at the end the sealed final is asked of the controller.
 
-A round is driven from the ledger (read through memory's ``sql`` endpoint), never from memory of
-its own: each step first looks for its event in the ledger and only emits it when it is missing,
+A round is driven from the ledger (typed reads, `specpilot.reads`, over memory's ``events`` endpoint),
+never from memory of its own: each step first looks for its event in the ledger and only emits it when it is missing,
 under a fixed event id (``<round>-<step>``), so a master restarted mid-round resumes where the
 ledger says it stopped and a re-sent event is dropped as a duplicate (``Nats-Msg-Id``) or absorbed
 by the ledger's primary key. Steps:
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from specpilot import bus, schema, service, subjects
-from specpilot.ledger import sql_literal
+from specpilot.reads import Reads
 from specpilot.services.master import costmodel, planner, plots
 
 NAME = "master"
@@ -54,32 +54,10 @@ def round_defaults() -> dict[str, Any]:
             "sealed_requests": 4, "sealed_trials": 3, "devices": 1, "minutes": 0.0}
 
 
-class Ledger:
-    """The ledger as the master reads it: memory's read-only SQL endpoint."""
-
-    def __init__(self, b: bus.Bus):
-        self.bus = b
-
-    async def rows(self, query: str) -> list[list]:
-        while True:
-            try:
-                return (await self.bus.request(subjects.RPC_SQL, {"query": query}, timeout=30))["rows"]
-            except bus.BusError as exc:  # memory restarting: wait for it
-                log.warning("ledger query failed, retrying: %s", exc)
-                await asyncio.sleep(1.0)
-
-    async def events(self, where: str) -> list[schema.Event]:
-        rows = await self.rows(f"SELECT payload FROM events WHERE {where} ORDER BY pos")
-        return [schema.decode(r[0].encode()) for r in rows]
-
-    async def round_events(self, round_id: str, tag: str) -> list[schema.Event]:
-        return await self.events(f"round_id = {sql_literal(round_id)} AND type = {sql_literal(tag)}")
-
-
 class Master:
     def __init__(self, b: bus.Bus, data: Path):
         self.bus, self.data = b, Path(data)
-        self.ledger = Ledger(b)
+        self.reads = Reads.over(b)
         self.tasks: dict[str, asyncio.Task] = {}
         self.wake = asyncio.Event()
 
@@ -108,8 +86,8 @@ class Master:
         return {"round_id": round_id, "resumed": False}
 
     async def unfinished(self) -> list[schema.RoundStarted]:
-        started = await self.ledger.events("type = 'round.started'")
-        finished = {e.round_id for e in await self.ledger.events("type = 'round.finished'")}
+        started = await self.reads.events(schema.RoundStarted)
+        finished = {e.round_id for e in await self.reads.events(schema.RoundFinished)}
         return [e for e in started if e.round_id not in finished]  # type: ignore[misc]
 
     def _spawn(self, started: schema.RoundStarted) -> None:
@@ -148,7 +126,7 @@ class Master:
 class RoundDriver:
     def __init__(self, master: Master, started: schema.RoundStarted):
         self.master, self.started = master, started
-        self.ledger = master.ledger
+        self.reads = master.reads
         self.round_id, self.deployment = started.round_id, started.deployment
 
     async def emit(self, event: schema.Event) -> schema.Event:
@@ -158,14 +136,17 @@ class RoundDriver:
         published, _ = await self.master.bus.publish(stamped)
         return published
 
-    async def wait_for(self, tag: str, timeout: float) -> list[schema.Event]:
-        """This round's events of type ``tag``, waiting up to ``timeout`` for the first."""
+    async def wait_for(self, kind: type[schema.Event], timeout: float) -> list[schema.Event]:
+        """This round's events of class ``kind``, waiting up to ``timeout`` for the first."""
         deadline = time.monotonic() + timeout
         while True:
-            found = await self.ledger.round_events(self.round_id, tag)
+            found = await self.round_events(kind)
             if found or time.monotonic() > deadline:
                 return found
             await self.nap(POLL_S)
+
+    async def round_events(self, *kinds: type[schema.Event]) -> list[schema.Event]:
+        return await self.reads.events(*kinds, round_id=self.round_id)
 
     async def nap(self, seconds: float) -> None:
         """Sleep until a new event arrives on the master's consumer, or ``seconds``."""
@@ -186,11 +167,11 @@ class RoundDriver:
     # --- phase 0 -------------------------------------------------------------------------------------
 
     async def phase0(self) -> schema.CeilingComputed | None:
-        done = await self.ledger.round_events(self.round_id, "ceiling.computed")
+        done = await self.round_events(schema.CeilingComputed)
         if done:
             return done[-1]  # type: ignore[return-value]
-        profiles = await self.wait_for("profile.measured", PHASE0_TIMEOUT_S)
-        hardware = await self.ledger.round_events(self.round_id, "hardware.measured")
+        profiles = await self.wait_for(schema.ProfileMeasured, PHASE0_TIMEOUT_S)
+        hardware = await self.round_events(schema.HardwareMeasured)
         if not profiles or not hardware or profiles[-1].step_s <= 0:  # type: ignore[attr-defined]
             log.warning("round %s: no usable profile; planning without a ceiling", self.round_id)
             return None
@@ -211,7 +192,7 @@ class RoundDriver:
     async def wave(self, wave: int, ceiling: schema.CeilingComputed | None) -> bool:
         """Plan (or find) this wave's directions and wait for their verdicts; False when nothing is left."""
         prefix = f"{self.round_id}-w{wave}-"
-        directions = [d for d in await self.ledger.round_events(self.round_id, "direction.planned")
+        directions = [d for d in await self.round_events(schema.DirectionPlanned)
                       if d.event_id.startswith(prefix)]
         if not directions:
             planned = await self.within_budget(await self.plan(ceiling))
@@ -232,7 +213,7 @@ class RoundDriver:
         earlier timings on this deployment (the first wave, with none yet, runs whole)."""
         if self.started.minutes <= 0 or not planned:
             return planned
-        rows = await self.ledger.events(f"type = 'timing.measured' AND deployment = {sql_literal(self.deployment)}")
+        rows = await self.reads.events(schema.TimingMeasured, deployment=self.deployment)
         samples = [planner.TimingSample(t.wall_s, len(t.incumbent_s), t.requests) for t in rows[-8:]]  # type: ignore[attr-defined]
         estimates = planner.budget_estimates(samples, self.started.sealed_requests, self.started.sealed_trials)
         if estimates is None:
@@ -251,11 +232,11 @@ class RoundDriver:
         from specpilot_engine.options import EngineOptions
 
         facts = load_deployment(self.deployment).facts()
-        best = await self.ledger.events(f"type = 'best.advanced' AND deployment = {sql_literal(self.deployment)}")
+        best = await self.reads.events(schema.BestAdvanced, deployment=self.deployment)
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
         tried: set[tuple[str, str]] = set()
         applied: set[str] = set()
-        for d in await self.ledger.events(f"type = 'direction.planned' AND deployment = {sql_literal(self.deployment)}"):
+        for d in await self.reads.events(schema.DirectionPlanned, deployment=self.deployment):
             if d.provider == "sweep":  # type: ignore[attr-defined]
                 tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
             if d.memory_entry_id:  # type: ignore[attr-defined]
@@ -269,7 +250,7 @@ class RoundDriver:
         # was re-applied in the same round, a wasted wave).
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
         predict = None
-        profiles = [p for p in await self.ledger.round_events(self.round_id, "profile.measured") if p.step_s > 0]  # type: ignore[attr-defined]
+        profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
         if profiles:
             model = step_model(profiles[-1])  # type: ignore[arg-type]
             stock = load_deployment(self.deployment).stock_options().to_dict()
@@ -299,23 +280,16 @@ class RoundDriver:
                             coder=self.started.coder, devices=devices, predict=predict)
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
-        did = sql_literal(direction.direction_id)
+        did = direction.direction_id
         t0 = time.monotonic()
         while True:
-            patches = await self.ledger.rows(
-                "SELECT json_extract_string(payload, '$.patch_id') FROM events WHERE type = 'patch.proposed' AND "
-                f"json_extract_string(payload, '$.direction_id') = {did}")
-            ids = [r[0] for r in patches]
-            decided = await self.ledger.rows(
-                "SELECT count(DISTINCT json_extract_string(payload, '$.patch_id')) FROM events WHERE type IN "
-                "('verdict.issued', 'patch.refused') AND json_extract_string(payload, '$.patch_id') IN "
-                f"({', '.join(map(sql_literal, ids))})") if ids else [[0]]
+            ids = sorted({p.patch_id for p in await self.reads.events(schema.PatchProposed, direction_id=did)})  # type: ignore[attr-defined]
+            decided = {e.patch_id for e in await self.reads.events(  # type: ignore[attr-defined]
+                schema.VerdictIssued, schema.PatchRefused, patch_id=ids)} if ids else set()
             elapsed = time.monotonic() - t0
-            if ids and decided[0][0] >= len(ids):  # a subagent stores a direction's patches in one atomic batch
+            if ids and len(decided) >= len(ids):  # a subagent stores a direction's patches in one atomic batch
                 return
-            if not ids and (await self.ledger.rows(
-                    "SELECT count(*) FROM events WHERE type = 'direction.failed' AND "
-                    f"json_extract_string(payload, '$.direction_id') = {did}"))[0][0]:
+            if not ids and await self.reads.count(schema.DirectionFailed, direction_id=did):
                 log.warning("direction %s failed in the subagent (see the ledger)", direction.direction_id)
                 return
             if not ids and elapsed > NO_PATCH_TIMEOUT_S:
@@ -329,18 +303,18 @@ class RoundDriver:
     # --- phase 4 -------------------------------------------------------------------------------------
 
     async def final(self) -> schema.SealedFinalReported | None:
-        if not await self.ledger.round_events(self.round_id, "sealed.final.requested"):
+        if not await self.round_events(schema.SealedFinalRequested):
             await self.emit(schema.SealedFinalRequested(event_id=f"{self.round_id}-final", requests=self.started.sealed_requests,
                                                         trials=self.started.sealed_trials))
-        reported = await self.wait_for("sealed.final.reported", FINAL_TIMEOUT_S)
+        reported = await self.wait_for(schema.SealedFinalReported, FINAL_TIMEOUT_S)
         return reported[-1] if reported else None  # type: ignore[return-value]
 
     async def finish(self, ceiling: schema.CeilingComputed | None, final: schema.SealedFinalReported | None) -> None:
-        if await self.ledger.round_events(self.round_id, "round.finished"):
+        if await self.round_events(schema.RoundFinished):
             return
-        verdicts = await self.ledger.round_events(self.round_id, "verdict.issued")
-        refused = await self.ledger.round_events(self.round_id, "patch.refused")
-        proposals = {p.patch_id: p for p in await self.ledger.round_events(self.round_id, "patch.proposed")}  # type: ignore[attr-defined]
+        verdicts = await self.round_events(schema.VerdictIssued)
+        refused = await self.round_events(schema.PatchRefused)
+        proposals = {p.patch_id: p for p in await self.round_events(schema.PatchProposed)}  # type: ignore[attr-defined]
         summary = summarise(final, ceiling, verdicts, refused, proposals)
         await self.emit(schema.RoundFinished(event_id=f"{self.round_id}-finished", summary=summary))
         log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
@@ -419,7 +393,7 @@ def make(cfg: service.ServiceConfig):
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
         master = holder.setdefault("m", Master(b, cfg.data))
         master.bus = b
-        master.ledger = Ledger(b)
+        master.reads = Reads.over(b)
         await master.run(stop)
 
     async def round_endpoint(req: dict) -> dict:

@@ -4,7 +4,8 @@ facts, accepted memory entries and what the ledger says was already tried (DESIG
 The offline planner (``rules``) works in this order:
 1. accepted memory entries whose requirements hold here and that no direction has applied yet
    (provider ``memory``);
-2. option sweeps, grouped by the factor they attack, largest factor first, skipping option values
+2. option sweeps (what each `EngineOptions` field's `OptionInfo` says: values, factor, devices, what it
+   requires), grouped by the factor they attack, largest factor first, skipping option values
    already tried on this deployment and options the engine does not have; on a GPU the overhead
    and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
    Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
@@ -32,30 +33,6 @@ MIN_PREDICTED_GAIN = 0.9
 # factor on a CPU (1.17) waits behind a drafter the replay predicts at +22%.
 UNPREDICTED_SHARE = 0.25
 
-# Option sweeps by the factor they attack: (option, values, devices it makes sense on).
-SWEEPS: dict[str, list[tuple[str, list[Any], tuple[str, ...]]]] = {
-    "tau": [
-        ("verify", ["tree"], ("cpu", "cuda")),
-        ("tree_nodes", [8, 32], ("cpu", "cuda")),
-        ("block_size", [2, 6, 8], ("cpu", "cuda")),
-        ("ngram_min_match", [1, 3], ("cpu", "cuda")),
-        ("drafter", ["eagle", "parallel"], ("cpu", "cuda")),
-    ],
-    "overhead": [
-        ("cuda_graphs", [True], ("cuda",)),
-        ("fused_kernels", [True], ("cuda",)),  # fewer kernels per step: what a graph replay costs
-        ("fused_gemv", [True], ("cuda",)),  # fewer still: norms and SiLU·mul inside Triton GEMVs
-        ("compile", [True], ("cuda",)),
-    ],
-    "kernel": [
-        ("weight_format", ["w12"], ("cuda",)),
-        # "stream" first: the AVX2 kernel of specpilot_kernels.cpu_gemm (fp32 one-token forward 62 vs 97 ms for
-        # onednn_all on the 2-core Zen 3 VM, 2026-12-02); oneDNN's packed GEMMs come next where it loses.
-        ("linear_backend", ["stream", "onednn_all", "onednn"], ("cpu",)),
-    ],
-}
-# Options that only mean something when another one is set.
-DEPENDS: dict[str, tuple[str, Any]] = {"tree_nodes": ("verify", "tree"), "fused_gemv": ("fused_kernels", True)}
 LLM_TASKS = {
     "tau": "raise tokens per step (tau): a better drafter or tree shape, without changing what the target accepts",
     "kernel": "make the step's kernels closer to their byte floors (fewer bytes moved, fused work)",
@@ -93,11 +70,17 @@ def entries_in_lineage(entries: list[dict[str, Any]], advanced_event_ids: set[st
 def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
          known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
          devices: int = 1, predict: Callable[[str, Any, dict[str, Any]], float | None] | None = None,
-         ) -> list[Direction]:
+         options: type | None = None) -> list[Direction]:
     """Up to ``devices`` directions for the next wave; [] when nothing is left to try.
 
     ``predict(option, value, base)``: the cost model's predicted gain over the best of setting
-    ``option`` to ``value`` on top of ``base``; None when it cannot say."""
+    ``option`` to ``value`` on top of ``base``; None when it cannot say. ``options``: the options class
+    whose fields' `OptionInfo` say what to sweep, on which devices, for which factor, and what each
+    requires (`specpilot_engine.options.EngineOptions` unless given)."""
+    from specpilot_engine import options as engine_options
+
+    cls = options or engine_options.EngineOptions
+    sweep_table, requires = engine_options.sweeps(cls), engine_options.requirements(cls)
     out: list[Direction] = []
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
@@ -105,7 +88,7 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
                                  factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
                                  rationale="validated on a deployment whose facts match this one",
                                  hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}}))
-    order = sorted(factors, key=lambda f: -factors[f]) or list(SWEEPS)
+    order = sorted(factors, key=lambda f: -factors[f]) or list(sweep_table)
     llm = coder not in ("sweep", "memory", "")
     if llm and order:
         top = order[0]
@@ -114,15 +97,11 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
                              hints={"factors": factors, "best_options": best_options}))
     sweeps: list[tuple[float, Direction]] = []
     for factor in order:
-        for option, values, kinds in SWEEPS.get(factor, []):
+        for option, values, kinds in sweep_table.get(factor, []):
             if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
                 continue
             fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
-            base = dict(best_options)
-            if option in DEPENDS:
-                need, value = DEPENDS[option]
-                if base.get(need) != value:
-                    base[need] = value
+            base = {**best_options, **requires.get(option, {})}
             predicted = {repr(v): predict(option, v, base) for v in fresh} if predict else {}
             fresh = [v for v in fresh if predicted.get(repr(v)) is None or predicted[repr(v)] >= MIN_PREDICTED_GAIN]
             if not fresh:
@@ -142,7 +121,7 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             sweeps.append((max(guesses.values(), default=prior), Direction(
                 title=_sweep_title(option, fresh), factor=factor, provider="sweep",
                 rationale=_why(factor, factors), hints=hints)))
-    out += [d for _, d in sorted(sweeps, key=lambda sd: -sd[0])]  # stable: factor, then SWEEPS order among equals
+    out += [d for _, d in sorted(sweeps, key=lambda sd: -sd[0])]  # stable: factor, then field order among equals
     return out[:devices]
 
 

@@ -3,7 +3,8 @@
 It records every event exactly once: fetch a batch from its durable consumer, decide (``logic``),
 append the batch in one transaction, commit, **then** ack. A crash between commit and ack causes a
 redelivery that the primary key absorbs; acking first would lose events. It also serves the
-ledger read-only over NATS micro endpoints (``sql``, ``audit``, ``replay``, ``export``, ``entries``).
+ledger read-only over NATS micro endpoints (``events``: the typed reads of `specpilot.reads`; ``sql``,
+``audit``, ``replay``, ``export``, ``entries``).
 
 Memory entries: every recorded ``MemoryEntryProposed`` without a decision is validated
 (``entries.validate``: stock + delta must reproduce the source system's files) and answered with
@@ -21,18 +22,23 @@ from pathlib import Path
 
 import msgspec
 
-from specpilot import bus, entries, ledger, projections, schema, service, subjects
+from specpilot import bus, entries, ledger, projections, reads, schema, service, subjects
 from specpilot.services.memory import logic
 
 NAME = "memory"
 DESCRIPTION = "Sole ledger writer: records every event once, serves read-only SQL and memory entries."
 BATCH = 2000
-_DECIDED = ("json_extract_string(payload, '$.entry_id') {} (SELECT json_extract_string(payload, '$.entry_id') "
-            "FROM events WHERE type = '{}')")
-PENDING_ENTRIES = ("type = 'memory.entry.proposed' AND " + _DECIDED.format("NOT IN", "memory.entry.accepted")
-                   + " AND " + _DECIDED.format("NOT IN", "memory.entry.rejected"))
-ACCEPTED_ENTRIES = "type = 'memory.entry.proposed' AND " + _DECIDED.format("IN", "memory.entry.accepted")
 log = logging.getLogger(NAME)
+
+
+def entries_with_status(led: ledger.Ledger, decision: type[schema.Event] | None) -> list[schema.Event]:
+    """Proposed memory entries with that decision recorded (None: still undecided), in recording order."""
+    decided = {kind: {e.entry_id for e in led.select(reads.query(kind))}  # type: ignore[attr-defined]
+               for kind in (schema.MemoryEntryAccepted, schema.MemoryEntryRejected)}
+    keep = decided[decision] if decision else None
+    any_decision = set().union(*decided.values())
+    return [e for e in led.select(reads.query(schema.MemoryEntryProposed))
+            if (e.entry_id in keep if keep is not None else e.entry_id not in any_decision)]  # type: ignore[attr-defined]
 
 
 class Recorder:
@@ -54,7 +60,7 @@ class Recorder:
 
     async def review_entries(self) -> None:
         """Decide every proposed entry that has no decision in the ledger yet."""
-        for entry in self.ledger.events(PENDING_ENTRIES):
+        for entry in entries_with_status(self.ledger, None):
             problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files,  # type: ignore[attr-defined]
                                               stock_files=entry.stock_files)  # type: ignore[attr-defined]
             decision_id = f"entry-decision-{entry.entry_id}"  # type: ignore[attr-defined]
@@ -110,13 +116,21 @@ def endpoints(led: ledger.Ledger) -> dict:
     async def export(req: dict) -> dict:
         return {"files": [str(p) for p in led.export_parquet(Path(str(req["dir"])))]}
 
+    async def events(req: dict) -> dict:
+        try:
+            q = msgspec.convert(req, reads.EventQuery)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"not an event query: {exc}") from None
+        return reads.reply_for(led, q)
+
     async def accepted(req: dict) -> dict:
         facts = req.get("facts") or {}
-        found = [e for e in led.events(ACCEPTED_ENTRIES) if entries.matches(e.requirements, facts)]  # type: ignore[attr-defined]
+        found = [e for e in entries_with_status(led, schema.MemoryEntryAccepted)
+                 if entries.matches(e.requirements, facts)]  # type: ignore[attr-defined]
         return {"entries": [msgspec.to_builtins(e) for e in found]}
 
     return {subjects.RPC_SQL: sql, subjects.RPC_AUDIT: audit, subjects.RPC_REPLAY: replay, subjects.RPC_EXPORT: export,
-            subjects.RPC_ENTRIES: accepted}
+            subjects.RPC_ENTRIES: accepted, subjects.RPC_EVENTS: events}
 
 
 def make(cfg: service.ServiceConfig, recorder_cls: type[Recorder] = Recorder):

@@ -34,10 +34,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot import bus, providers, schema, service, subjects
+from specpilot import bus, providers, schema, service
 from specpilot.errors import UserError
-from specpilot.ledger import sql_literal
 from specpilot.paths import REPO_ROOT
+from specpilot.reads import Reads
 from specpilot.services.subagent import offline
 from specpilot.services.subagent.offline import Proposal
 from specpilot.services.subagent.workspace import DEFAULT_TEST_TIMEOUT_S, Tools, Workspace, build_workspace
@@ -45,7 +45,7 @@ from specpilot.services.subagent.workspace import DEFAULT_TEST_TIMEOUT_S, Tools,
 NAME = "subagent"
 DESCRIPTION = "Turns one direction into one patch behind an engine option."
 HEARTBEAT_S = 10.0  # well inside the consumer's ack wait (60 s)
-SQL_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 30.0
 log = logging.getLogger(NAME)
 
 
@@ -67,24 +67,16 @@ class Settings:
     work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
 
 
-async def current_best(b: bus.Bus, deployment: str) -> Best:
-    """Promotions of ``deployment`` and the diffs of their patches, from memory's read-only SQL."""
-    rows = (await b.request(subjects.RPC_SQL, {"query": (
-        "SELECT payload FROM events WHERE type = 'best.advanced' AND coalesce(deployment, '') = "
-        f"{sql_literal(deployment)} ORDER BY pos")}, timeout=SQL_TIMEOUT_S))["rows"]
+async def current_best(reads: Reads, deployment: str) -> Best:
+    """Promotions of ``deployment`` and the diffs of their patches, from the ledger."""
     promotions: list[tuple[str, str]] = []
     commit, options = "", {}
-    for (payload,) in rows:
-        adv = schema.decode(payload.encode())
+    for adv in await reads.events(schema.BestAdvanced, deployment=deployment):
         assert isinstance(adv, schema.BestAdvanced)
-        found = (await b.request(subjects.RPC_SQL, {"query": (
-            "SELECT payload FROM events WHERE type = 'patch.proposed' AND "
-            f"json_extract_string(payload, '$.patch_id') = {sql_literal(adv.patch_id)} ORDER BY pos LIMIT 1")},
-            timeout=SQL_TIMEOUT_S))["rows"]
-        if not found:
+        patch = next(iter(await reads.events(schema.PatchProposed, patch_id=adv.patch_id)), None)
+        if patch is None:
             raise providers.ProviderError(f"cannot rebuild the best of {deployment!r}: promoted patch "
                                           f"{adv.patch_id!r} (commit {adv.commit[:12]}) has no patch.proposed in the ledger")
-        patch = schema.decode(found[0][0].encode())
         assert isinstance(patch, schema.PatchProposed)
         promotions.append((adv.patch_id, patch.diff))
         commit, options = adv.commit, dict(adv.options)
@@ -169,10 +161,8 @@ class Subagent:
 
     async def already_proposed(self, direction_id: str) -> bool:
         with contextlib.suppress(bus.BusError):
-            rows = (await self.bus.request(subjects.RPC_SQL, {"query": (
-                "SELECT count(*) FROM events WHERE type = 'patch.proposed' AND "
-                f"json_extract_string(payload, '$.direction_id') = {sql_literal(direction_id)}")}, timeout=10))["rows"]
-            return rows[0][0] > 0
+            reads = Reads.over(self.bus, timeout=10, retry=False)
+            return await reads.count(schema.PatchProposed, direction_id=direction_id) > 0
         return False
 
     async def handle(self, event: schema.Event, delivery: bus.Delivery, stop: asyncio.Event | None = None) -> None:
@@ -187,7 +177,7 @@ class Subagent:
         provider = d.provider or self.settings.default_provider
         log.info("direction %s (%s, %s): %s", d.direction_id, provider, d.deployment, d.title)
         try:
-            best = await current_best(self.bus, d.deployment)
+            best = await current_best(Reads.over(self.bus, timeout=READ_TIMEOUT_S, retry=False), d.deployment)
             work = _in_daemon_thread(produce, d, best, self.settings, self.env)
             while True:
                 done, _ = await asyncio.wait({work}, timeout=HEARTBEAT_S)

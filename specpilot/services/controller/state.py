@@ -1,0 +1,61 @@
+"""What the controller knows between patches, folded from events: pure, no I/O.
+
+The ledger is the one source of truth. At start-up the controller folds the ledger's events into a fresh
+`State` (`RESTORED_FROM`); afterwards it folds every event it emits or consumes (`evolve`), so the state
+never holds anything the ledger does not. The git branch ``best/<deployment>`` in the systems repository
+is derived from it (re-pointed when they disagree), never read as a source. `specpilot time`, which runs
+without a bus, folds the events of its own local log the same way (`LOCAL_LOG`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specpilot import schema
+
+RESTORED_FROM = (schema.DeploymentRegistered, schema.BestAdvanced, schema.CeilingComputed, schema.TimingMeasured)
+LOCAL_LOG = "local-events.jsonl"  # under DATA/controller: the events `specpilot time` emitted, one a line
+
+
+@dataclass(frozen=True)
+class Best:
+    commit: str
+    options: dict
+
+
+@dataclass
+class State:
+    registered: dict[str, str] = field(default_factory=dict)  # deployment -> its stock commit
+    best: dict[str, Best] = field(default_factory=dict)  # deployment -> current best (absent: stock)
+    noise: dict[str, float] = field(default_factory=dict)  # "deployment@device" -> noise of the gain
+    ceiling: dict[str, float] = field(default_factory=dict)  # deployment -> physical ceiling (speedup)
+
+    def best_options(self, deployment: str) -> dict:
+        return dict(self.best[deployment].options) if deployment in self.best else {}
+
+
+def noise_key(deployment: str, device: str) -> str:
+    return f"{deployment}@{device}"
+
+
+def evolve(state: State, event: schema.Event) -> State:
+    """Fold one event into ``state`` (in place; returned for chaining)."""
+    match event:
+        case schema.DeploymentRegistered(source="controller"):
+            state.registered[event.deployment] = event.stock_commit
+        case schema.BestAdvanced():
+            state.best[event.deployment] = Best(event.commit, dict(event.options))
+        case schema.CeilingComputed():
+            state.ceiling[event.deployment] = event.ceiling_speedup
+        case schema.TimingMeasured(kind="noise"):
+            state.noise[noise_key(event.deployment, event.device)] = event.noise
+        case _:
+            pass
+    return state
+
+
+def fold(events) -> State:
+    state = State()
+    for e in events:
+        evolve(state, e)
+    return state

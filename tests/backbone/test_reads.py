@@ -1,0 +1,110 @@
+"""Typed reads (`specpilot.reads`) over a real memory service and over the ledger file: classes in,
+schema objects out, filters by envelope and payload fields, last/offset/count; a bad query is one
+service error, not a retry loop; service users may call the endpoint, and nothing spells SQL."""
+
+import asyncio
+
+import pytest
+
+from specpilot import bus, ledger, reads, schema
+from specpilot.reads import Reads
+from tests.backbone.helpers import publish_all, wait_for_rows
+from tests.conftest import connect_as, spawn_service, wait_for_services
+
+
+def _story() -> list[schema.Event]:
+    env = {"round_id": "r-1", "deployment": "tiny-cpu"}
+    return [
+        schema.PatchProposed(**env, direction_id="d-1", patch_id="p-1", diff="", options={"verify": "tree"}),
+        schema.PatchProposed(**env, direction_id="d-1", patch_id="p-2", diff="", options={"block_size": 6}),
+        schema.PatchProposed(round_id="r-2", deployment="other", direction_id="d-2", patch_id="p-3", diff="", options={}),
+        schema.VerdictIssued(**env, patch_id="p-1", decision="promote", gain=0.1),
+        schema.BestAdvanced(**env, commit="c1", patch_id="p-1", options={"verify": "tree"}),
+        schema.PatchRefused(**env, patch_id="p-2", rule="paths", reason="outside"),
+        schema.BestAdvanced(**env, commit="c2", patch_id="p-9", options={"verify": "tree", "block_size": 6}),
+    ]
+
+
+SOURCES = {"subagent": (0, 1, 2), "controller": (3, 4, 5, 6)}
+
+
+@pytest.fixture
+def memory(server):
+    proc = spawn_service(server, "memory")
+    wait_for_services(server, {"memory"})
+    yield proc
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+async def _check(r: Reads) -> None:
+    assert [e.patch_id for e in await r.events(schema.PatchProposed, direction_id="d-1")] == ["p-1", "p-2"]
+    assert [e.patch_id for e in await r.events(schema.PatchProposed, deployment="tiny-cpu")] == ["p-1", "p-2"]
+    assert await r.count(schema.PatchProposed) == 3 and await r.count(schema.PatchProposed, round_id="r-2") == 1
+    assert await r.decided("p-1") and await r.decided("p-2") and not await r.decided("p-3")
+    best = await r.best("tiny-cpu")
+    assert isinstance(best, schema.BestAdvanced) and best.commit == "c2" and best.options["block_size"] == 6
+    assert await r.best("other") is None
+    both = await r.events(schema.VerdictIssued, schema.PatchRefused, patch_id=["p-1", "p-2", "p-3"])
+    assert [type(e) for e in both] == [schema.VerdictIssued, schema.PatchRefused]
+    assert [e.tag for e in await r.events(round_id="r-1", offset=4)] == ["patch.refused", "best.advanced"]
+    assert [e.commit for e in await r.events(schema.BestAdvanced, last=1)] == ["c2"]
+    assert await r.count(schema.PatchProposed, patch_id=[]) == 0
+
+
+def test_typed_reads_over_the_memory_service_and_the_file(server, memory):
+    story = _story()
+
+    async def go():
+        for source, idx in SOURCES.items():
+            b = await connect_as(server, source)
+            await publish_all(b, [story[i] for i in idx])
+            await b.close()
+        await wait_for_rows(server, "SELECT count(*) FROM events", len(story))
+        subagent = await connect_as(server, "subagent")  # a service user may ask (SERVICE_RPCS)
+        try:
+            await _check(Reads.over(subagent))
+            with pytest.raises(bus.ServiceError, match="not a payload field"):
+                await Reads.over(subagent, retry=True).count(schema.PatchProposed, **{"x') OR 1=1 --": "y"})
+            with pytest.raises(bus.ServiceError, match="not an event query"):
+                await subagent.request(reads.subjects.RPC_EVENTS, {"types": "nope", "nonsense": 1})
+        finally:
+            await subagent.close()
+
+    asyncio.run(go())
+    memory.terminate()
+    memory.wait(timeout=20)
+    led = ledger.Ledger(server.data, read_only=True)
+    try:
+        asyncio.run(_check(Reads.local(led)))
+    finally:
+        led.close()
+
+
+def test_no_ledger_reads_as_empty():
+    async def go():
+        r = Reads.none()
+        assert await r.events(schema.BestAdvanced) == [] and await r.best("x") is None and not await r.decided("p")
+
+    asyncio.run(go())
+
+
+def test_services_spell_no_sql_and_no_event_tag():
+    """Reads go through `specpilot.reads`; tags come from the schema classes (the ledger and schema excepted,
+    and the `sql` command's own example query in the app's CLI)."""
+    import re
+
+    from specpilot.paths import REPO_ROOT
+
+    tags = {t for t in schema.BY_TAG}
+    offenders = []
+    for path in sorted((REPO_ROOT / "specpilot").rglob("*.py")):
+        if path.name in ("ledger.py", "schema.py"):
+            continue
+        text = path.read_text()
+        if path.name == "cli.py" and path.parent.name == "app":
+            text = text.replace('"SELECT type, count(*) FROM events GROUP BY 1"', "")
+        if re.search(r"\bSELECT\b.*\bFROM events\b", text) or "json_extract" in text:
+            offenders.append(f"{path.relative_to(REPO_ROOT)}: SQL")
+        offenders += [f"{path.relative_to(REPO_ROOT)}: {t!r}" for t in tags if f"'{t}'" in text or f'"{t}"' in text]
+    assert offenders == []

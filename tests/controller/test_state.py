@@ -1,0 +1,26 @@
+"""The controller's state is a fold of the ledger's events: rebuilt the same from the log, nothing else."""
+
+from specpilot import schema
+from specpilot.services.controller.state import RESTORED_FROM, Best, State, evolve, fold, noise_key
+
+
+def test_the_state_is_folded_from_events():
+    env = {"deployment": "tiny-cpu"}
+    events = [
+        schema.DeploymentRegistered(**env, source="controller", stock_commit="s0"),
+        schema.DeploymentRegistered(deployment="forged", source="master", stock_commit="x"),  # not the controller's
+        schema.TimingMeasured(**env, kind="noise", device="cpu", noise=0.004),
+        schema.TimingMeasured(**env, kind="candidate", device="cpu", noise=0.9),  # a candidate's timing: not noise
+        schema.CeilingComputed(**env, ceiling_speedup=3.5),
+        schema.BestAdvanced(**env, commit="c1", options={"verify": "tree"}),
+        schema.BestAdvanced(**env, commit="c2", options={"verify": "tree", "block_size": 6}),
+        schema.PatchProposed(**env, direction_id="d", patch_id="p", diff="", options={}),  # ignored
+    ]
+    state = fold(events)
+    assert state.registered == {"tiny-cpu": "s0"}
+    assert state.noise == {noise_key("tiny-cpu", "cpu"): 0.004}
+    assert state.ceiling == {"tiny-cpu": 3.5}
+    assert state.best == {"tiny-cpu": Best("c2", {"verify": "tree", "block_size": 6})}
+    assert state.best_options("tiny-cpu") == {"verify": "tree", "block_size": 6} and state.best_options("x") == {}
+    assert evolve(State(), events[0]).registered == {"tiny-cpu": "s0"}
+    assert {type(e) for e in events if type(e) is not schema.PatchProposed} <= set(RESTORED_FROM)
