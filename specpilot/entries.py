@@ -1,4 +1,4 @@
-"""Memory entries: validated mechanisms that later rounds and other deployments can reuse (DESIGN §7).
+"""Memory entries: validated mechanisms that later rounds and other deployments can reuse (docs/DESIGN.md §7).
 
 An entry (``MemoryEntryProposed``) carries a code delta against stock, option settings,
 requirements (predicates on the deployment), the correctness contract it was checked under,

@@ -1,6 +1,6 @@
 """Token forcing's rules: pure functions on counts and margins. No model, no I/O.
 
-Vocabulary (DESIGN §6). A system's outputs are replayed through the stock target with an FP32 LM
+Vocabulary (docs/DESIGN.md §6). A system's outputs are replayed through the stock target with an FP32 LM
 head (``forcing.py``). At each output position:
 - a *mismatch*: the system's token is not the FP32 argmax; its *margin* is
   ``logit[argmax] - logit[system token]`` (>= 0, in logits);

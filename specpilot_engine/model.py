@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -161,9 +161,9 @@ class KVCache(nn.Module):
 
 # SDPA backends of the eager forward on CUDA (set once a forward, `Transformer._sdpa_backends`;
 # entering the context costs ~10 us): every one but cuDNN's, which plans a kernel for each new
-# shape, and an eager decode step attends over a new cache length each time. On an H200, tiny
-# model, eager chain of 4: 131 ms a step with cuDNN allowed, 2.7 ms without (2026-12-01,
-# docs/FIGURES.md). `forward_static` keeps cuDNN: each captured graph has one length.
+# shape, and an eager decode step attends over a new cache length each time: measured far slower
+# with cuDNN allowed (docs/FIGURES.md, "Lab notes moved from code"). `forward_static` keeps cuDNN:
+# each captured graph has one length.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -175,8 +175,7 @@ class BlockMask:
     in the queries' dtype) tiled over the G query heads of a KV head (row g*T + t is token t's row),
     which is what the grouped path hands SDPA. SDPA adds exactly that bias for a bool mask, so the
     result is bit for bit the same; preparing it once spares each of the 30 layers a tiling copy and
-    a bool -> float conversion (3.2 + 1.5 ms of a SmolLM2 bf16 forward of 8 tokens on the 2-core
-    AVX2 VM, 2026-12-02).
+    a bool -> float conversion (measured: docs/FIGURES.md, "Lab notes moved from code").
     """
 
     allowed: Tensor
@@ -194,11 +193,9 @@ class SDPA(nn.Module):
     q [B, H, T, hd], k/v [B, KV, L, hd]; ``gqa``: H is a multiple of KV (head h reads KV head h // G).
     With a mask, and for a single new token, grouped heads go through SDPA as G*T query rows of their
     KV head (the mask tiled G times over the rows). SDPA's own ``enable_gqa`` with a mask falls back
-    to its math path, which copies K/V once per query head: on an H200 that path was half of `drafter
-    train`'s generation time (`bench/gen_profile.py`, 2026-12-01). Without a mask its CPU flash
-    kernel is slow for one query row: a SmolLM2 decode step's attention over 300 slots took 152 us a
-    layer against 37 us as 3 rows of each KV head (bf16, 2 threads, 2026-12-02). The graph-safe
-    forward does the same (`Attention._static_attention`).
+    to its math path, which copies K/V once per query head; without a mask its CPU flash kernel is
+    slow for one query row (both measured: docs/FIGURES.md, "Lab notes moved from code"). The
+    graph-safe forward does the same (`Attention._static_attention`).
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, causal: bool,
@@ -398,9 +395,8 @@ class Transformer(nn.Module):
 
 def greedy_ids(logits: Tensor) -> Tensor:
     """The index of each row's largest logit (the first one on ties; NaN counts as largest), as
-    ``argmax(-1)`` gives. ``max(-1).indices`` is the same index, and on CPU bf16 logits it is 3.7x
-    faster than ``argmax``: 0.21 against 0.76 ms for SmolLM2's 7 x 49,152 logits on 2 cores
-    (2026-12-02), 3% of a verification step."""
+    ``argmax(-1)`` gives. ``max(-1).indices`` is the same index, and on CPU bf16 logits it measured
+    several times faster than ``argmax`` (docs/FIGURES.md, "Lab notes moved from code")."""
     return logits.max(dim=-1).indices
 
 
@@ -437,7 +433,3 @@ def build_random(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int 
                     p.normal_(0.0, 1.0 if name == "embed.weight" else 1.0 / math.sqrt(p.shape[1]))
     model.init_buffers()
     return model.eval()
-
-
-def with_max_seq_len(cfg: ModelConfig, n: int) -> ModelConfig:
-    return replace(cfg, max_seq_len=n)

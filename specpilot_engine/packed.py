@@ -9,9 +9,8 @@ weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linea
 re-packing the weight on every call and runs those blocks ~15-40% faster (measurements in
 specpilot_engine/README.md). With ``linear_backend = "onednn"`` one-row calls keep the default path
 (bit-identical to stock, and faster at one row on session 4's 1-thread measurements); with
-``"onednn_all"`` they take the packed path too: on 12-01's 2-core VM a whole one-token SmolLM2
-forward took 31-33 ms packed against 54-59 ms on MKL's one-row path at 2 threads (42-44 vs
-58-63 ms at 1 thread), interleaved in one process.
+``"onednn_all"`` they take the packed path too, measured faster than MKL's one-row path on a
+2-core VM (docs/FIGURES.md, "Lab notes moved from code").
 
 Contract: `PackedLinear` computes ``x @ W.T`` like the ``nn.Linear`` it replaces, for any leading
 shape, in fp32 or bf16. Packed results may differ from the default path in the last bits (another

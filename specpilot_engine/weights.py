@@ -73,7 +73,7 @@ _GGUF_NAMES = {
 
 
 def gguf_metadata_config(reader, name: str) -> ModelConfig:
-    """The model config the GGUF's metadata states (checked against engine.model.CONFIGS)."""
+    """The model config the GGUF's metadata states (checked against specpilot_engine.model.CONFIGS)."""
     f = reader.fields
 
     def val(key):
@@ -226,7 +226,7 @@ def cached_smollm2(data_dir: Path | None = None) -> tuple[dict[str, torch.Tensor
     if not fresh:
         state, tok_json, gguf_cfg = convert_gguf(src)
         if gguf_cfg != cfg:
-            raise ValueError(f"the GGUF states {gguf_cfg}, engine.model.CONFIGS has {cfg}")
+            raise ValueError(f"the GGUF states {gguf_cfg}, specpilot_engine.model.CONFIGS has {cfg}")
         cache.mkdir(parents=True, exist_ok=True)
         # Write then rename, so a crash never leaves a half-written cache that looks fresh.
         for path, write in ((weights_path, lambda p: torch.save(state, p)),

@@ -3,8 +3,10 @@
 Every command takes ``--data DIR`` (default: ``$SPECPILOT_DATA`` or ``~/.local/share/specpilot``) and,
 to reach a server on another host, ``--nats URL --creds FILE``. Reads (``sql``, ``audit``, ``replay``,
 ``export``) go through the memory service when it runs, and open the DuckDB file directly when it
-does not. Commands of other parts (engine bench, drafter training, W12 packing) register themselves
-through their ``add_commands(subparsers)``.
+does not. The long commands live in modules of their own beside this one (``cmd_round``, ``cmd_time``,
+``cmd_force``, ``cmd_bench``, ``cmd_w12``), each registering itself through ``add_commands(subparsers)``
+and imported only when its command runs. Every failure is one line on stderr and an exit code
+(`specpilot.output`); this is the app layer, above every service (docs/DESIGN.md §1, §11).
 """
 
 from __future__ import annotations
@@ -273,8 +275,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def rebuild(args: argparse.Namespace) -> int:
-    """Rebuild the ledger from the JetStream stream (the memory service must be down)."""
-    from specpilot.services.memory import logic
+    """Rebuild the ledger from the JetStream stream (the memory service must be down), recording exactly
+    as the memory service does (`specpilot.services.memory.main.rebuild`)."""
+    from specpilot.services.memory import main as memory
 
     data = data_dir(args)
     path = ledger.path_in(data)
@@ -283,25 +286,11 @@ def rebuild(args: argparse.Namespace) -> int:
         path.rename(aside)
         console.print(f"moved the old ledger aside to {aside}")
     led = ledger.Ledger(data)
-    from specpilot import projections
-
-    state = projections.State()
 
     async def go() -> int:
         b = await admin_bus(args)
-        n = 0
         try:
-            batch = []
-            async for seq, subject, raw in bus.raw_stream_messages(b):
-                batch.append(bus.Delivery(subject=subject, data=raw, seq=seq, num_delivered=bus.DECODE_ATTEMPTS, _msg=None))
-                if len(batch) >= 2000:
-                    plan = logic.classify(batch)
-                    led.append(plan.record, plan.dead, state)
-                    n += len(batch)
-                    batch = []
-            plan = logic.classify(batch)
-            led.append(plan.record, plan.dead, state)
-            return n + len(batch)
+            return await memory.rebuild(led, bus.raw_stream_messages(b))
         finally:
             await b.close()
 

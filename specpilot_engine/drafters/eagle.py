@@ -39,7 +39,7 @@ DEFAULT_WEIGHTS = {"smollm2-135m": WEIGHTS_DIR / "smollm2_eagle.pt"}
 
 @dataclass(frozen=True)
 class EagleConfig:
-    target: str  # engine.model.CONFIGS name of the target
+    target: str  # specpilot_engine.model.CONFIGS name of the target
     dim: int  # target hidden size
     width: int = 576  # drafter hidden size
     blocks: int = 1  # residual MLP blocks per step
@@ -140,7 +140,7 @@ class EagleDrafter:
 
 
 def build_net(model, cfg: EagleConfig, vocab_ids: Tensor) -> EagleDrafterNet:
-    """An untrained net for ``model`` (an engine.model.Transformer), reading its embedding and LM-head rows."""
+    """An untrained net for ``model`` (a specpilot_engine.model.Transformer), reading its embedding and LM-head rows."""
     return EagleDrafterNet(cfg, vocab_ids, model.embed.weight.detach(), model.lm_head.weight.detach())
 
 

@@ -26,16 +26,16 @@ so the heads learn when the context repeats itself, and can propose a token outs
 vocabulary (an identifier of the prompt) by copying it. The copy column's probability is added
 to ``l_k``'s own entry when the draft vocabulary has it. With ``copy_min_match`` a lookup whose
 suffix matched at least that deep is proposed as a whole span instead of position by position
-(`copy_span`): independent marginals cannot keep a copied span consistent, and on HumanEval
-(12-01, 72 dev requests) the net's own picks at such matches lost 2.5% of tau. When every
+(`copy_span`): independent marginals cannot keep a copied span consistent, and on HumanEval the
+net's own picks at such matches lost tau (docs/FIGURES.md, "Lab notes moved from code"). When every
 position of the block is copied the net is not run at all (its picks would all be replaced).
 
 Blocks longer than the net's ``k`` (``block_size > k``): the net still drafts ``k`` positions; a
 chain then runs on only where copying is likely to hold: a whole copied span continues to the
 block size, and after the net's own picks the lookup continues where their tail (at least
 ``copy_min_match`` tokens) recurs in the context (`SuffixIndex.continuation`). So a step verifies
-``k`` drafts when the context does not repeat and up to ``block_size`` when it does. On the 72
-HumanEval dev requests (exact replay, bf16, 12-02) tau went 2.63 (block 4) -> 2.92 (8) -> 3.06 (12).
+``k`` drafts when the context does not repeat and up to ``block_size`` when it does; on HumanEval
+tau grew with the block size (docs/FIGURES.md, "Lab notes moved from code").
 
 The weights file records the target it was trained for, the draft vocabulary, the hash of its
 training data and its figures. A drafter only proposes: acceptance stays exact greedy matching
@@ -62,7 +62,7 @@ DEFAULT_WEIGHTS = {"smollm2-135m": WEIGHTS_DIR / "smollm2_parallel.pt"}
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    target: str  # engine.model.CONFIGS name of the target
+    target: str  # specpilot_engine.model.CONFIGS name of the target
     dim: int  # target hidden size
     width: int = 576  # drafter hidden size
     k: int = 4  # positions drafted per pass (a copied span may run on to the engine's block size)
@@ -130,9 +130,9 @@ class ParallelDrafterNet(nn.Module):
 
     def use_stream_linears(self) -> None:
         """Every linear of the net, the draft vocabulary's projection included, through the AVX2 kernel
-        of `specpilot_kernels.cpu_gemm` (what ``linear_backend = "stream"`` gives the target; CPU only). On the
-        2-core AVX2 VM PyTorch's bf16 products of a few rows made up 2.7 of the 5 ms a chain proposal
-        took (2026-12-02)."""
+        of `specpilot_kernels.cpu_gemm` (what ``linear_backend = "stream"`` gives the target; CPU only):
+        PyTorch's bf16 products of a few rows were the bulk of a chain proposal's time on an AVX2 VM
+        (docs/FIGURES.md, "Lab notes moved from code")."""
         from specpilot_engine.packed import StreamLinear, pack_linears
 
         pack_linears(self, "stream")
@@ -154,7 +154,7 @@ class ParallelDrafterNet(nn.Module):
         ``heads``: `head_weights()` computed once by an inference caller (stacked here otherwise).
 
         The inputs' norms and the k heads each run as one batched operator (bmm over positions):
-        at batch 1 on a CPU the forward takes 0.55 instead of 0.80 ms (bf16, warm caches, 12-02).
+        measured faster at batch 1 on a CPU (docs/FIGURES.md, "Lab notes moved from code").
         """
         e = self.embed[ctx_tokens.flip(-1)]  # [B, n_context, d], root first
         x = _rms(torch.cat([hidden[:, None], e], dim=1)) * torch.stack([n.weight for n in self.in_norms])
@@ -213,8 +213,9 @@ class _ChainGraph:
     """A chain proposal's tensor work as one static computation: the net, the copy column's merge,
     each position's best token and the copied span. A call copies its inputs into static buffers (one
     transfer) and reads the k tokens and scores back (one sync). With ``capture`` (CUDA) the
-    computation is captured once as a CUDA graph and replayed: eagerly it is ~40 small kernels, 1.5 ms
-    a step on an H200 where an AR step of SmolLM2 takes 0.87 ms (12-02). Without, it runs eagerly."""
+    computation is captured once as a CUDA graph and replayed: eagerly it is ~40 small kernels, slower
+    than a whole AR step of SmolLM2 on an H200 (docs/FIGURES.md, "Lab notes moved from code").
+    Without, it runs eagerly."""
 
     def __init__(self, drafter: ParallelDrafter, capture: bool):
         net, cfg = drafter.net, drafter.cfg
@@ -376,7 +377,7 @@ def load_net(model, path: Path | str | None, kind: str, default_weights: dict[st
 
 def load_parallel_drafter(model, path: Path | str | None = None, graph: bool = False,
                           stream_linears: bool = False) -> ParallelDrafter:
-    """The parallel drafter for ``model`` (an engine.model.Transformer) from ``path`` or the default file;
+    """The parallel drafter for ``model`` (a specpilot_engine.model.Transformer) from ``path`` or the default file;
     ``graph``: chain proposals as one CUDA graph (`_ChainGraph`); ``stream_linears``: the net's linears
     through `specpilot_kernels.cpu_gemm` (`ParallelDrafterNet.use_stream_linears`; ignored off the CPU)."""
     embed = model.embed.weight.detach()

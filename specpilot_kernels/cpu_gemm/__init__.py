@@ -3,10 +3,9 @@ decode steps, verification blocks and prefill: ``y = x @ W.T`` with W fp32 or bf
 (`pack`), x fp32 or bf16, fp32 arithmetic, the result in x's dtype (`packed_linear`). On CPUs with
 AMX-BF16 a second path for bf16 x and W (`pack_amx`, `packed_linear_amx`) runs on the tiles.
 
-Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative decoding lives. On
-the 2-core AMD EPYC (Zen 3) VM of 2026-12-02, MKL's fp32 GEMV reads the weights at ~7 GB/s against
-~14-18 GB/s that a streaming read reaches, an 8-row ``x @ W.T`` at ~2 GB/s (a verification block
-cost ~1.7x an AR step), and bf16 multi-row matmuls are slower still (no AVX512-BF16 there).
+Why: on AVX2 machines PyTorch's CPU linears are slow exactly where speculative decoding lives: MKL's
+GEMV and few-row products read the weights well below a streaming read's bandwidth, and bf16
+multi-row matmuls are slower still (docs/FIGURES.md, "Lab notes moved from code").
 
 How (stream_gemm.cpp): `pack` lays W out as panels of 16 output columns, k-major ([ceil(N/16), K,
 16]), so each thread reads one sequential stream; a row of x is broadcast against 16 columns at a

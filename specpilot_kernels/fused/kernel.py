@@ -244,7 +244,8 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, b
 ATTENTION_BLOCK_N = 64
 # Context slots one program reads; None: one program per KV head reads them all (5.3 us a SmolLM2
 # layer on the H200). A number splits the context over more programs, whose partial softmaxes the
-# last one to finish merges: 64 made the SmolLM2 step 8% slower there (2026-12-01), so it is off.
+# last one to finish merges: 64 made the SmolLM2 step slower there, so it is off (docs/FIGURES.md,
+# "Lab notes moved from code").
 SLOTS_PER_PROGRAM: int | None = None
 
 
@@ -365,8 +366,9 @@ class GemvConfig:
         return f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
 
-# Tiles from the H200 sweep of 2026-12-01 (bench/gemv_bench.py --sweep, SmolLM2's four layer shapes,
-# README.md). Past 16 rows cuBLAS (after the norm kernel) was faster: 17-row steps take the unfolded path.
+# Tiles from an H200 sweep (bench/gemv_bench.py --sweep, SmolLM2's four layer shapes, README.md; dated
+# in docs/FIGURES.md, "Lab notes moved from code"). Past 16 rows cuBLAS (after the norm kernel) was
+# faster: 17-row steps take the unfolded path.
 GEMV_MAX_ROWS = 16
 
 

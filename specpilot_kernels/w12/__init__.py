@@ -2,7 +2,7 @@
 
 ``format`` is the normative PyTorch reference (pack, decode, verify), ``kernel`` the Triton
 kernel (imported lazily: only CUDA and interpreter runs need it), ``linear`` the engine hook,
-``cli`` the ``w12 pack`` command. README.md explains the format and the kernel.
+the ``specpilot w12 pack`` command lives in `specpilot.app.cmd_w12`. README.md explains the format and the kernel.
 """
 
 from .format import W12Weight, decode, pack, pack_verified, verify

@@ -467,11 +467,9 @@ def _dot(bm: int, bn: int, bj: int, stages: int) -> Config:
 
 _DOT16 = _dot(16, 32, 256, 3)
 # Best per (N, K) and batch class (1, 2, 4 = M 3..4, 8 = M 5..8, 16 = M 9..32 with BM = 16 or 32,
-# 64 = M > 32) of three sweeps on one H200 (bench/w12_bench.py --sweep; README.md): classes 1 and 2,
-# and 4 for 4096 x 4096 and 6144 x 4096, from 2026-12-01 (one-warp CUDA-core tiles); the tl.dot tiles
-# from 2026-11-29, whose sweep covered more of them, except on the two widest shapes: there the
-# 2-stage tiles of 2026-12-01's second sweep (BJ = 128, 16 KB of staged planes a program instead of
-# 82 KB) won at M = 4-16 (28672 x 4096: 54 against 63 us).
+# 64 = M > 32) of three sweeps on one H200 (bench/w12_bench.py --sweep; README.md): one-warp CUDA-core
+# tiles for the smallest classes, tl.dot tiles above, 2-stage ones at M = 4-16 on the two widest shapes
+# (which sweep gave which, and its timings: docs/FIGURES.md, "Lab notes moved from code").
 TUNED_H200: dict[tuple[int, int], dict[int, Config]] = {
     (6144, 4096): {1: _fma(1, 4, 512, 1), 2: _fma(2, 4, 256, 1), 4: _fma(4, 4, 256, 1), 8: _DOT16, 16: _DOT16,
                    64: _dot(64, 16, 64, 4)},

@@ -58,7 +58,7 @@ def test_dead_nats_server_gets_a_clear_error(tmp_path):
     creds = str(natsd.creds_path(data, "admin"))
     t0 = time.monotonic()
     res = run("status", "--nats", f"nats://127.0.0.1:{port}", "--creds", creds, "--connect-timeout", "2", data=data)
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "no NATS server answers" in res.stderr and "specpilot up" in res.stderr
     assert time.monotonic() - t0 < 30
     svc = subprocess.run([sys.executable, "-m", "specpilot.services.master", "--nats", f"nats://127.0.0.1:{port}",
@@ -69,16 +69,16 @@ def test_dead_nats_server_gets_a_clear_error(tmp_path):
 
 def test_wrong_or_missing_credentials(tmp_path, server):
     res = run("status", "--nats", server.url, "--creds", str(tmp_path / "nope.json"), data=tmp_path)
-    assert res.returncode == 1 and "does not exist" in res.stderr
+    assert res.returncode == 2 and "does not exist" in res.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"user": "admin", "password": "wrong"}))
     res = run("status", "--nats", server.url, "--creds", str(bad), "--connect-timeout", "3", data=tmp_path)
-    assert res.returncode == 1 and ("refused user" in res.stderr or "no NATS server answers" in res.stderr)
+    assert res.returncode == 2 and ("refused user" in res.stderr or "no NATS server answers" in res.stderr)
 
 
 def test_missing_data_directory(tmp_path):
     res = run("sql", "SELECT 1", data=tmp_path / "never-made")
-    assert res.returncode == 1 and "no ledger at" in res.stderr and "specpilot up" in res.stderr
+    assert res.returncode == 2 and "no ledger at" in res.stderr and "specpilot up" in res.stderr
 
 
 def test_corrupted_ledger_is_reported_and_rebuilt_from_the_stream(server, tmp_path):

@@ -153,7 +153,7 @@ def test_cli_force_json(tiny_forcer, stock_outputs, tmp_path, capsys, one_thread
     assert main(["force", str(path), "--deployment", "tiny-cpu"]) == 0  # text, tokenized by stock
     assert "PASSED" in capsys.readouterr().out
     path.write_text('{"tokens": [1]}\n')
-    assert main(["force", str(path), "--deployment", "tiny-cpu"]) == 1
+    assert main(["force", str(path), "--deployment", "tiny-cpu"]) == 2  # unusable input
 
 
 def test_force_outputs_is_what_the_controller_calls(stock_outputs, one_thread):

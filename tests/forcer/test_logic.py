@@ -19,7 +19,7 @@ def counts(rate: float, n: int = N, events: int = 0, audited: int | None = None,
                   unexplained_audited=unexplained)
 
 
-# --- seed figures (DESIGN §6) ------------------------------------------------------------------
+# --- seed figures (docs/DESIGN.md §6) ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("system_rate,stock_rate", [(0.0073, 0.0072), (0.0052, 0.0053)])

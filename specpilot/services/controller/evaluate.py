@@ -67,8 +67,8 @@ def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int, device:
     per prompt length, of content unrelated to any prompt (``FILL_PATTERN``); on a CPU none.
 
     Triton compiles a kernel per shape specialisation, so requests of the timed lengths compile what
-    timing will use (18.6 s of a SmolLM2 worker's start on the H200, 2026-12-01, against 9.5 s from a
-    filled cache). The cache is the one state kept between trials, so what fills it must know nothing
+    timing will use (much of a cold GPU worker's start: docs/FIGURES.md, "Lab notes moved from code").
+    The cache is the one state kept between trials, so what fills it must know nothing
     a candidate could memoise: lengths, not tokens. Every timed worker still answers its own warm-up
     first (`warm_up_requests`), which compiles anything the fill missed, untimed. A CPU worker
     compiles while it loads (a C++ extension such as `specpilot_kernels.cpu_gemm`: ~30 s on 2 cores, built
@@ -127,9 +127,9 @@ class Evaluator:
     python: str = sys.executable
     # One device: both systems' fresh workers alive in each trial and every request answered by both
     # back to back (the idle one paused), instead of one whole run after the other (see `time`).
-    # None: on for one device. Stock-vs-stock per-trial SD, 2026-12-01: CPU 8 trials 1.05% -> 0.51%
-    # noise; H200 graphs+fused 0.109-0.187 -> 0.058. A stopped process's queued GPU kernels still
-    # run, so every interleaved timing is checked for carry-over (`stats.carryover`).
+    # None: on for one device (it cut stock-vs-stock noise on CPU and H200: docs/FIGURES.md, "Lab
+    # notes moved from code"). A stopped process's queued GPU kernels still run, so every
+    # interleaved timing is checked for carry-over (`stats.carryover`).
     interleave: bool | None = None
     # Pin each timing device's workers to one core beside it (`sandbox.timing_cpus`). None: on for
     # GPUs, off for CPUs (a CPU worker's torch threads are the thing timed; 1 thread by default).
@@ -251,9 +251,9 @@ class Evaluator:
     def _warm_worker(self, system: System, prompts: list[list[int]], device: str):
         """A fresh worker of ``system`` that has answered the untimed warm-up requests: lazy
         initialisation in a fresh process is not the system's speed. On a GPU that is every request's
-        length in full (CUDA graphs are captured per step shape and context bucket on first use: ~15%
-        trial-to-trial noise when timed, H200 2026-11-30); on a CPU one short request (a full pass
-        would double a run)."""
+        length in full (CUDA graphs are captured per step shape and context bucket on first use, which
+        adds noise when timed: docs/FIGURES.md, "Lab notes moved from code"); on a CPU one short
+        request (a full pass would double a run)."""
         with self._worker(system, device, lambda tmp: self._compile_cache(system, prompts, device, tmp)) as worker:
             for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
                 warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)

@@ -240,9 +240,8 @@ class Controller:
                                 ceiling=ceiling)
         if decision.decision == "promote":
             # The round's cost model reads the latest profile, so after a promotion the old one's costs
-            # and replays no longer describe the best (12-02: c(4) 1.68 on MKL against ~1.05 with
-            # onednn_all made the parallel drafter look 5% slower; after the drafter's promotion the
-            # planner still replayed the n-gram's chains). Emitted before the verdict, so the master's
+            # and replays no longer describe the best (a stale profile misjudged the parallel drafter:
+            # docs/FIGURES.md, "Lab notes moved from code"). Emitted before the verdict, so the master's
             # next plan, made after it, cannot miss it.
             label = await asyncio.to_thread(hardware.device_label, ev.device)
             await self.emit(await asyncio.to_thread(self.profile, ev, dep, candidate, label), timing)

@@ -193,9 +193,9 @@ def timing_cpus(devices: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
     """The core each timing device's workers are pinned to: one core beside each GPU.
 
     A fresh GPU worker's speed follows the core the scheduler gives it (a 135M model's step is mostly
-    the host's launches and syncs): per-worker levels of +-10% on 2026-12-01's H200, which no number
-    of requests per trial averages out. Workers that run one at a time (one device, interleaved or
-    not) share that core; two devices get two cores."""
+    the host's launches and syncs): per-worker levels that no number of requests per trial averages
+    out (docs/FIGURES.md, "Lab notes moved from code"). Workers that run one at a time (one device,
+    interleaved or not) share that core; two devices get two cores."""
     allowed = os.sched_getaffinity(0)
     cores = pick_cores([device_local_cpus(d) for d in devices], allowed)
     return {d: (c,) for d, c in zip(devices, cores, strict=True)}

@@ -1,6 +1,6 @@
 """Paired-timing statistics and the promotion rule: pure functions, no I/O, no clock.
 
-Contract (DESIGN §5, steps 4-5):
+Contract (docs/DESIGN.md §5, steps 4-5):
 
 - **Design.** One experiment is ``n`` trials. A trial times the incumbent (A) and the candidate (B)
   once each, on the same requests, back to back; `abba_order` says who goes first in each trial
@@ -42,9 +42,9 @@ Contract (DESIGN §5, steps 4-5):
 - **GPU confirmation** (`retime_reason`). Work a paused GPU worker queued keeps running, and
   separate processes' GPU contexts time-slice: a candidate that keeps the GPU busy *all the time*
   (a growing queue of spin kernels) slows every one of the incumbent's requests alike, which the
-  carry-over test cannot see (12-01 on the H200: a tiny-model candidate queueing 0.5 s a reply was
-  "2.79x faster", carry-over effect 0). So an interleaved GPU timing that would promote is timed
-  again run by run, and the verdict rests on that timing, held to `confirmation_noise`.
+  carry-over test cannot see (seen on the H200: docs/FIGURES.md, "Lab notes moved from code").
+  So an interleaved GPU timing that would promote is timed again run by run, and the verdict rests
+  on that timing, held to `confirmation_noise`.
 
 What this module does not do: run trials, measure load, choose which runs count as noise runs,
 or publish anything. It trusts that the noise given was measured for the same deployment, device

@@ -56,7 +56,7 @@ class Systems:
         for d in SYSTEM_DIRS:
             shutil.copytree(source / d, self.root / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         self.git("add", "-A")
-        self.git("commit", "-q", "-m", "stock: the project's engine, kernels and deployments")
+        self.git("commit", "-q", "-m", "stock: the project's runtime (specpilot_engine, specpilot_kernels)")
         return self.git("rev-parse", "HEAD")
 
     def check_layout(self) -> None:

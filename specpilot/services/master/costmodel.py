@@ -1,4 +1,4 @@
-"""The cost model (DESIGN §7), pure: measurements in, a speed ceiling and its three factors out.
+"""The cost model (docs/DESIGN.md §7), pure: measurements in, a speed ceiling and its three factors out.
 
 Definitions:
 - A kernel class's **floor** is ``max(FLOPs / (0.6 · peak FLOP/s), bytes / (0.9 · bandwidth))``
@@ -20,7 +20,8 @@ Definitions:
   launches (an eager step on a GPU, where the device waits for the host) counts as *overhead*,
   which graphs and fusion remove, not as *kernel*, which faster kernels remove.
 
-Nothing here measures or imports torch: `specpilot.services.master.measure` does the measuring.
+Nothing here measures or imports torch: the controller measures (`specpilot.harness.replay.measure`, in its
+timing worker) and the master reads the events.
 """
 
 from __future__ import annotations
@@ -190,9 +191,9 @@ class StepModel:
     ``slope`` is per *nominal* draft token: the profiled drafter does not fill every step (an n-gram
     without a match verifies the root alone), and its other settings will not either. Another drafter
     that proposes a full chain every step (parallel, eagle) pays ``token_cost`` per draft token
-    instead, the step's cost over the tokens its forwards actually ran (``verified_tokens``): on
-    12-01's CPU round the nominal slope (0.063) predicted the parallel drafter at +27% and it
-    measured -13%, the n-gram having verified far fewer than 5 tokens a step. Where the profile
+    instead, the step's cost over the tokens its forwards actually ran (``verified_tokens``): the
+    nominal slope overrated the parallel drafter where the n-gram verified far fewer tokens a step
+    than nominal (docs/FIGURES.md, "Lab notes moved from code"). Where the profile
     measured full chains directly (``chain_cost``: n -> c(n), `specpilot.harness.replay.chain_cost`) those
     figures are used instead (`full_chain_cost`): round 11 extrapolated c(4) = 1.69 from the n-gram's
     steps where HumanEval measured 1.41, and never tried the parallel drafter."""

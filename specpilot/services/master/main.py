@@ -246,8 +246,8 @@ class RoundDriver:
             entries = reply.get("entries", [])
         except bus.BusError:
             entries = []
-        # An entry this deployment's own promotion taught is in its best system already (12-01: one
-        # was re-applied in the same round, a wasted wave).
+        # An entry this deployment's own promotion taught is in its best system already: re-applying it
+        # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]

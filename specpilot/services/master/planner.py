@@ -1,18 +1,18 @@
 """Planning, pure: which directions to try next, from the cost model's factors, the deployment's
-facts, accepted memory entries and what the ledger says was already tried (DESIGN §7).
+facts, accepted memory entries and what the ledger says was already tried (docs/DESIGN.md §7).
 
 The offline planner (``rules``) works in this order:
 1. accepted memory entries whose requirements hold here and that no direction has applied yet
    (provider ``memory``);
-2. option sweeps (what each `EngineOptions` field's `OptionInfo` says: values, factor, devices, what it
+2. with an LLM coder, one open direction per wave for the largest factor, written for the LLM;
+3. option sweeps (what each `EngineOptions` field's `OptionInfo` says: values, factor, devices, what it
    requires), grouped by the factor they attack, largest factor first, skipping option values
-   already tried on this deployment and options the engine does not have; on a GPU the overhead
-   and kernel mechanisms come first when their factors say so, on a CPU they are not offered.
+   already tried on this deployment, options the engine does not have and options whose device kinds
+   exclude this deployment's (graphs and fusion are CUDA-only, ``linear_backend`` CPU-only).
    Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
    drafter setting) are kept only when it predicts a gain; timing a candidate costs minutes,
    predicting it nothing. A sweep it cannot rank at all (a kernel option) offers its first value a
-   wave, the next one in a later wave;
-3. with an LLM coder, one open direction per wave for the largest factor, written for the LLM.
+   wave, the next one in a later wave.
 One direction per free device per wave. A direction is a `Direction` (the master publishes it as
 ``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
 """
@@ -109,9 +109,9 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             guesses = {k: round(g, 3) for k, g in predicted.items() if g is not None and k in map(repr, fresh)}
             if predict is not None and not guesses:
                 # Values the cost model cannot rank (a kernel, graphs) cost a whole timing each: the first
-                # (the prior's best) now, the next in a later wave if it still ranks first then. 12-02: a
-                # 15-minute CPU round spent its second candidate on linear_backend = "onednn" (-30%) after
-                # "onednn_all" (+50%) and had no time left for the parallel drafter.
+                # (the prior's best) now, the next in a later wave if it still ranks first then: timing
+                # both at once left a round no time for the parallel drafter (docs/FIGURES.md, "Lab notes
+                # moved from code").
                 fresh = fresh[:1]
             hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
             if guesses:

@@ -103,6 +103,22 @@ class Recorder:
                 await asyncio.sleep(0.5)
 
 
+async def rebuild(led: ledger.Ledger, messages) -> int:
+    """Record a whole stream into an empty ledger the way `Recorder` records (classify, then append in
+    batches of `BATCH` with the projections), without acks: what ``specpilot replay --rebuild`` runs.
+    ``messages`` yields ``(seq, subject, raw bytes)``; returns how many were read."""
+    recorder = Recorder(led, None)  # type: ignore[arg-type]  # no bus: nothing to ack
+    n, batch = 0, []
+    async for seq, subject, raw in messages:
+        batch.append(bus.Delivery(subject=subject, data=raw, seq=seq, num_delivered=bus.DECODE_ATTEMPTS, _msg=None))
+        if len(batch) >= BATCH:
+            recorder.commit(logic.classify(batch))
+            n, batch = n + len(batch), []
+    if batch:
+        recorder.commit(logic.classify(batch))
+    return n + len(batch)
+
+
 def endpoints(led: ledger.Ledger) -> dict:
     async def sql(req: dict) -> dict:
         return led.query_readonly(str(req.get("query", "")))

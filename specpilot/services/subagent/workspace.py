@@ -191,7 +191,7 @@ def validate_options(workspace: Path, options: dict, timeout_s: float = 60.0) ->
 
 def scrubbed_env() -> dict[str, str]:
     """This environment without anything that looks like a secret. PYTHONPATH stays (``specpilot`` may be
-    found through it); ``python -m``/``-c`` put the workspace first on ``sys.path``, so its ``engine`` wins."""
+    found through it); ``python -m``/``-c`` put the workspace first on ``sys.path``, so its ``specpilot_engine`` wins."""
     env = {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
