@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"AR": ar}
     for setting in args.setting:
         name = ",".join(f"{k}={v}" for k, v in setting.items())
-        engines[name] = Engine(ar.model, ar.tokenizer, dep.options({**shared, **setting}), dep)
+        engines[name] = Engine(ar.model, ar.tokenizer, dep.options({**shared, **setting}))
     prompts = encode_requests(reqs, ar.tokenizer)
 
     stats = {name: {"s": 0.0, "tokens": 0, "steps": 0, "committed": 0, "identical": 0,

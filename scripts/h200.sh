@@ -70,7 +70,7 @@ case "${1:-}" in
   round-start)  # the SmolLM2 round on the H200, left running in the services (setsid)
     shift
     mkdir -p "$DATA"
-    setsid nohup python3 -m specpilot.cli round --data "$DATA" --deployment smollm2-h200 --json --timeout 3000 "$@" \
+    setsid nohup python3 -m specpilot.app.cli round --data "$DATA" --deployment smollm2-h200 --json --timeout 3000 "$@" \
       > "$DATA/round.log" 2>&1 < /dev/null &
     echo $! > "$DATA/round.pid"
     sleep 5; tail -5 "$DATA/round.log" ;;
@@ -80,7 +80,7 @@ case "${1:-}" in
     mkdir -p "$OUT/round"
     cp -r "$DATA/round.log" "$DATA"/rounds "$DATA"/logs "$OUT/round/" 2>/dev/null || true
     cp /tmp/noise-*.txt "$OUT/" 2>/dev/null || true
-    python3 -m specpilot.cli sql --data "$DATA" --json "SELECT seq, type, subject, payload FROM events ORDER BY seq" \
+    python3 -m specpilot.app.cli sql --data "$DATA" --json "SELECT seq, type, subject, payload FROM events ORDER BY seq" \
       > "$OUT/round/events.json" 2>/dev/null || true
     tail -60 "$DATA/round.log" ;;
   noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]

@@ -21,9 +21,10 @@ PIPE_WIDTH = 400
 
 
 def console(stderr: bool = False) -> Console:
-    """A console on stderr (messages, progress) or stdout (results); see the module docstring."""
+    """A console on stderr (messages, progress) or stdout (results); see the module docstring. It writes
+    to whatever ``sys.stderr``/``sys.stdout`` is when it prints (a test's capture, a redirect)."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=None if stream.isatty() else PIPE_WIDTH)
+    return Console(stderr=stderr, width=None if stream.isatty() else PIPE_WIDTH)
 
 
 def table(title: str | None, columns: Iterable[str], right: Iterable[str] = ()) -> Table:

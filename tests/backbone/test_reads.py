@@ -9,7 +9,7 @@ import pytest
 from specpilot import bus, ledger, reads, schema
 from specpilot.reads import Reads
 from tests.backbone.helpers import publish_all, wait_for_rows
-from tests.conftest import connect_as, spawn_service, wait_for_services
+from tests.conftest import connect_as
 
 
 def _story() -> list[schema.Event]:
@@ -26,15 +26,6 @@ def _story() -> list[schema.Event]:
 
 
 SOURCES = {"subagent": (0, 1, 2), "controller": (3, 4, 5, 6)}
-
-
-@pytest.fixture
-def memory(server):
-    proc = spawn_service(server, "memory")
-    wait_for_services(server, {"memory"})
-    yield proc
-    proc.terminate()
-    proc.wait(timeout=20)
 
 
 async def _check(r: Reads) -> None:

@@ -7,16 +7,7 @@ import pytest
 from specpilot import bus, ledger, schema, subjects
 from specpilot.app.cli import main as cli
 from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
-from tests.conftest import connect_as, spawn_service, wait_for_services
-
-
-@pytest.fixture
-def memory(server):
-    proc = spawn_service(server, "memory")
-    wait_for_services(server, {"memory"})
-    yield proc
-    proc.terminate()
-    proc.wait(timeout=20)
+from tests.conftest import connect_as, spawn_service
 
 
 def test_records_every_event_once_with_chain(server, memory):

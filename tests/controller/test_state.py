@@ -24,3 +24,21 @@ def test_the_state_is_folded_from_events():
     assert state.best_options("tiny-cpu") == {"verify": "tree", "block_size": 6} and state.best_options("x") == {}
     assert evolve(State(), events[0]).registered == {"tiny-cpu": "s0"}
     assert {type(e) for e in events if type(e) is not schema.PatchProposed} <= set(RESTORED_FROM)
+
+
+def test_a_run_without_a_bus_restores_from_its_own_log(tmp_path):
+    """`specpilot time`: no bus, so the controller's events go to its local log and come back from it."""
+    import asyncio
+
+    from specpilot.services.controller.main import Controller
+
+    cause = schema.PatchProposed(deployment="tiny-cpu", direction_id="d", patch_id="p", diff="", options={},
+                                 source="subagent")
+    first = Controller(tmp_path, None)
+    stamped = asyncio.run(first.emit(schema.TimingMeasured(kind="noise", device="cpu", noise=0.01), cause))
+    assert stamped.source == "controller" and stamped.causation_id == cause.event_id
+    assert first.state.noise == {noise_key("tiny-cpu", "cpu"): 0.01}  # folded as it was emitted
+    again = Controller(tmp_path, None)
+    assert again.state.noise == {}
+    asyncio.run(again.restore())
+    assert again.state.noise == first.state.noise

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from specpilot.errors import UserError
 from specpilot.harness import bench
 
 
@@ -42,7 +43,7 @@ def test_bench_one_request_set_and_an_unknown_one(tmp_path, capsys):
     assert bench.main([*args, "--set", "chat"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["request_set"] == "chat" and r["requests"] == 1
-    with pytest.raises(SystemExit, match="no dev requests of set 'poems' in tiny-cpu; its sets: chat"):
+    with pytest.raises(UserError, match="no dev requests of set 'poems' in tiny-cpu; its sets: chat"):
         bench.main([*args, "--set", "poems"])
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from specpilot.errors import UserError
 from specpilot.harness.train import evaluate, generate_batch, make_examples, to_draft_ids
 from specpilot_engine.drafters.ngram import SuffixIndex
 from specpilot_engine.drafters.parallel import (
@@ -299,7 +300,7 @@ def test_training_data_resumes_from_its_directory(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in shards} == before  # loaded, not generated again
     blob = torch.load(out, weights_only=True)
     assert blob["meta"]["figures"]["generated_tokens"] > 0 and blob["config"]["lookup"]
-    with pytest.raises(SystemExit, match="other prompts"):
+    with pytest.raises(UserError, match="other prompts"):
         train_main([*base, "--seed", "1", "--minutes", "0.2", "--gen-share", "0", "--out", str(out)])
 
 

@@ -165,5 +165,7 @@ def test_force_outputs_is_what_the_controller_calls(stock_outputs, one_thread):
     assert rep["stats"]["deployment"] == "tiny-cpu"
     with pytest.raises(ValueError, match="no outputs"):
         force_outputs("tiny-cpu", [])
-    with pytest.raises(FileNotFoundError):
+    from specpilot.harness.deployment import DeploymentError
+
+    with pytest.raises(DeploymentError, match="no deployment 'no-such-deployment'"):
         force_outputs("no-such-deployment", rows)

@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-engine_api = pytest.importorskip("specpilot_engine.api")
-
+from specpilot.harness.deployment import load_engine
 from specpilot_kernels.w12 import W12Linear  # noqa: E402
 
 
@@ -22,9 +21,9 @@ def _bf16_weights(engine) -> None:
 
 @pytest.mark.parametrize("verify", ["chain", "tree"])
 def test_w12_same_tokens_as_bf16_weights(verify):
-    ref = engine_api.load_engine("tiny", {"verify": verify})
+    ref = load_engine("tiny", {"verify": verify})
     _bf16_weights(ref)
-    w12 = engine_api.load_engine("tiny", {"verify": verify, "weight_format": "w12"})
+    w12 = load_engine("tiny", {"verify": verify, "weight_format": "w12"})
     swapped = [m for m in w12.model.modules() if isinstance(m, W12Linear)]
     assert len(swapped) >= 7 * ref.cfg.n_layers  # q, k, v, o, gate, up, down per layer
     tokens = torch.tensor([[3, 70, 105, 111, 32, 119, 255]])

@@ -32,11 +32,11 @@ from pathlib import Path
 
 from specpilot import bus, policy, schema, service
 from specpilot.errors import UserError
-from specpilot.reads import Reads
 from specpilot.services.controller import hardware, stats
+from specpilot.services.controller.emit import BusEmitter, LocalEmitter
 from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits
-from specpilot.services.controller.state import LOCAL_LOG, RESTORED_FROM, State, evolve, fold, noise_key
+from specpilot.services.controller.state import State, evolve, fold, noise_key
 from specpilot.shapes import shape_of
 
 NAME = "controller"
@@ -50,15 +50,14 @@ log = logging.getLogger(NAME)
 
 class Controller:
     def __init__(self, data: Path, b: bus.Bus | None, device: str = "cpu", evaluator_kw: dict | None = None):
-        """With ``b=None`` (``specpilot time``) events are collected in ``self.events``, appended to the
-        local log (`state.LOCAL_LOG`) and forcing runs in this process instead of going through the forcer
-        service. The state starts empty: `restore` folds the ledger (or the local log) into it."""
+        """With ``b=None`` (``specpilot time``) events go to the local log (`emit.LocalEmitter`) and forcing
+        runs in this process instead of going through the forcer service; every emitted event is also kept
+        in ``self.events``. The state starts empty: `restore` folds the emitter's history into it."""
         self.data, self.bus, self.device = Path(data), b, device
         self.events: list[schema.Event] = []
         self.evaluator_kw = evaluator_kw or {}
-        (self.data / "controller").mkdir(parents=True, exist_ok=True)
-        self.local_log = self.data / "controller" / LOCAL_LOG
-        self.reads = Reads.over(b) if b is not None else Reads.none()
+        self.emitter = BusEmitter(b) if b is not None else LocalEmitter(self.data)
+        self.reads = self.emitter.reads
         self.state = State()
         self.evaluators: dict[str, Evaluator] = {}
         self.forcing: dict[str, asyncio.Future] = {}
@@ -69,31 +68,28 @@ class Controller:
         return self.evaluators[deployment]
 
     async def emit(self, event: schema.Event, cause: schema.Event) -> schema.Event:
-        if self.bus is None:
-            stamped = schema.stamp(event, source=NAME, causation_id=cause.event_id, round_id=cause.round_id,
-                                   deployment=cause.deployment, correlation_id=cause.correlation_id or cause.event_id)
-            with self.local_log.open("a") as f:
-                f.write(schema.encode(stamped).decode() + "\n")
-        else:
-            stamped, _ = await self.bus.publish(event, cause=cause)
+        stamped = await self.emitter.emit(event, cause)
         self.events.append(stamped)
         evolve(self.state, stamped)
         return stamped
 
     async def restore(self) -> None:
-        """Rebuild the state from the ledger (with a bus) or from the local log (without)."""
-        if self.bus is not None:
-            self.state = fold(await self.reads.events(*RESTORED_FROM))
-        elif self.local_log.exists():
-            self.state = fold(schema.decode(line.encode()) for line in self.local_log.read_text().splitlines()
-                              if line.strip())
+        """Rebuild the state from the emitter's history: the ledger (with a bus) or the local log (without)."""
+        self.state = fold(await self.emitter.history())
         log.info("state restored: %d deployment(s) registered, best of %s", len(self.state.registered),
                  sorted(self.state.best) or "none (stock)")
 
     # --- the loop --------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.restore()
+        while not stop.is_set():  # nothing is decided before the state is the ledger's
+            try:
+                await self.restore()
+                break
+            except bus.BusError as exc:
+                log.warning("cannot read the ledger yet (%s); the memory service must run: retrying", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
         work: asyncio.Queue = asyncio.Queue()
         worker = asyncio.create_task(self._work(work))
         try:
