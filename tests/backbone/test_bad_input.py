@@ -67,7 +67,7 @@ def cases(d) -> dict[str, tuple[list[str], int, str]]:
         "down, data is a file": (["down", "--data", str(d / "a-file")], bad, "not a data directory"),
         "status, data is a file": (["status", "--data", str(d / "a-file")], bad, "not a data directory"),
         "init, bad listen address": (["init", "--listen", "nowhere", *data], bad, "--listen"),
-        "provision, no server": (["provision", "--data", str(d / "a-file")], bad, "not a data directory"),
+        "provision, data is a file": (["provision", "--data", str(d / "a-file")], bad, "not a data directory"),
         "migrate, no data directory": (["migrate", "--data", str(d / "nothere")], bad, "no data directory"),
         "w12, missing GGUF": (["w12", "pack", "--gguf", str(d / "missing.gguf")], bad, "missing.gguf"),
     }
