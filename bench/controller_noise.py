@@ -85,7 +85,7 @@ def main() -> None:
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
               "options": stock.options,
               "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
-              "interleave": ev.interleave, "cpus": ev.cpus(ev.device),
+              "interleave": ev.interleave, "cpus": ev.workers.cpus(ev.device),
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from specpilot.services.controller.evaluate import FILL_PATTERN, Evaluator, System, compile_fill_requests
+from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
+from specpilot.services.controller.workers import FILL_PATTERN, compile_fill_requests
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 
@@ -81,9 +82,9 @@ def test_a_cpu_system_with_a_cpp_kernel_keeps_its_build_for_later_workers(tmp_pa
     requests) leaves the built extension in the system's kept cache, and later workers get a copy."""
     ev = Evaluator(tmp_path, "tiny-cpu", n_requests=2, max_new_tokens=8, threads=1, limits=Limits(wall_s=300.0))
     system = System(ev.prepare(), {"linear_backend": "stream"})
-    first, _ = ev.run(system, ev.prompts())
+    first, _ = ev.workers.run(system, ev.prompts())
     assert not (ev.root / "compile-cache").exists()  # one start: it built for itself
-    again, _ = ev.run(system, ev.prompts())
+    again, _ = ev.workers.run(system, ev.prompts())
     assert again == first
     (kept,) = (ev.root / "compile-cache").iterdir()
     assert list(kept.glob("torch_extensions/**/specpilot_cpu_gemm*.so")), sorted(p.name for p in kept.rglob("*"))
@@ -94,8 +95,8 @@ def test_a_cpu_system_with_a_cpp_kernel_keeps_its_build_for_later_workers(tmp_pa
 def test_the_fill_leaves_compiled_triton_kernels_for_later_workers(tmp_path):
     ev = Evaluator(tmp_path, "tiny-cuda", device="cuda", n_requests=2, max_new_tokens=8, limits=Limits(wall_s=300.0))
     stock = System(ev.prepare(), {"cuda_graphs": True, "fused_kernels": True})
-    ev.run(stock, ev.prompts())
+    ev.workers.run(stock, ev.prompts())
     assert not (ev.root / "compile-cache").exists()  # one start: it compiled for itself
-    ev.run(stock, ev.prompts())
+    ev.workers.run(stock, ev.prompts())
     (kept,) = (ev.root / "compile-cache").iterdir()
     assert any(kept.rglob("*.cubin")), sorted(p.name for p in kept.rglob("*"))[:20]

@@ -35,7 +35,7 @@ def test_a_gpu_worker_answers_every_request_untimed_first_a_cpu_worker_one_short
     """CUDA graphs are captured on first use per step shape and context bucket: timed, those
     captures were ~15% trial-to-trial noise on the H200, so on a GPU the warm-up is a full pass of
     requests of the timed lengths, but of other content (a memoising candidate gains nothing)."""
-    from specpilot.services.controller.evaluate import WARMUP_TOKENS, warm_up_requests
+    from specpilot.services.controller.workers import WARMUP_TOKENS, warm_up_requests
 
     prompts = [[1, 2], [3, 4, 5], [6]]
     warm = warm_up_requests(prompts, 64, "cuda:1")

@@ -123,5 +123,5 @@ def test_the_sealed_final_interleaves_all_its_systems_and_keeps_their_tokens(tmp
     assert results["interleaved"] and results["requests"] == 3
     assert all(len(results[n]["seconds"]) == 2 for n in systems)
     # greedy and lossless: every system gives the same tokens, which are those of a whole run alone
-    assert outputs["final"] == outputs["stock"] == outputs["ar"] == ev.run(stock, ev.prompts("sealed")[:3])[0]
+    assert outputs["final"] == outputs["stock"] == outputs["ar"] == ev.workers.run(stock, ev.prompts("sealed")[:3])[0]
     assert results["final"]["identical_to_stock"] and results["final"]["over_ar_ci95"][0] > 0

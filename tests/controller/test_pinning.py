@@ -54,9 +54,9 @@ def test_every_process_of_a_pinned_sandbox_runs_on_its_cores(tmp_path):
 
 
 def test_gpu_workers_are_pinned_by_default_and_cpu_workers_are_not(tmp_path):
-    assert Evaluator(tmp_path / "a", "tiny-cpu").cpus("cpu") is None
+    assert Evaluator(tmp_path / "a", "tiny-cpu").workers.cpus("cpu") is None
     ev = Evaluator(tmp_path / "b", "tiny-cpu", pin_cpus=True)
-    assert ev.cpus("cpu") is not None and set(ev.cpus("cpu")) <= os.sched_getaffinity(0)
+    assert ev.workers.cpus("cpu") is not None and set(ev.workers.cpus("cpu")) <= os.sched_getaffinity(0)
     assert Evaluator(tmp_path / "c", "tiny-cuda", device="cuda:0").pin_cpus
     assert not Evaluator(tmp_path / "d", "tiny-cuda", device="cuda:0", pin_cpus=False).pin_cpus
 

@@ -9,9 +9,8 @@ A *system* is a commit of the systems repository plus engine option settings. Th
 3. ``time``: interleaved ABBA trials; each trial starts a fresh worker per system (no writable state
    survives between trials), sends every timing request, and times each reply on the controller's
    clock (with ``interleave``, both workers of a trial are alive and take turns request by request,
-   the idle one stopped). Each worker starts from a fresh copy of its system's compile cache
-   (`compile_fill_requests`), so a trial does not pay for compiling every Triton kernel (GPU) or
-   the system's C++ extension (CPU, `specpilot_kernels.cpu_gemm`).
+   the idle one stopped). Starting, warming up and stopping the sandboxed workers, and their compile
+   caches, are `workers.Workers`' job (``self.workers``).
    Every reply is checked: the incumbent must reproduce its reference, and the candidate must
    give the same tokens in every trial (a system that changes its answers between runs — caching,
    warm-up detection — is rejected).
@@ -21,71 +20,20 @@ Outputs, timings and decisions come back as events for the service to publish.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot import schema
 from specpilot.paths import REPO_ROOT
 from specpilot.services.controller import stats
-from specpilot.services.controller.sandbox import Limits, Sandbox, Worker, WorkerFailed, timing_cpus
+from specpilot.services.controller.sandbox import Limits, Worker, WorkerFailed
 from specpilot.services.controller.systems import Systems
-
-WARMUP_TOKENS = 8
-
-
-def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
-    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed.
-
-    Each is of a timed request's length (the same step shapes, and on a GPU the same context buckets,
-    so CUDA graphs are captured before the clock runs) but of other content: request ``i`` warms up
-    on the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
-    memoised its answers, or the KV of a prompt, would otherwise be timed on replays of the warm-up.
-    On a GPU one per timed request, in full; on a CPU one short one (a full pass would double a run)."""
-    out = []
-    for i, p in enumerate(prompts):
-        donor = prompts[(i + 1) % len(prompts)][::-1] or p
-        out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
-    return out if device.startswith("cuda") else [(out[0][0], WARMUP_TOKENS)]
-
-
-# A repeating run of token ids below 256 (every vocabulary here has them), so the n-gram drafter
-# finds matches and the fill compiles the drafted block sizes as well as single-token steps.
-FILL_PATTERN = (101, 37, 202, 58, 143, 77, 19)
-
-
-def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
-    """The requests that fill a system's compile cache before its first timed worker: on a GPU one
-    per prompt length, of content unrelated to any prompt (``FILL_PATTERN``); on a CPU none.
-
-    Triton compiles a kernel per shape specialisation, so requests of the timed lengths compile what
-    timing will use (much of a cold GPU worker's start: docs/FIGURES.md, "Lab notes moved from code").
-    The cache is the one state kept between trials, so what fills it must know nothing
-    a candidate could memoise: lengths, not tokens. Every timed worker still answers its own warm-up
-    first (`warm_up_requests`), which compiles anything the fill missed, untimed. A CPU worker
-    compiles while it loads (a C++ extension such as `specpilot_kernels.cpu_gemm`: ~30 s on 2 cores, built
-    into the cache's ``torch_extensions``), and nothing per shape: starting it is the whole fill."""
-    if not device.startswith("cuda"):
-        return []
-    lengths = sorted({len(p) for p in prompts})
-    return [([FILL_PATTERN[i % len(FILL_PATTERN)] for i in range(n)], max_new_tokens) for n in lengths]
-
-
-@dataclass(frozen=True)
-class System:
-    commit: str
-    options: dict = field(default_factory=dict)
-
-    def key(self) -> str:
-        return f"{self.commit}:{json.dumps(self.options, sort_keys=True)}"
+from specpilot.services.controller.workers import System, Workers
 
 
 @dataclass
@@ -147,15 +95,15 @@ class Evaluator:
         gpu = self.device.startswith("cuda")
         self.pin_cpus = gpu if self.pin_cpus is None else self.pin_cpus
         self.compile_cache = self.compile_cache is not False
-        self._cpus: dict[str, tuple[int, ...]] | None = None
-        self._starts: dict[str, int] = {}  # workers started per system key (`_compile_cache`)
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
         self._references: dict[str, list[list[int]]] = {}
         self._prompts: dict[str, list[list[int]]] = {}
-        self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
-        self.last_sandbox: dict = {}  # describe() of the latest sandbox, recorded in PatchTested
+        self.workers = Workers(data=Path(self.data), root=self.root, systems=self.systems,
+                               deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
+                               limits=self.limits, threads=self.threads, python=self.python,
+                               pin_cpus=self.pin_cpus, compile_cache=self.compile_cache)
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -195,102 +143,9 @@ class Evaluator:
             self._prompts[split] = encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
         return self._prompts[split]
 
-    # --- running systems -------------------------------------------------------------------------
-
-    def cpus(self, device: str) -> tuple[int, ...] | None:
-        """The cores ``device``'s workers are pinned to (None: not pinned)."""
-        if not self.pin_cpus:
-            return None
-        if self._cpus is None:  # once: it asks the GPU's PCI address
-            self._cpus = timing_cpus(self.devices)
-        return self._cpus.get(device)
-
-    def sandbox(self, commit: str, workdir: Path, device: str | None = None,
-                compile_cache: Path | None = None) -> Sandbox:
-        src = self.systems.checkout(commit, workdir / "src")
-        device = device or self.device
-        sbx = Sandbox(src=src, models=self.models, hide=[Path(self.data)], device=device,
-                      limits=self.limits, threads=self.threads, cpus=self.cpus(device), compile_cache=compile_cache)
-        self._active[id(sbx)] = sbx
-        self.last_sandbox = sbx.describe()
-        return sbx
-
-    def abort(self) -> None:
-        """Kill every running sandbox (the service is stopping); the work in progress fails fast."""
-        for sbx in list(self._active.values()):
-            sbx.kill()
-
-    def run(self, system: System, prompts: list[list[int]], device: str | None = None,
-            ) -> tuple[list[list[int]], list[float]]:
-        """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
-        with self._warm_worker(system, prompts, device or self.device) as worker:
-            outs, times = [], []
-            for p in prompts:
-                tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
-                outs.append(tokens)
-                times.append(secs)
-            return outs, times
-
-    @contextlib.contextmanager
-    def _worker(self, system: System, device: str, compile_cache=lambda workdir: None):
-        """A started worker of ``system`` in a fresh sandbox, closed (and the sandbox killed) on exit.
-        ``compile_cache(workdir)`` gives the sandbox's compile cache directory (None: none)."""
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(
-                system.commit, Path(tmp), device, compile_cache(Path(tmp))) as sbx:
-            try:
-                worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
-                                ready_timeout_s=self.limits.wall_s)
-                try:
-                    yield worker
-                finally:
-                    worker.close()
-            finally:
-                self._active.pop(id(sbx), None)
-
-    @contextlib.contextmanager
-    def _warm_worker(self, system: System, prompts: list[list[int]], device: str):
-        """A fresh worker of ``system`` that has answered the untimed warm-up requests: lazy
-        initialisation in a fresh process is not the system's speed. On a GPU that is every request's
-        length in full (CUDA graphs are captured per step shape and context bucket on first use, which
-        adds noise when timed: docs/FIGURES.md, "Lab notes moved from code"); on a CPU one short
-        request (a full pass would double a run)."""
-        with self._worker(system, device, lambda tmp: self._compile_cache(system, prompts, device, tmp)) as worker:
-            for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
-                warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
-                if len(warm) > n:
-                    raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
-            yield worker
-
-    def _compile_cache(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:
-        """A fresh copy (under ``workdir``) of ``system``'s compile cache for one worker, filled first
-        at the system's second start (a system started once, like a default check, compiles for
-        itself as before: a fill would double its cost); None where ``compile_cache`` is off, and for
-        a first start.
-
-        The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
-        writes goes to its own copy and is gone with its trial."""
-        if not self.compile_cache:
-            return None
-        self._starts[system.key()] = starts = self._starts.get(system.key(), 0) + 1
-        kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
-        if not kept.exists():
-            if starts < 2:
-                return None
-            with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
-                with self._worker(system, device, lambda _: Path(filling)) as worker:
-                    for p, n in compile_fill_requests(prompts, self.max_new_tokens, device):
-                        worker.generate(p, n, timeout=self.limits.wall_s)
-                staged = kept.with_suffix(".tmp")
-                shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
-                shutil.copytree(filling, staged)
-                staged.rename(kept)  # whole or absent, never half-filled
-        copy = workdir / "compile-cache"
-        shutil.copytree(kept, copy)
-        return copy
-
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:
-            self._references[system.key()] = self.run(system, self.prompts())[0]
+            self._references[system.key()] = self.workers.run(system, self.prompts())[0]
         return self._references[system.key()]
 
     # --- a patch ---------------------------------------------------------------------------------
@@ -305,18 +160,18 @@ class Evaluator:
             return {"passed": False, "detail": str(exc)}, None
         candidate = System(commit, {**best.options, **patch.options})
         try:
-            defaults, _ = self.run(System(commit, best.options), self.prompts())
+            defaults, _ = self.workers.run(System(commit, best.options), self.prompts())
         except WorkerFailed as exc:
             return {"passed": False, "detail": f"candidate with default options failed: {exc}",
-                    "sandbox": self.last_sandbox}, None
-        info = self.last_sandbox  # the default check's sandbox (reference() may start another)
+                    "sandbox": self.workers.last_sandbox}, None
+        info = self.workers.last_sandbox  # the default check's sandbox (reference() may start another)
         identical = defaults == self.reference(best)
         if not identical:
             return {"passed": False, "default_outputs_identical": False, "sandbox": info,
                     "detail": "with default options the candidate's tokens differ from the incumbent's: "
                               "new behaviour must be off unless its option is set"}, None
         try:
-            self.run(candidate, self.prompts()[:1])
+            self.workers.run(candidate, self.prompts()[:1])
         except WorkerFailed as exc:
             return {"passed": False, "default_outputs_identical": True, "sandbox": info,
                     "detail": f"candidate with its options failed: {exc}"}, None
@@ -395,7 +250,7 @@ class Evaluator:
         if len(self.devices) < 2:
             for who in order:
                 try:
-                    outs, secs = self.run(systems[who], prompts)
+                    outs, secs = self.workers.run(systems[who], prompts)
                     yield who, outs, secs, None
                 except WorkerFailed as exc:
                     yield who, [], [], exc
@@ -405,7 +260,7 @@ class Evaluator:
         d0, d1 = self.devices[:2]
         for placement in ({order[0]: d0, order[1]: d1}, {order[0]: d1, order[1]: d0}):
             with ThreadPoolExecutor(max_workers=2) as pool:
-                futures = {who: pool.submit(self.run, systems[who], prompts, dev) for who, dev in placement.items()}
+                futures = {who: pool.submit(self.workers.run, systems[who], prompts, dev) for who, dev in placement.items()}
             for who in order:
                 try:
                     outs, secs = futures[who].result()
@@ -436,7 +291,7 @@ class Evaluator:
                 for who in names:
                     for other in workers.values():
                         other.sandbox.pause()
-                    workers[who] = stack.enter_context(self._warm_worker(systems[who], prompts, self.device))
+                    workers[who] = stack.enter_context(self.workers.warm_worker(systems[who], prompts, self.device))
                 for i, p in enumerate(prompts):
                     for who in request_order(i):
                         for other, w in workers.items():
@@ -462,12 +317,12 @@ class Evaluator:
         (planning inputs, not verdicts); the step times come from the controller's clock: the
         system and its AR twin (same code and options, no drafter) answer the same requests."""
         prompts = self.prompts()
-        with self._worker(system, self.device,
-                          lambda tmp: self._compile_cache(system, prompts, self.device, tmp)) as worker:
+        with self.workers.worker(system, self.device,
+                          lambda tmp: self.workers.compile_cache_for(system, prompts, self.device, tmp)) as worker:
             replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": self.max_new_tokens}},
                                       timeout=self.limits.wall_s)[0] for p in prompts]
-        _, system_s = self.run(system, prompts)
-        ar_outputs, ar_s = self.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
+        _, system_s = self.workers.run(system, prompts)
+        ar_outputs, ar_s = self.workers.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
         n = len(prompts)
         steps = sum(int(r["steps"]) for r in replies)
         verified = sum(int(r.get("verified", 0)) for r in replies)
@@ -514,7 +369,7 @@ class Evaluator:
             if interleave:
                 runs = self._together(order, systems, prompts, lambda i, order=order: order if i % 2 == 0 else order[::-1])
             else:
-                runs = ((name, *self.run(systems[name], prompts), None) for name in order)
+                runs = ((name, *self.workers.run(systems[name], prompts), None) for name in order)
             for name, outs, secs, failure in runs:
                 if failure is not None:
                     raise failure

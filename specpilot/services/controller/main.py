@@ -102,7 +102,7 @@ class Controller:
         finally:
             worker.cancel()
             for ev in self.evaluators.values():
-                ev.abort()
+                ev.workers.abort()
 
     async def _dispatch(self, stop: asyncio.Event, work: asyncio.Queue, worker: asyncio.Task) -> None:
         async for event, delivery in self.bus.consume(stop):

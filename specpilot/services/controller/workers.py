@@ -1,0 +1,186 @@
+"""Running systems: the controller's sandboxed workers, their lifecycle and their compile caches.
+
+`Workers` starts a fresh timing worker (`specpilot.harness.worker`) of a `System` (a commit of the systems
+repository plus option settings) in a fresh `sandbox.Sandbox`, warms it up untimed
+(`warm_up_requests`), hands it out, and closes it (the sandbox killed) on exit; `run` answers prompts on
+the controller's clock. Each worker starts from a fresh copy of its system's compile cache, filled once
+with requests that know lengths, not tokens (`compile_fill_requests`). `abort` kills every sandbox in
+use (the service is stopping). What is timed, checked or decided is the `Evaluator`'s job
+(`evaluate.py`); this module only runs systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpilot.services.controller.sandbox import Limits, Sandbox, Worker, WorkerFailed, timing_cpus
+from specpilot.services.controller.systems import Systems
+
+WARMUP_TOKENS = 8
+
+
+def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
+    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed.
+
+    Each is of a timed request's length (the same step shapes, and on a GPU the same context buckets,
+    so CUDA graphs are captured before the clock runs) but of other content: request ``i`` warms up
+    on the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
+    memoised its answers, or the KV of a prompt, would otherwise be timed on replays of the warm-up.
+    On a GPU one per timed request, in full; on a CPU one short one (a full pass would double a run)."""
+    out = []
+    for i, p in enumerate(prompts):
+        donor = prompts[(i + 1) % len(prompts)][::-1] or p
+        out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
+    return out if device.startswith("cuda") else [(out[0][0], WARMUP_TOKENS)]
+
+
+# A repeating run of token ids below 256 (every vocabulary here has them), so the n-gram drafter
+# finds matches and the fill compiles the drafted block sizes as well as single-token steps.
+FILL_PATTERN = (101, 37, 202, 58, 143, 77, 19)
+
+
+def compile_fill_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
+    """The requests that fill a system's compile cache before its first timed worker: on a GPU one
+    per prompt length, of content unrelated to any prompt (``FILL_PATTERN``); on a CPU none.
+
+    Triton compiles a kernel per shape specialisation, so requests of the timed lengths compile what
+    timing will use (much of a cold GPU worker's start: docs/FIGURES.md, "Lab notes moved from code").
+    The cache is the one state kept between trials, so what fills it must know nothing
+    a candidate could memoise: lengths, not tokens. Every timed worker still answers its own warm-up
+    first (`warm_up_requests`), which compiles anything the fill missed, untimed. A CPU worker
+    compiles while it loads (a C++ extension such as `specpilot_kernels.cpu_gemm`: ~30 s on 2 cores, built
+    into the cache's ``torch_extensions``), and nothing per shape: starting it is the whole fill."""
+    if not device.startswith("cuda"):
+        return []
+    lengths = sorted({len(p) for p in prompts})
+    return [([FILL_PATTERN[i % len(FILL_PATTERN)] for i in range(n)], max_new_tokens) for n in lengths]
+
+
+@dataclass(frozen=True)
+class System:
+    commit: str
+    options: dict = field(default_factory=dict)
+
+    def key(self) -> str:
+        return f"{self.commit}:{json.dumps(self.options, sort_keys=True)}"
+
+
+@dataclass
+class Workers:
+    """Sandboxed workers of one deployment's systems on the controller's devices."""
+
+    data: Path  # the data directory: hidden from every sandbox; its models/ is bound read-only
+    root: Path  # the controller's folder (compile caches under compile-cache/)
+    systems: Systems
+    deployment: str
+    devices: tuple[str, ...] = ("cpu",)
+    max_new_tokens: int = 64
+    limits: Limits = field(default_factory=Limits)
+    threads: int | None = None
+    python: str = sys.executable
+    pin_cpus: bool = False
+    compile_cache: bool = True
+
+    def __post_init__(self) -> None:
+        self._cpus: dict[str, tuple[int, ...]] | None = None
+        self._starts: dict[str, int] = {}  # workers started per system key (`compile_cache_for`)
+        self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
+        self.last_sandbox: dict = {}  # describe() of the latest sandbox, recorded in PatchTested
+
+    def cpus(self, device: str) -> tuple[int, ...] | None:
+        """The cores ``device``'s workers are pinned to (None: not pinned)."""
+        if not self.pin_cpus:
+            return None
+        if self._cpus is None:  # once: it asks the GPU's PCI address
+            self._cpus = timing_cpus(self.devices)
+        return self._cpus.get(device)
+
+    def sandbox(self, commit: str, workdir: Path, device: str | None = None,
+                compile_cache: Path | None = None) -> Sandbox:
+        src = self.systems.checkout(commit, workdir / "src")
+        device = device or self.devices[0]
+        sbx = Sandbox(src=src, models=self.data / "models", hide=[self.data], device=device,
+                      limits=self.limits, threads=self.threads, cpus=self.cpus(device), compile_cache=compile_cache)
+        self._active[id(sbx)] = sbx
+        self.last_sandbox = sbx.describe()
+        return sbx
+
+    def abort(self) -> None:
+        """Kill every running sandbox (the service is stopping); the work in progress fails fast."""
+        for sbx in list(self._active.values()):
+            sbx.kill()
+
+    def run(self, system: System, prompts: list[list[int]], device: str | None = None,
+            ) -> tuple[list[list[int]], list[float]]:
+        """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
+        with self.warm_worker(system, prompts, device or self.devices[0]) as worker:
+            outs, times = [], []
+            for p in prompts:
+                tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
+                outs.append(tokens)
+                times.append(secs)
+            return outs, times
+
+    @contextlib.contextmanager
+    def worker(self, system: System, device: str, compile_cache=lambda workdir: None):
+        """A started worker of ``system`` in a fresh sandbox, closed (and the sandbox killed) on exit.
+        ``compile_cache(workdir)`` gives the sandbox's compile cache directory (None: none)."""
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(
+                system.commit, Path(tmp), device, compile_cache(Path(tmp))) as sbx:
+            try:
+                worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
+                                ready_timeout_s=self.limits.wall_s)
+                try:
+                    yield worker
+                finally:
+                    worker.close()
+            finally:
+                self._active.pop(id(sbx), None)
+
+    @contextlib.contextmanager
+    def warm_worker(self, system: System, prompts: list[list[int]], device: str):
+        """A fresh worker of ``system`` that has answered the untimed warm-up requests: lazy
+        initialisation in a fresh process is not the system's speed. On a GPU that is every request's
+        length in full (CUDA graphs are captured per step shape and context bucket on first use, which
+        adds noise when timed: docs/FIGURES.md, "Lab notes moved from code"); on a CPU one short
+        request (a full pass would double a run)."""
+        with self.worker(system, device, lambda tmp: self.compile_cache_for(system, prompts, device, tmp)) as worker:
+            for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+                warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+                if len(warm) > n:
+                    raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+            yield worker
+
+    def compile_cache_for(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:
+        """A fresh copy (under ``workdir``) of ``system``'s compile cache for one worker, filled first
+        at the system's second start (a system started once, like a default check, compiles for
+        itself as before: a fill would double its cost); None where ``compile_cache`` is off, and for
+        a first start.
+
+        The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
+        writes goes to its own copy and is gone with its trial."""
+        if not self.compile_cache:
+            return None
+        self._starts[system.key()] = starts = self._starts.get(system.key(), 0) + 1
+        kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
+        if not kept.exists():
+            if starts < 2:
+                return None
+            with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
+                with self.worker(system, device, lambda _: Path(filling)) as worker:
+                    for p, n in compile_fill_requests(prompts, self.max_new_tokens, device):
+                        worker.generate(p, n, timeout=self.limits.wall_s)
+                staged = kept.with_suffix(".tmp")
+                shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
+                shutil.copytree(filling, staged)
+                staged.rename(kept)  # whole or absent, never half-filled
+        copy = workdir / "compile-cache"
+        shutil.copytree(kept, copy)
+        return copy
