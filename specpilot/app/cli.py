@@ -325,15 +325,14 @@ def promoted_options(args: argparse.Namespace, deployment: str, commit: str) -> 
     """The options ``commit`` was promoted with, from the ledger (the memory service, else the file), else
     from the controller's local log (`specpilot time`); {} when neither knows the commit."""
     from specpilot import reads, schema
-    from specpilot.services.controller.state import LOCAL_LOG
+    from specpilot.services.controller.emit import LocalEmitter
 
     q = reads.query(schema.BestAdvanced, deployment=deployment, commit=commit, last=1)
     with contextlib.suppress(ledger.LedgerError):
         found = ledger_call(args, subjects.RPC_EVENTS, msgspec.to_builtins(q), lambda led: reads.reply_for(led, q))
         if found["events"]:
             return dict(schema.decode(found["events"][-1].encode()).options)  # type: ignore[attr-defined]
-    local = data_dir(args) / "controller" / LOCAL_LOG
-    events = [schema.decode(line.encode()) for line in local.read_text().splitlines()] if local.exists() else []
+    events = asyncio.run(LocalEmitter(data_dir(args)).history())
     return next((dict(e.options) for e in reversed(events)  # type: ignore[attr-defined]
                  if isinstance(e, schema.BestAdvanced) and e.deployment == deployment and e.commit == commit), {})
 

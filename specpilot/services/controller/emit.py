@@ -28,7 +28,10 @@ class BusEmitter:
         return stamped
 
     async def history(self) -> list[schema.Event]:
-        return await self.reads.events(*RESTORED_FROM)
+        """The events the state folds, from the ledger: only noise timings, not every candidate's samples
+        (the fold keeps one value per kind and key, so the two queries' order does not matter)."""
+        others = [k for k in RESTORED_FROM if k is not schema.TimingMeasured]
+        return [*await self.reads.events(*others), *await self.reads.events(schema.TimingMeasured, kind="noise")]
 
 
 class LocalEmitter:
