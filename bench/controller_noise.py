@@ -31,7 +31,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT  # noqa: E402
-from specpilot.services.controller import stats  # noqa: E402
+from specpilot.services.controller import stats, timing  # noqa: E402
 from specpilot.services.controller.evaluate import Evaluator, System  # noqa: E402
 from specpilot_engine.options import options_from_dict  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> None:
     for i in range(args.runs):
         with console.status(f"stock vs stock, run {i + 1}/{args.runs} ({args.trials} trials)"):
             t0 = time.perf_counter()
-            trial = ev.time(stock, stock)
+            trial = timing.paired(ev, stock, stock)
             seconds.append(time.perf_counter() - t0)
         if trial.problem:
             raise SystemExit(f"timing failed: {trial.problem}")

@@ -142,8 +142,8 @@ class Ledger:
                               "and run `specpilot replay --rebuild` to rebuild it from the stream") from exc
         if not read_only:
             self.con.execute(DDL)
-            if not self.live_projections():
-                self._write_projections(projections.State())
+            if self.live_projections().get("version") != str(projections.VERSION):
+                self._rebuild_projections()
         allowed = str(export_dir(self.data).resolve()) + "/"
         self.con.execute(f"SET allowed_directories = ['{allowed}']")
         self.con.execute("SET enable_external_access = false")
@@ -217,6 +217,15 @@ class Ledger:
         self.last_pos, self.last_hash = pos, prev
         return fresh
 
+    def _rebuild_projections(self) -> None:
+        """Fold the whole log into fresh projections and write them: a new ledger, or one whose live
+        projections are of another `projections.VERSION` (written by an older SpecPilot)."""
+        state = self._fold_log()
+        self.con.execute("BEGIN TRANSACTION")
+        self.con.execute("DELETE FROM projections")
+        self._write_projections(state)
+        self.con.execute("COMMIT")
+
     def _write_projections(self, projection: projections.State) -> None:
         rows = projection.canonical()
         self.con.execute("INSERT OR REPLACE INTO projections SELECT unnest($1), unnest($2)",
@@ -229,6 +238,22 @@ class Ledger:
 
     def live_projections(self) -> dict[str, str]:
         return dict(self.con.execute("SELECT name, body FROM projections ORDER BY name").fetchall())
+
+    def projections(self) -> projections.State:
+        """The live projections; folded from the log when they are of another version (a read-only
+        view of a ledger an older SpecPilot wrote)."""
+        live = self.live_projections()
+        if live.get("version") != str(projections.VERSION):
+            return self._fold_log()
+        state = projections.State()
+        state.reset_to(live)
+        return state
+
+    def _fold_log(self) -> projections.State:
+        state = projections.State()
+        for *_, payload, _stored in self.iter_payloads():
+            state.fold(schema.decode(payload.encode()))
+        return state
 
     def iter_payloads(self, chunk: int = 50_000) -> Iterator[tuple[int, int, str, str, str, str, str]]:
         """(pos, seq, event_id, type, source, payload, hash) in recording order."""
@@ -248,12 +273,12 @@ class Ledger:
         if q.types:
             where.append(f"type IN ({', '.join('?' for _ in q.types)})")
             params += list(q.types)
-        if q.deployment is not None:
-            where.append("coalesce(deployment, '') = ?")
-            params.append(q.deployment)
-        if q.round_id is not None:
-            where.append("coalesce(round_id, '') = ?")
-            params.append(q.round_id)
+        for column in ("deployment", "round_id"):  # envelope columns: one value or one of several
+            value = getattr(q, column)
+            if value is not None:
+                values = value if isinstance(value, list) else [value]
+                where.append(f"coalesce({column}, '') IN ({', '.join('?' for _ in values)})" if values else "false")
+                params += values
         for name, value in q.fields.items():
             if not _FIELD.fullmatch(name):
                 raise LedgerError(f"not a payload field name: {name!r}")
@@ -374,6 +399,7 @@ class VerifyResult:
     reason: str = ""
     projections_match: bool = True
     projection_diff: str = ""
+    projections_stale: bool = False  # of another projections.VERSION: not compared (rebuilt on the next writable open)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -408,6 +434,11 @@ def verify(ledger: Ledger) -> VerifyResult:
         expected_pos += 1
     rebuilt = state.canonical()
     live = ledger.live_projections()
+    if live.get("version") != rebuilt["version"]:
+        return VerifyResult(True, rows, projections_stale=True,
+                            reason=f"the live projections are of version {live.get('version', '1')}, this SpecPilot's "
+                                   f"are {rebuilt['version']}: the memory service rebuilds them from the log when it "
+                                   "next opens the ledger (`specpilot up`)")
     if rebuilt != live:
         names = sorted(n for n in set(rebuilt) | set(live) if rebuilt.get(n) != live.get(n))
         return VerifyResult(True, rows, projections_match=False, projection_diff=", ".join(names),

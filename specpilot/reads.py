@@ -1,16 +1,20 @@
-"""Typed reads of the ledger: one query shape and one client, schema objects out, no SQL outside the ledger.
+"""Typed reads of the ledger: one query shape per kind of question, schema objects out, no SQL outside the ledger.
 
-`EventQuery` names which events: their classes (tags taken from the schema classes, never spelled by
-hand), an envelope filter (deployment, round), payload fields equal to a value or one of several
-values (``patch_id``, ``direction_id``, ``kind``, ...), and optionally only the last ``last`` of them,
-those after the first ``offset``, or just their count. The memory service answers it on
-`subjects.RPC_EVENTS` from the ledger (`specpilot.ledger.Ledger.select`, the one place that turns it
-into SQL).
+Two kinds of question, both answered by the memory service:
+- **Events** (`EventQuery` on `subjects.RPC_EVENTS`): their classes (tags taken from the schema classes,
+  never spelled by hand), an envelope filter (deployment, round), payload fields equal to a value or
+  one of several values (``patch_id``, ``direction_id``, ``kind``, ...), and optionally only the last
+  ``last`` of them, those after the first ``offset``, or just their count. Answered from the log
+  (`specpilot.ledger.Ledger.select`, the one place that turns a query into SQL).
+- **State** (`ViewQuery` on `subjects.RPC_VIEW`): rows of a projection (`specpilot.projections`: a
+  patch's status and verdict, a deployment's best system, a memory entry's status, a round's status),
+  answered from the live projections the memory service folds as it records, without a scan of the log.
 
-`Reads` is the client every service and command uses: over the bus (``Reads(bus)``, retrying while the
-memory service restarts), over an open ledger (``Reads.local(ledger)``: the CLI when no service runs),
+`Reads` is the client every service and command uses: over the bus (``Reads.over(bus)``, retrying while
+the memory service restarts), over an open ledger (``Reads.local(ledger)``: the CLI when no service runs),
 or over nothing (``Reads.none()``: nothing recorded yet). Its helpers name what services ask the log
-(`best`, `decided`, ...). It holds no state: every answer comes from the ledger, the one source of truth.
+(`best`, `decided`, `patches`, ...). It holds no state: every answer comes from the ledger, the one
+source of truth.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from specpilot import schema, subjects
+from specpilot import projections, schema, subjects
 
 log = logging.getLogger("reads")
 FieldValue = str | int | float | bool
@@ -33,12 +37,19 @@ class EventQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Which events (all of them when empty); see the module docstring."""
 
     types: tuple[str, ...] = ()
-    deployment: str | None = None
-    round_id: str | None = None
+    deployment: str | list[str] | None = None  # one value, or one of several
+    round_id: str | list[str] | None = None
     fields: dict[str, FieldValue | list[FieldValue]] = {}
     last: int = 0  # only the last N (0: all)
     offset: int = 0  # skip the first N (in recording order)
     count: bool = False  # only how many
+
+
+class ViewQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Rows of one projection (`projections.ROWS` names them): all of them, or those of ``keys``."""
+
+    view: str
+    keys: tuple[str, ...] = ()
 
 
 def tag_of(kind: type[schema.Event]) -> str:
@@ -46,76 +57,92 @@ def tag_of(kind: type[schema.Event]) -> str:
     return kind.__struct_config__.tag  # type: ignore[return-value]
 
 
-def query(*kinds: type[schema.Event], deployment: str | None = None, round_id: str | None = None, last: int = 0,
+def query(*kinds: type[schema.Event], deployment: str | list[str] | None = None,
+          round_id: str | list[str] | None = None, last: int = 0,
           offset: int = 0, count: bool = False, **fields: FieldValue | list[FieldValue]) -> EventQuery:
     """An `EventQuery` from event classes and filters (payload fields as keywords)."""
     return EventQuery(types=tuple(tag_of(k) for k in kinds), deployment=deployment, round_id=round_id,
                       fields=fields, last=last, offset=offset, count=count)
 
 
-class Reads:
-    """Typed questions to the ledger, answered by ``answer(query) -> reply dict`` (see `Reads.over`)."""
+Ask = Callable[[str, Any], Awaitable[dict[str, Any]]]  # (RPC subject, query struct) -> reply
 
-    def __init__(self, answer: Callable[[EventQuery], Awaitable[dict[str, Any]]]):
-        self._answer = answer
+
+class Reads:
+    """Typed questions to the ledger, answered by ``ask(subject, query) -> reply dict`` (see `Reads.over`)."""
+
+    def __init__(self, ask: Ask):
+        self._ask = ask
 
     @classmethod
     def over(cls, b, timeout: float = 30.0, retry: bool = True) -> Reads:
         """Reads through the memory service on bus ``b``; with ``retry`` it waits out a memory restart."""
         from specpilot import bus as bus_module
 
-        async def answer(q: EventQuery) -> dict[str, Any]:
+        async def ask(subject: str, q: Any) -> dict[str, Any]:
             while True:
                 try:
-                    return await b.request(subjects.RPC_EVENTS, msgspec.to_builtins(q), timeout=timeout)
+                    return await b.request(subject, msgspec.to_builtins(q), timeout=timeout)
                 except bus_module.BusError as exc:
                     if not retry or isinstance(exc, bus_module.ServiceError):
                         raise
                     log.warning("ledger read failed, retrying: %s", exc)
                     await asyncio.sleep(RETRY_S)
 
-        return cls(answer)
+        return cls(ask)
 
     @classmethod
     def local(cls, ledger) -> Reads:
         """Reads straight from an open `specpilot.ledger.Ledger` (no service)."""
 
-        async def answer(q: EventQuery) -> dict[str, Any]:
-            return reply_for(ledger, q)
+        async def ask(subject: str, q: Any) -> dict[str, Any]:
+            return reply_for(ledger, q) if subject == subjects.RPC_EVENTS else view_reply(ledger.projections(), q)
 
-        return cls(answer)
+        return cls(ask)
 
     @classmethod
     def none(cls) -> Reads:
         """Reads of an empty ledger (a process with no ledger at all, e.g. `specpilot time` alone)."""
 
-        async def answer(q: EventQuery) -> dict[str, Any]:
+        async def ask(subject: str, q: Any) -> dict[str, Any]:
+            if subject == subjects.RPC_VIEW:
+                return view_reply(projections.State(), q)
             return {"count": 0} if q.count else {"events": []}
 
-        return cls(answer)
+        return cls(ask)
 
-    # --- the one query ------------------------------------------------------------------------
+    # --- the two queries ------------------------------------------------------------------------
 
     async def events(self, *kinds: type[schema.Event], **filters: Any) -> list[schema.Event]:
-        reply = await self._answer(query(*kinds, **filters))
+        reply = await self._ask(subjects.RPC_EVENTS, query(*kinds, **filters))
         return [schema.decode(e.encode()) for e in reply["events"]]
 
     async def count(self, *kinds: type[schema.Event], **filters: Any) -> int:
-        return int((await self._answer(query(*kinds, count=True, **filters)))["count"])
+        return int((await self._ask(subjects.RPC_EVENTS, query(*kinds, count=True, **filters)))["count"])
 
     async def last(self, kind: type[schema.Event], **filters: Any) -> schema.Event | None:
         found = await self.events(kind, last=1, **filters)
         return found[-1] if found else None
 
+    async def view(self, name: str, *keys: str) -> dict[str, Any]:
+        """Rows of projection ``name`` (all, or those of ``keys`` that exist), typed (`projections.ROWS`)."""
+        reply = await self._ask(subjects.RPC_VIEW, ViewQuery(view=name, keys=keys))
+        return msgspec.convert(reply["rows"], dict[str, projections.ROWS[name]])
+
     # --- what services ask ----------------------------------------------------------------------
 
-    async def best(self, deployment: str) -> schema.BestAdvanced | None:
+    async def best(self, deployment: str) -> projections.BestView | None:
         """The deployment's current best system (None: stock, nothing promoted)."""
-        return await self.last(schema.BestAdvanced, deployment=deployment)  # type: ignore[return-value]
+        return (await self.view("best", deployment)).get(deployment)
+
+    async def patches(self, *patch_ids: str) -> dict[str, projections.PatchView]:
+        """The status and verdict of each of ``patch_ids`` that the ledger knows."""
+        return await self.view("patches", *patch_ids) if patch_ids else {}
 
     async def decided(self, patch_id: str) -> bool:
         """Whether the patch already has a verdict or a refusal."""
-        return await self.count(schema.VerdictIssued, schema.PatchRefused, patch_id=patch_id) > 0
+        row = (await self.patches(patch_id)).get(patch_id)
+        return row is not None and row.decided
 
 
 def reply_for(ledger, q: EventQuery) -> dict[str, Any]:
@@ -124,3 +151,8 @@ def reply_for(ledger, q: EventQuery) -> dict[str, Any]:
     if q.count:
         return {"count": found}
     return {"events": [schema.encode(e).decode() for e in found]}
+
+
+def view_reply(state: projections.State, q: ViewQuery) -> dict[str, Any]:
+    """The reply the memory service sends for ``q`` from the live projections ``state``."""
+    return {"rows": msgspec.to_builtins(state.view(q.view, q.keys))}

@@ -134,11 +134,15 @@ class EngineOptions:
         return self if self.dtype is not None else self.replace(dtype=dtype)
 
     @property
+    def verifies_tree(self) -> bool:
+        """Whether a step verifies a tree of drafts (AR, with no drafter, verifies nothing)."""
+        return self.verify == "tree" and self.drafter != "none"
+
+    @property
     def step_tokens(self) -> int:
         """Tokens one verification step puts through the target: the root plus a full chain of
         ``block_size`` drafts, or the tree's node budget when it verifies a tree."""
-        tree = self.verify == "tree" and self.drafter != "none"
-        return 1 + (self.tree_nodes if tree else self.block_size)
+        return 1 + (self.tree_nodes if self.verifies_tree else self.block_size)
 
     def changed(self) -> dict[str, OptionValue | None]:
         """The fields that differ from stock (what a patch's option settings look like)."""

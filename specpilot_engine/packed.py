@@ -8,9 +8,9 @@ forward costs ~1.9x a 1-token one, while the weights it reads are the same. oneD
 weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) avoids
 re-packing the weight on every call and runs those blocks ~15-40% faster (measurements in
 specpilot_engine/README.md). With ``linear_backend = "onednn"`` one-row calls keep the default path
-(bit-identical to stock, and faster at one row on session 4's 1-thread measurements); with
-``"onednn_all"`` they take the packed path too, measured faster than MKL's one-row path on a
-2-core VM (docs/FIGURES.md, "Lab notes moved from code").
+(bit-identical to stock, and faster at one row on 1 thread); with ``"onednn_all"`` they take the
+packed path too, measured faster than MKL's one-row path on a 2-core VM (both: docs/FIGURES.md,
+"Lab notes moved from code").
 
 Contract: `PackedLinear` computes ``x @ W.T`` like the ``nn.Linear`` it replaces, for any leading
 shape, in fp32 or bf16. Packed results may differ from the default path in the last bits (another

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def evaluate(ctl, patch: schema.PatchProposed) -> None:
     await ctl.restore()  # what earlier `specpilot time` runs on this data directory measured (noise, best)
-    await ctl.handle_patch(patch)
+    await ctl.handle(patch)
 
 
 def exit_status(events: list[schema.Event]) -> int:

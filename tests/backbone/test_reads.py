@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specpilot import bus, ledger, reads, schema
+from specpilot import bus, ledger, projections, reads, schema
 from specpilot.reads import Reads
 from tests.backbone.helpers import publish_all, wait_for_rows
 from tests.conftest import connect_as
@@ -33,9 +33,15 @@ async def _check(r: Reads) -> None:
     assert [e.patch_id for e in await r.events(schema.PatchProposed, deployment="tiny-cpu")] == ["p-1", "p-2"]
     assert await r.count(schema.PatchProposed) == 3 and await r.count(schema.PatchProposed, round_id="r-2") == 1
     assert await r.decided("p-1") and await r.decided("p-2") and not await r.decided("p-3")
-    best = await r.best("tiny-cpu")
-    assert isinstance(best, schema.BestAdvanced) and best.commit == "c2" and best.options["block_size"] == 6
-    assert await r.best("other") is None
+    best = await r.best("tiny-cpu")  # from the projections, typed
+    assert isinstance(best, projections.BestView) and best.commit == "c2" and best.options["block_size"] == 6
+    assert best.patch_id == "p-9" and await r.best("other") is None
+    patches = await r.patches("p-1", "p-2", "p-3", "p-none")
+    assert {k: (v.status, v.direction_id) for k, v in patches.items()} == {
+        "p-1": ("promote", "d-1"), "p-2": ("refused", "d-1"), "p-3": ("proposed", "d-2")}
+    assert patches["p-1"].gain == 0.1 and patches["p-1"].options == {"verify": "tree"}
+    assert (await r.view("counts"))["patch.proposed"] == 3 and await r.view("rounds") == {}  # no round.started
+    assert [e.round_id for e in await r.events(schema.PatchProposed, round_id=["r-1", "r-2"])] == ["r-1", "r-1", "r-2"]
     both = await r.events(schema.VerdictIssued, schema.PatchRefused, patch_id=["p-1", "p-2", "p-3"])
     assert [type(e) for e in both] == [schema.VerdictIssued, schema.PatchRefused]
     assert [e.tag for e in await r.events(round_id="r-1", offset=4)] == ["patch.refused", "best.advanced"]
@@ -59,6 +65,10 @@ def test_typed_reads_over_the_memory_service_and_the_file(server, memory):
                 await Reads.over(subagent, retry=True).count(schema.PatchProposed, **{"x') OR 1=1 --": "y"})
             with pytest.raises(bus.ServiceError, match="not an event query"):
                 await subagent.request(reads.subjects.RPC_EVENTS, {"types": "nope", "nonsense": 1})
+            with pytest.raises(bus.ServiceError, match="no projection named"):
+                await Reads.over(subagent).view("nope")
+            with pytest.raises(bus.ServiceError, match="not a view query"):
+                await subagent.request(reads.subjects.RPC_VIEW, {"view": "best", "nonsense": 1})
         finally:
             await subagent.close()
 
@@ -99,3 +109,34 @@ def test_services_spell_no_sql_and_no_event_tag():
             offenders.append(f"{path.relative_to(REPO_ROOT)}: SQL")
         offenders += [f"{path.relative_to(REPO_ROOT)}: {t!r}" for t in tags if f"'{t}'" in text or f'"{t}"' in text]
     assert offenders == []
+
+
+def test_projections_of_an_older_version_are_rebuilt_not_reported_as_tampering(tmp_path):
+    """A ledger written by SpecPilot 0.1 holds version-1 projections (plain JSON, no version row): read-only
+    it verifies as stale (chain intact) and its reads fold the log; the memory service's writable open
+    rebuilds them, after which they verify identical."""
+    from specpilot import subjects
+
+    led = ledger.Ledger(tmp_path)
+    batch = [ledger.Incoming(subjects.event_subject(e.source, e.tag), seq, e, schema.encode(e))
+             for seq, e in enumerate(_story(), start=1)]
+    led.append(batch, projection=led.projections())
+    led.con.execute("DELETE FROM projections")
+    led.con.execute("INSERT INTO projections VALUES ('counts', '{\"patch.proposed\":3}'), ('best', '{}')")
+    led.close()
+
+    old = ledger.Ledger(tmp_path, read_only=True)
+    try:
+        res = ledger.verify(old)
+        assert res.ok and res.projections_stale and res.projections_match and "version 1" in res.reason
+        assert asyncio.run(Reads.local(old).best("tiny-cpu")).commit == "c2"  # folded from the log
+    finally:
+        old.close()
+    ledger.Ledger(tmp_path).close()  # the memory service's open
+    new = ledger.Ledger(tmp_path, read_only=True)
+    try:
+        res = ledger.verify(new)
+        assert res.ok and res.projections_match and not res.projections_stale
+        assert new.live_projections()["version"] == str(projections.VERSION)
+    finally:
+        new.close()

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from specpilot.services.controller import timing
 from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
 from specpilot.services.controller.workers import FILL_PATTERN, compile_fill_requests
@@ -57,7 +58,7 @@ def test_a_candidate_that_hoards_its_requests_in_the_cache_never_finds_a_timed_o
                    limits=Limits(wall_s=60.0), compile_cache=True)
     stock = System(ev.prepare())
     hoarder = System(ev.systems.apply(stock.commit, worker_patch(before_reply=HOARD), "hoarder"))
-    res = ev.time(stock, hoarder)
+    res = timing.paired(ev, stock, hoarder)
     assert res.problem == "", res.problem
     kept = list((ev.root / "compile-cache").iterdir())
     assert len(kept) == 2  # one per system (both started twice or more), nothing half-filled left over

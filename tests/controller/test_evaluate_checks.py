@@ -1,6 +1,7 @@
 """The controller's checks and designs: whole answers (max_new_tokens or a stop token), sealed trial order,
 warm-up requests."""
 
+from specpilot.services.controller.checks import incomplete
 from specpilot.services.controller.evaluate import Evaluator
 
 EOS = 256  # the tiny model's stop token
@@ -9,20 +10,20 @@ EOS = 256  # the tiny model's stop token
 def test_an_early_stop_on_the_targets_stop_token_is_a_whole_answer(tmp_path):
     ev = Evaluator(tmp_path, "tiny-cpu", max_new_tokens=8)
     reference = [[1, 2, 3, 4, 5, 6, 7, 8]]  # ran to max_new_tokens: no reference shows a stop token
-    assert ev.incomplete([[1, 2, 9, EOS]], reference) == ""
+    assert incomplete([[1, 2, 9, EOS]], reference, ev.stop_ids(), 8) == ""
 
 
 def test_a_truncated_answer_is_incomplete(tmp_path):
     ev = Evaluator(tmp_path, "tiny-cpu", max_new_tokens=8)
     reference = [[1, 2, 3, 4, 5, 6, 7, 8]]
-    assert "output 0 is incomplete: 3 tokens" in ev.incomplete([[1, 2, 9]], reference)
-    assert ev.incomplete([[1, 2, 3, 4, 5, 6, 7, 8]], reference) == ""
+    assert "output 0 is incomplete: 3 tokens" in incomplete([[1, 2, 9]], reference, ev.stop_ids(), 8)
+    assert incomplete([[1, 2, 3, 4, 5, 6, 7, 8]], reference, ev.stop_ids(), 8) == ""
 
 
 def test_sealed_trials_run_every_pair_of_systems_in_both_orders():
     from itertools import combinations
 
-    from specpilot.services.controller.evaluate import sealed_order
+    from specpilot.services.controller.phases import sealed_order
 
     names = ["ar", "stock", "final"]
     for first in range(0, 6, 2):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specpilot.services.controller import stats
+from specpilot.services.controller import phases, stats, timing
 from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
 
@@ -46,7 +46,7 @@ def test_each_request_is_answered_by_both_systems_in_turn(tmp_path):
                    limits=Limits(wall_s=60.0), interleave=True)
     stock = System(ev.prepare())
     tree = System(stock.commit, {"verify": "tree"})
-    res = ev.time(stock, tree)
+    res = timing.paired(ev, stock, tree)
     assert res.problem == ""
     assert res.order == ["AB", "BA"]
     assert len(res.incumbent_s) == len(res.candidate_s) == 2
@@ -96,7 +96,7 @@ def test_gpu_work_left_queued_for_the_next_system_wins_nothing(tmp_path):
     ctl = Controller(tmp_path, None, device="cuda", evaluator_kw=kw)
     patch = schema.PatchProposed(direction_id="test", patch_id="queue-gpu-work", diff=worker_patch(
         before_ready=WAIT_FOR_OWN_STREAM_ONLY, before_reply=QUEUE_GPU_WORK), options={}, deployment="tiny-cuda", source="subagent")
-    asyncio.run(ctl.handle_patch(patch))
+    asyncio.run(ctl.handle(patch))
     timings = [e for e in ctl.events if isinstance(e, schema.TimingMeasured) and e.kind == "candidate"]
     verdicts = [e for e in ctl.events if isinstance(e, schema.VerdictIssued)]
     assert timings and timings[0].interleaved and timings[0].carryover, timings
@@ -119,7 +119,7 @@ def test_the_sealed_final_interleaves_all_its_systems_and_keeps_their_tokens(tmp
     stock = System(ev.prepare())
     systems = {"final": System(stock.commit, {"verify": "tree"}), "stock": stock,
                "ar": System(stock.commit, {"drafter": "none"})}
-    results, outputs = ev.sealed_final(systems, n_requests=3, trials=2)
+    results, outputs = phases.sealed_final(ev, systems, n_requests=3, trials=2)
     assert results["interleaved"] and results["requests"] == 3
     assert all(len(results[n]["seconds"]) == 2 for n in systems)
     # greedy and lossless: every system gives the same tokens, which are those of a whole run alone

@@ -3,6 +3,7 @@ that are both the CPU, on the tiny deployment: the design and its bookkeeping, n
 
 import pytest
 
+from specpilot.services.controller import timing
 from specpilot.services.controller.evaluate import Evaluator, System
 from specpilot.services.controller.sandbox import Limits, bwrap_available
 
@@ -16,7 +17,7 @@ def test_both_systems_run_at_once_then_swap(tmp_path):
     assert ev.devices == ("cpu", "cpu") and ev.device == "cpu"
     stock = System(ev.prepare())
     tree = System(stock.commit, {"verify": "tree"})
-    res = ev.time(stock, tree)
+    res = timing.paired(ev, stock, tree)
     assert res.problem == ""
     assert len(res.incumbent_s) == len(res.candidate_s) == 2
     assert res.order == ["A@0B@1|A@1B@0", "B@0A@1|B@1A@0"]

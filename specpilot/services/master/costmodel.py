@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specpilot.shapes import Shape
-from specpilot_engine.options import factor_options
+from specpilot_engine.options import EngineOptions, factor_options, options_from_dict
 
 FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.9
@@ -255,21 +255,25 @@ class StepModel:
 def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
     """Predicted speedup of setting ``option`` to ``value`` over the current system, or None when the
     model cannot say (a tree of another drafter, a kernel or overhead mechanism, a drafter setting
-    that was not replayed, ...).
+    that was not replayed, an option or value this stock does not know, ...).
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
-    ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults)."""
+    ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults).
+    What a step verifies is read from the options themselves (`EngineOptions.step_tokens`)."""
     if option not in PREDICTABLE or model.t_ar_s <= 0 or model.step_s <= 0:
         return None
-    profiled = {**stock, **options}
-    new = {**profiled, option: value}
-    tree = new.get("verify") == "tree"
-    n = int(new.get("tree_nodes", 16)) if tree else int(new.get("block_size", 4))
-    if new.get("drafter") != profiled.get("drafter"):
-        if tree or new.get("drafter") not in model.drafters:
+    known = {k: v for k, v in {**stock, **options}.items() if k in EngineOptions.__dataclass_fields__}
+    try:
+        profiled = options_from_dict(known)
+        new = options_from_dict({option: value}, base=profiled)
+    except ValueError:
+        return None  # e.g. a drafter an agent's patch added: not replayed, nothing to predict
+    tree, n = new.verifies_tree, new.step_tokens - 1
+    if new.drafter != profiled.drafter:
+        if tree or new.drafter not in model.drafters:
             return None  # only chains of replayed drafters are predicted
-        return model.drafter_speedup(new["drafter"], n) / model.current
-    if option not in ("block_size", "verify", "tree_nodes"):
+        return model.drafter_speedup(new.drafter, n) / model.current
+    if (new.verify, new.step_tokens) == (profiled.verify, profiled.step_tokens):
         # A setting of the same drafter (replayed as "option=value"): same verification and about the
         # same draft cost, so the gain is the ratio of the two chains' replayed tau at this length.
         key = f"{option}={value}"

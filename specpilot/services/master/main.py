@@ -86,9 +86,8 @@ class Master:
         return {"round_id": round_id, "resumed": False}
 
     async def unfinished(self) -> list[schema.RoundStarted]:
-        started = await self.reads.events(schema.RoundStarted)
-        finished = {e.round_id for e in await self.reads.events(schema.RoundFinished)}
-        return [e for e in started if e.round_id not in finished]  # type: ignore[misc]
+        open_ids = [k for k, row in (await self.reads.view("rounds")).items() if row.status != "finished"]
+        return await self.reads.events(schema.RoundStarted, round_id=open_ids) if open_ids else []  # type: ignore[return-value]
 
     def _spawn(self, started: schema.RoundStarted) -> None:
         if started.round_id not in self.tasks or self.tasks[started.round_id].done():
@@ -284,8 +283,7 @@ class RoundDriver:
         t0 = time.monotonic()
         while True:
             ids = sorted({p.patch_id for p in await self.reads.events(schema.PatchProposed, direction_id=did)})  # type: ignore[attr-defined]
-            decided = {e.patch_id for e in await self.reads.events(  # type: ignore[attr-defined]
-                schema.VerdictIssued, schema.PatchRefused, patch_id=ids)} if ids else set()
+            decided = {k for k, row in (await self.reads.patches(*ids)).items() if row.decided}
             elapsed = time.monotonic() - t0
             if ids and len(decided) >= len(ids):  # a subagent stores a direction's patches in one atomic batch
                 return

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 # A value the cost model predicts to lose more than this is not timed. The step model is crude (linear in
-# the drafted tokens; measured on SmolLM2 1-thread CPU it called an 11% gain a 6% loss), so only clear
-# predicted losses are screened out; what is left is timed best-predicted first.
+# the drafted tokens; it has called a gain a loss: docs/FIGURES.md, "Lab notes moved from code"), so only
+# clear predicted losses are screened out; what is left is timed best-predicted first.
 MIN_PREDICTED_GAIN = 0.9
 # A mechanism the cost model cannot predict (a kernel, graphs, an untried drafter) is credited this
 # share of its factor's gap, in log terms (factor ** share), when ranked against predicted ones: a

@@ -3,8 +3,9 @@
 It records every event exactly once: fetch a batch from its durable consumer, decide (``logic``),
 append the batch in one transaction, commit, **then** ack. A crash between commit and ack causes a
 redelivery that the primary key absorbs; acking first would lose events. It also serves the
-ledger read-only over NATS micro endpoints (``events``: the typed reads of `specpilot.reads`; ``sql``,
-``audit``, ``replay``, ``export``, ``entries``).
+ledger read-only over NATS micro endpoints (``events`` and ``view``: the typed reads of
+`specpilot.reads`, the latter from the live projections it folds as it records; ``sql``, ``audit``,
+``replay``, ``export``, ``entries``).
 
 Memory entries: every recorded ``MemoryEntryProposed`` without a decision is validated
 (``entries.validate``: stock + delta must reproduce the source system's files) and answered with
@@ -31,24 +32,22 @@ BATCH = 2000
 log = logging.getLogger(NAME)
 
 
-def entries_with_status(led: ledger.Ledger, decision: type[schema.Event] | None) -> list[schema.Event]:
-    """Proposed memory entries with that decision recorded (None: still undecided), in recording order."""
-    decided = {kind: {e.entry_id for e in led.select(reads.query(kind))}  # type: ignore[attr-defined]
-               for kind in (schema.MemoryEntryAccepted, schema.MemoryEntryRejected)}
-    keep = decided[decision] if decision else None
-    any_decision = set().union(*decided.values())
-    return [e for e in led.select(reads.query(schema.MemoryEntryProposed))
-            if (e.entry_id in keep if keep is not None else e.entry_id not in any_decision)]  # type: ignore[attr-defined]
+def entries_with_status(led: ledger.Ledger, state: projections.State, status: str) -> list[schema.Event]:
+    """Proposed memory entries whose status (`projections.EntryView`: proposed, accepted, rejected) is
+    ``status``, in recording order."""
+    ids = [k for k, row in state.view("memory_entries").items() if row.status == status]
+    return led.select(reads.query(schema.MemoryEntryProposed, entry_id=ids)) if ids else []  # type: ignore[return-value]
 
 
 class Recorder:
     """Fetch → classify → append+commit → ack. ``record`` keeps that order; tests subclass it."""
 
-    def __init__(self, led: ledger.Ledger, b: bus.Bus):
+    def __init__(self, led: ledger.Ledger, b: bus.Bus, projection: projections.State | None = None):
+        """``projection``: the live projections, shared with the ``view`` endpoint (read from the ledger
+        when not given)."""
         self.ledger = led
         self.bus = b
-        self.projection = projections.State()
-        self.projection.reset_to(led.live_projections())
+        self.projection = projection if projection is not None else led.projections()
 
     async def step(self, timeout: float = 0.5) -> int:
         deliveries = await self.bus.fetch(batch=BATCH, timeout=timeout)
@@ -60,7 +59,7 @@ class Recorder:
 
     async def review_entries(self) -> None:
         """Decide every proposed entry that has no decision in the ledger yet."""
-        for entry in entries_with_status(self.ledger, None):
+        for entry in entries_with_status(self.ledger, self.projection, "proposed"):
             problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files,  # type: ignore[attr-defined]
                                               stock_files=entry.stock_files)  # type: ignore[attr-defined]
             decision_id = f"entry-decision-{entry.entry_id}"  # type: ignore[attr-defined]
@@ -119,7 +118,8 @@ async def rebuild(led: ledger.Ledger, messages) -> int:
     return n + len(batch)
 
 
-def endpoints(led: ledger.Ledger) -> dict:
+def endpoints(led: ledger.Ledger, state: projections.State) -> dict:
+    """The memory service's RPCs; ``state`` is the recorder's live projections."""
     async def sql(req: dict) -> dict:
         return led.query_readonly(str(req.get("query", "")))
 
@@ -139,23 +139,30 @@ def endpoints(led: ledger.Ledger) -> dict:
             raise ValueError(f"not an event query: {exc}") from None
         return reads.reply_for(led, q)
 
+    async def view(req: dict) -> dict:
+        try:
+            return reads.view_reply(state, msgspec.convert(req, reads.ViewQuery))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"not a view query: {exc}") from None
+
     async def accepted(req: dict) -> dict:
         facts = req.get("facts") or {}
-        found = [e for e in entries_with_status(led, schema.MemoryEntryAccepted)
+        found = [e for e in entries_with_status(led, state, "accepted")
                  if entries.matches(e.requirements, facts)]  # type: ignore[attr-defined]
         return {"entries": [msgspec.to_builtins(e) for e in found]}
 
     return {subjects.RPC_SQL: sql, subjects.RPC_AUDIT: audit, subjects.RPC_REPLAY: replay, subjects.RPC_EXPORT: export,
-            subjects.RPC_ENTRIES: accepted, subjects.RPC_EVENTS: events}
+            subjects.RPC_ENTRIES: accepted, subjects.RPC_EVENTS: events, subjects.RPC_VIEW: view}
 
 
 def make(cfg: service.ServiceConfig, recorder_cls: type[Recorder] = Recorder):
     led = ledger.Ledger(cfg.data)
+    state = led.projections()
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
-        await recorder_cls(led, b).run(stop)
+        await recorder_cls(led, b, state).run(stop)
 
-    return body, endpoints(led)
+    return body, endpoints(led, state)
 
 
 def main(argv: list[str] | None = None, recorder_cls: type[Recorder] = Recorder) -> None:

@@ -1,0 +1,170 @@
+"""One patch, from proposal to verdict: the controller's main job.
+
+For each ``PatchProposed``: policy → ``PatchRefused``; else apply + sandboxed default check
+(`checks.default_check`) → ``PatchTested``; stock-versus-stock noise once per deployment and device
+(`noise`) → ``TimingMeasured(kind="noise")``; paired ABBA timing (`timing.paired`) →
+``TimingMeasured``; if the candidate's outputs differ from the incumbent's, token forcing (`force`: the
+forcer service over the bus, or this process for `specpilot time`); then ``VerdictIssued`` with every
+statistic (`stats.decide`). A promotion is first profiled (``ProfileMeasured``, so the round's cost
+model plans the next wave from the new best's step costs and replays), then ``BestAdvanced`` and a
+``MemoryEntryProposed`` (`memory_entry`: the whole delta from stock, the promoted system's file
+hashes, the deployment's facts as requirements). A patch whose decision is already in the ledger is
+not evaluated again (redelivery). Decisions are pure (`specpilot.policy`, `stats`); this module does
+the I/O, through the `main.Controller` it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specpilot import policy, schema
+from specpilot.services.controller import hardware, phases, stats, timing
+from specpilot.services.controller.checks import default_check
+from specpilot.services.controller.state import noise_key
+from specpilot.services.controller.workers import System
+
+if TYPE_CHECKING:
+    from specpilot.services.controller.evaluate import Evaluator
+    from specpilot.services.controller.main import Controller
+
+FORCING_TIMEOUT_S = 1800.0
+# Until the master's cost model states the ceiling of a deployment: no change to a batch-1 decode step
+# can make it 20x faster than the incumbent; a measurement saying so is broken.
+SANITY_CEILING = 20.0
+log = logging.getLogger("controller")
+
+
+async def evaluate_patch(ctl: Controller, patch: schema.PatchProposed) -> None:
+    """Decide one patch; every step is an event emitted through ``ctl``."""
+    if await ctl.already_decided(patch.patch_id):
+        log.info("patch %s already has a verdict; skipping the redelivery", patch.patch_id)
+        return
+    if refusal := policy.refused(patch):
+        await ctl.emit(refusal, patch)
+        return
+    ev, dep = await ctl.registered(patch)
+    best = ctl.best_system(ev, dep)
+    noise = await measure_noise(ctl, ev, best, patch)
+
+    fields, candidate = await asyncio.to_thread(default_check, ev, patch, best)
+    await ctl.emit(schema.PatchTested(patch_id=patch.patch_id, **fields), patch)
+    if candidate is None:
+        await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=fields["detail"],
+                                            noise=noise), patch)
+        return
+
+    interleave = ev.interleave
+    while True:
+        t0 = time.monotonic()
+        trial = await asyncio.to_thread(timing.paired, ev, best, candidate, None, interleave)
+        measured = await ctl.emit(schema.TimingMeasured(
+            patch_id=patch.patch_id, kind="candidate", device=ctl.device, incumbent_commit=best.commit,
+            candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=interleave,
+            wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
+        if trial.problem:
+            break
+        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s)
+        # The candidate may slow the other system (work it leaves queued on the device while
+        # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
+        # a worker that exits before the other starts, cannot (stats.retime_reason).
+        why = stats.retime_reason(interleave, trial.carryover, estimate, noise, gpu=ev.device.startswith("cuda"))
+        if not why:
+            break
+        log.warning("patch %s: %s; timing again run by run", patch.patch_id, why)
+        interleave = False
+    if trial.problem:
+        await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
+                                            noise=noise, timing_event_id=measured.event_id), patch)
+        return
+
+    if interleave != ev.interleave:  # a confirmation run by run: a design whose noise is not measured
+        noise = stats.confirmation_noise(noise, estimate)
+    identical = trial.candidate_outputs == ev.reference(best)
+    forcing_passed = None
+    if not identical:
+        forcing_passed = await force(ctl, ev, patch, candidate, trial.candidate_outputs)
+    decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
+                            ceiling=ctl.state.ceiling.get(dep, SANITY_CEILING))
+    if decision.decision == "promote":
+        # The round's cost model reads the latest profile, so after a promotion the old one's costs
+        # and replays no longer describe the best (a stale profile misjudged the parallel drafter:
+        # docs/FIGURES.md, "Lab notes moved from code"). Emitted before the verdict, so the master's
+        # next plan, made after it, cannot miss it.
+        label = await asyncio.to_thread(hardware.device_label, ev.device)
+        await ctl.emit(await asyncio.to_thread(phases.profile, ev, candidate, label), measured)
+    verdict = await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=measured.event_id,
+                                                  **decision.verdict_fields()), patch)
+    if decision.decision == "promote":
+        previous = ev.systems.advance(dep, candidate.commit)
+        advanced = await ctl.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
+                                                      patch_id=patch.patch_id, options=candidate.options,
+                                                      gain=estimate.gain), verdict)
+        await ctl.emit(memory_entry(ev, patch, candidate, identical,
+                                    [patch.event_id, measured.event_id, verdict.event_id, advanced.event_id]),
+                       advanced)
+
+
+async def measure_noise(ctl: Controller, ev: Evaluator, best: System, cause: schema.Event) -> float:
+    """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
+    key = noise_key(ev.deployment, ctl.device)
+    if key not in ctl.state.noise:
+        t0 = time.monotonic()
+        trial = await asyncio.to_thread(timing.paired, ev, best, best)
+        wall_s = time.monotonic() - t0
+        if trial.problem:
+            raise RuntimeError(f"noise measurement failed: {trial.problem}")
+        value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
+        await ctl.emit(schema.TimingMeasured(kind="noise", device=ctl.device, incumbent_commit=best.commit,
+                                             candidate_commit=best.commit, noise=value, requests=ev.n_requests,
+                                             interleaved=ev.interleave, wall_s=wall_s, **trial.event_fields()), cause)
+    return ctl.state.noise[key]
+
+
+async def force(ctl: Controller, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
+                outputs: list[list[int]]) -> bool:
+    """Whether the candidate's outputs pass token forcing against the target (False on a timeout)."""
+    request_id = f"force-{patch.patch_id}"
+    outputs_json = [{"prompt_ids": p, "tokens": t} for p, t in zip(ev.prompts(), outputs, strict=True)]
+    if ctl.bus is None:
+        from specpilot.harness.forcing import force_outputs
+
+        report = await asyncio.to_thread(force_outputs, ev.deployment, outputs_json, ev.data)
+        ctl.events.append(schema.ForcingReported(request_id=request_id, patch_id=patch.patch_id, source="forcer",
+                                                 passed=report["passed"], reason=report.get("reason", ""),
+                                                 stats=report.get("stats", {})))
+        return bool(report["passed"])
+    reply = ctl.await_forcing(request_id)
+    await ctl.emit(schema.ForcingRequested(
+        request_id=request_id, patch_id=patch.patch_id, system_commit=candidate.commit, outputs=outputs_json), patch)
+    try:
+        report: schema.ForcingReported = await asyncio.wait_for(reply, FORCING_TIMEOUT_S)
+    except TimeoutError:
+        ctl.forcing.pop(request_id, None)
+        return False
+    return bool(report.passed)
+
+
+def memory_entry(ev: Evaluator, patch: schema.PatchProposed, candidate: System, identical: bool,
+                 evidence: list[str]) -> schema.MemoryEntryProposed:
+    """What a promotion teaches: the whole delta from stock to the promoted system, and where it holds."""
+    import tempfile
+
+    from specpilot.entries import requirements_of, tree_hashes
+    from specpilot.harness.deployment import load_deployment
+
+    stock = ev.systems.git("rev-parse", "stock")
+    with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
+        files = tree_hashes(ev.systems.checkout(candidate.commit, Path(tmp) / "source"))
+        stock_files = tree_hashes(ev.systems.checkout(stock, Path(tmp) / "stock"))
+    return schema.MemoryEntryProposed(
+        entry_id=f"entry-{patch.patch_id}", title=patch.notes[:120] or f"promoted {patch.patch_id}",
+        delta=ev.systems.git("diff", stock, candidate.commit, "--", "specpilot_engine", "specpilot_kernels") + "\n"
+        if candidate.commit != stock else "",
+        options=candidate.options, requirements=requirements_of(load_deployment(ev.deployment).facts()),
+        contract="greedy tokens identical to the incumbent's" if identical
+        else "passes token forcing against stock (rate and event rules)",
+        evidence=evidence, source_commit=candidate.commit, source_files=files, stock_files=stock_files)
