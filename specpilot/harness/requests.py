@@ -58,16 +58,10 @@ def split_of(request_id: str, seed: int, sealed_fraction: float) -> Literal["dev
 
 
 def load_requests(deployment, split: Literal["dev", "sealed", "all"] = "dev") -> list[Request]:
-    """The deployment's requests of one split, interleaved across sets (so a prefix mixes them).
-
-    ``deployment`` is a `Deployment` or its name/path.
-    """
+    """The requests of one split of a `specpilot.harness.deployment.Deployment` (its ``request_sets``,
+    ``split_seed`` and ``sealed_fraction``), interleaved across sets (so a prefix mixes them)."""
     if split not in ("dev", "sealed", "all"):
         raise ValueError(f"unknown split {split!r}; allowed: dev, sealed, all")
-    if not hasattr(deployment, "request_sets"):
-        from specpilot.harness.deployment import load_deployment
-
-        deployment = load_deployment(deployment)
     per_set = []
     for name in deployment.request_sets:
         reqs = REQUEST_SETS[name]()

@@ -34,6 +34,8 @@ JOBS = {schema.PatchProposed: verdict.evaluate_patch, schema.RoundStarted: phase
 
 
 class Controller:
+    """The controller service; its jobs see it as a `context.Service`."""
+
     def __init__(self, data: Path, b: bus.Bus | None, device: str = "cpu", evaluator_kw: dict | None = None):
         """With ``b=None`` (``specpilot time``) events go to the local log (`emit.LocalEmitter`) and forcing
         runs in this process instead of going through the forcer service; every emitted event is also kept

@@ -7,7 +7,7 @@ the final's outputs are forced in this process (sealed prompts never enter the l
 prompt lookup runs on the same prompts (`peer`) → ``SealedFinalReported``. Both are skipped when the
 ledger already holds their report for the round. `measure` and `sealed_final` are functions of an
 `evaluate.Evaluator` (they run systems); `round_started`, `profile` and `final` are the service's
-handlers, functions of the `main.Controller` (they emit).
+handlers, functions of the `context.Service` (they emit).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from specpilot.services.controller.workers import System
 from specpilot.shapes import shape_of
 
 if TYPE_CHECKING:
+    from specpilot.services.controller.context import Service
     from specpilot.services.controller.evaluate import Evaluator
-    from specpilot.services.controller.main import Controller
 
 log = logging.getLogger("controller")
 
@@ -146,7 +146,7 @@ def _alternative_drafters(replies: list[dict]) -> dict[str, dict]:
 
 # --- the service's handlers (functions of the controller) ----------------------------------------
 
-async def round_started(ctl: Controller, event: schema.RoundStarted) -> None:
+async def round_started(ctl: Service, event: schema.RoundStarted) -> None:
     """Phase 0: measure the device and profile the current best on the dev requests."""
     from specpilot.harness.deployment import load_deployment
 
@@ -205,7 +205,7 @@ def peer(ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-async def final(ctl: Controller, event: schema.SealedFinalRequested) -> None:
+async def final(ctl: Service, event: schema.SealedFinalRequested) -> None:
     """Phase 4: the final system, stock and AR on the sealed requests, and the final's forcing verdict.
 
     Forcing runs here, not through the forcer service, so sealed prompts never enter the ledger."""

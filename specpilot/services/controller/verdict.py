@@ -10,7 +10,7 @@ model plans the next wave from the new best's step costs and replays), then ``Be
 ``MemoryEntryProposed`` (`memory_entry`: the whole delta from stock, the promoted system's file
 hashes, the deployment's facts as requirements). A patch whose decision is already in the ledger is
 not evaluated again (redelivery). Decisions are pure (`specpilot.policy`, `stats`); this module does
-the I/O, through the `main.Controller` it is given.
+the I/O, through the `context.Service` it is given.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from specpilot.services.controller.state import noise_key
 from specpilot.services.controller.workers import System
 
 if TYPE_CHECKING:
+    from specpilot.services.controller.context import Service
     from specpilot.services.controller.evaluate import Evaluator
-    from specpilot.services.controller.main import Controller
 
 FORCING_TIMEOUT_S = 1800.0
 # Until the master's cost model states the ceiling of a deployment: no change to a batch-1 decode step
@@ -38,7 +38,7 @@ SANITY_CEILING = 20.0
 log = logging.getLogger("controller")
 
 
-async def evaluate_patch(ctl: Controller, patch: schema.PatchProposed) -> None:
+async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
     """Decide one patch; every step is an event emitted through ``ctl``."""
     if await ctl.already_decided(patch.patch_id):
         log.info("patch %s already has a verdict; skipping the redelivery", patch.patch_id)
@@ -108,7 +108,7 @@ async def evaluate_patch(ctl: Controller, patch: schema.PatchProposed) -> None:
                        advanced)
 
 
-async def measure_noise(ctl: Controller, ev: Evaluator, best: System, cause: schema.Event) -> float:
+async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema.Event) -> float:
     """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
     key = noise_key(ev.deployment, ctl.device)
     if key not in ctl.state.noise:
@@ -124,7 +124,7 @@ async def measure_noise(ctl: Controller, ev: Evaluator, best: System, cause: sch
     return ctl.state.noise[key]
 
 
-async def force(ctl: Controller, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
+async def force(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
                 outputs: list[list[int]]) -> bool:
     """Whether the candidate's outputs pass token forcing against the target (False on a timeout)."""
     request_id = f"force-{patch.patch_id}"
