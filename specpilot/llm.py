@@ -1,5 +1,5 @@
 """The LLM tool loop, through the Anthropic or OpenAI SDK: the only module that imports ``anthropic`` or
-``openai``. Shared by the services that converse with a model (the subagent's patch writer, the master's
+``openai`` (when a conversation runs, not on import). Shared by the services that converse with a model (the subagent's patch writer, the master's
 planner); it knows nothing of either.
 
 Contract: ``tool_loop(spec, key, system, task, toolbox, usage, max_turns)`` drives one conversation over
@@ -12,16 +12,18 @@ any toolbox (``specs``: name/description/input_schema dicts; ``call(name, args)`
 - OpenAI and OpenAI-compatible servers: ``client.chat.completions.create(model, messages, tools)``; every
   ``tool_calls`` entry is answered by a ``{"role": "tool", "tool_call_id": ...}`` message.
 A reply without tool calls gets one user nudge (``nudge``) to use the tools or finish (it costs a turn).
+
+Budgets: a conversation ends at ``max_turns`` model calls, ``max_wall_s`` seconds or ``max_total_tokens``
+tokens (input plus output), whichever comes first; ``usage`` says what it cost and why it ended
+(``finished``, ``turns``, ``wall``, ``tokens`` or ``error``), for the caller's `schema.ConversationUsed`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
-
-import anthropic
-import openai
 
 from specpilot.providers import ANTHROPIC, ProviderError, ProviderSpec
 
@@ -43,25 +45,62 @@ class ToolResult:
 
 @dataclass
 class Usage:
+    """What a conversation cost so far, and (once over) why it ended."""
+
     turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     tools: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    ended: str = ""
 
     def summary(self) -> str:
-        return f"{self.turns} turns, {self.input_tokens} input / {self.output_tokens} output tokens"
+        return f"{self.turns} turns, {self.input_tokens} input / {self.output_tokens} output tokens, {self.wall_s:.0f} s"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits of one conversation (None: no limit)."""
+
+    turns: int = DEFAULT_MAX_TURNS
+    wall_s: float | None = None
+    tokens: int | None = None  # input plus output
+
+    def spent(self, usage: Usage, started: float) -> str:
+        """Which limit ``usage`` reached ('' while none is)."""
+        usage.wall_s = time.monotonic() - started
+        if usage.turns >= self.turns:
+            return "turns"
+        if self.wall_s is not None and usage.wall_s >= self.wall_s:
+            return "wall"
+        if self.tokens is not None and usage.input_tokens + usage.output_tokens >= self.tokens:
+            return "tokens"
+        return ""
 
 
 def tool_loop(spec: ProviderSpec, key: str, system: str, task: str, toolbox, usage: Usage,
-              max_turns: int = DEFAULT_MAX_TURNS, max_tokens: int = DEFAULT_MAX_TOKENS, nudge: str = NUDGE) -> None:
-    """Converse until ``toolbox.finished`` is set or ``max_turns`` model calls; SDK errors → ProviderError."""
+              max_turns: int = DEFAULT_MAX_TURNS, max_tokens: int = DEFAULT_MAX_TOKENS, nudge: str = NUDGE,
+              max_wall_s: float | None = None, max_total_tokens: int | None = None) -> None:
+    """Converse until ``toolbox.finished`` is set or a budget is spent (``usage.ended`` says which);
+    SDK errors → ProviderError."""
+    import anthropic  # the SDKs load only when a conversation runs
+    import openai
+
+    budget, started = Budget(max_turns, max_wall_s, max_total_tokens), time.monotonic()
     try:
         if spec.kind == ANTHROPIC:
-            _anthropic_loop(spec, key, system, task, toolbox, usage, max_turns, max_tokens, nudge)
+            _anthropic_loop(spec, key, system, task, toolbox, usage, budget, started, max_tokens, nudge)
         else:
-            _openai_loop(spec, key, system, task, toolbox, usage, max_turns, nudge)
+            _openai_loop(spec, key, system, task, toolbox, usage, budget, started, nudge)
+        usage.ended = "finished" if toolbox.finished is not None else budget.spent(usage, started)
     except (anthropic.APIError, openai.APIError) as exc:
+        usage.ended = "error"
         raise ProviderError(f"{spec}: {type(exc).__name__}: {exc}") from exc
+    except ProviderError:
+        usage.ended = "error"
+        raise
+    finally:
+        usage.wall_s = time.monotonic() - started
 
 
 # --- Anthropic -----------------------------------------------------------------------------------
@@ -81,11 +120,13 @@ def _anthropic_block(block) -> dict:
 
 
 def _anthropic_loop(spec: ProviderSpec, key: str, system: str, task: str, tools, usage: Usage,
-                    max_turns: int, max_tokens: int, nudge: str) -> None:
+                    budget: Budget, started: float, max_tokens: int, nudge: str) -> None:
+    import anthropic
+
     client = anthropic.Anthropic(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
     specs = _anthropic_tools(tools.specs)
     messages: list[dict] = [{"role": "user", "content": task}]
-    while usage.turns < max_turns:
+    while not budget.spent(usage, started):
         reply = client.messages.create(model=spec.model, max_tokens=max_tokens, system=system, tools=specs,
                                        messages=messages)
         usage.turns += 1
@@ -118,11 +159,13 @@ def _openai_tools(specs: list[dict]) -> list[dict]:
 
 
 def _openai_loop(spec: ProviderSpec, key: str, system: str, task: str, tools, usage: Usage,
-                 max_turns: int, nudge: str) -> None:
+                 budget: Budget, started: float, nudge: str) -> None:
+    import openai
+
     client = openai.OpenAI(api_key=key, base_url=spec.base_url, timeout=REQUEST_TIMEOUT_S)
     specs = _openai_tools(tools.specs)
     messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
-    while usage.turns < max_turns:
+    while not budget.spent(usage, started):
         reply = client.chat.completions.create(model=spec.model, messages=messages, tools=specs)
         usage.turns += 1
         if reply.usage is not None:

@@ -16,6 +16,8 @@ What this module does not do: I/O, subjects (see ``subjects``), validation beyon
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import time
 from typing import Any, ClassVar
@@ -132,7 +134,8 @@ class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
     ceiling_speedup: float
     factors: dict[str, float] = {}
     floors_s: dict[str, float] = {}
-    replay_tau: dict[str, float] = {}  # node budget -> tau of the best tree in exact replay
+    replay_tau: dict[str, float] = {}  # node budget -> the most tokens a step commits in exact replay, any drafter
+    replay_by: dict[str, str] = {}  # node budget -> which replay reaches it ("ngram tree", "parallel chain", ...)
 
 
 class DirectionPlanned(Event, frozen=True, kw_only=True, tag="direction.planned"):
@@ -147,6 +150,7 @@ class DirectionPlanned(Event, frozen=True, kw_only=True, tag="direction.planned"
     device: str = ""
     memory_entry_id: str = ""
     hints: dict[str, Any] = {}
+    evidence: dict[str, Any] = {}  # what the agent is told (specpilot.evidence.bundle), bounded in size
 
 
 # --- patches and verdicts ------------------------------------------------------------------------
@@ -172,6 +176,21 @@ class DirectionFailed(Event, frozen=True, kw_only=True, tag="direction.failed"):
     direction_id: str
     provider: str = ""
     reason: str = ""
+
+
+class ConversationUsed(Event, frozen=True, kw_only=True, tag="conversation.used"):
+    """What one LLM conversation cost (a subagent's coder or the master's planner), finished or not."""
+
+    sources: ClassVar[frozenset[str]] = _only(MASTER, SUBAGENT)
+    purpose: str  # "coder" | "planner"
+    direction_id: str = ""  # the coder's direction ("" for the planner)
+    provider: str = ""  # e.g. "anthropic:claude-..."
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    ended: str = ""  # "finished" | "turns" | "wall" | "tokens" | "error"
+    tools: list[str] = []  # tool calls in order
 
 
 class PatchRefused(Event, frozen=True, kw_only=True, tag="patch.refused"):
@@ -349,6 +368,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     DirectionPlanned,
     PatchProposed,
     DirectionFailed,
+    ConversationUsed,
     PatchRefused,
     PatchTested,
     TimingMeasured,
@@ -365,31 +385,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     SecurityViolation,
     RoundFinished,
 )
-AnyEvent = (
-    DeploymentRegistered
-    | RoundStarted
-    | HardwareMeasured
-    | ProfileMeasured
-    | CeilingComputed
-    | DirectionPlanned
-    | PatchProposed
-    | DirectionFailed
-    | PatchRefused
-    | PatchTested
-    | TimingMeasured
-    | VerdictIssued
-    | ForcingRequested
-    | ForcingReported
-    | IntegrationProposed
-    | BestAdvanced
-    | SealedFinalRequested
-    | SealedFinalReported
-    | MemoryEntryProposed
-    | MemoryEntryAccepted
-    | MemoryEntryRejected
-    | SecurityViolation
-    | RoundFinished
-)
+AnyEvent = functools.reduce(operator.or_, ALL_EVENTS)  # the tagged union msgspec decodes into
 BY_TAG: dict[str, type[Event]] = {t.__struct_config__.tag: t for t in ALL_EVENTS}  # type: ignore[misc]
 
 _encoder = msgspec.json.Encoder()

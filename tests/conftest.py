@@ -42,10 +42,10 @@ async def connect_as(srv: natsd.LocalServer, user: str) -> bus.Bus:
 
 
 def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
-                  extra: list[str] | None = None) -> subprocess.Popen:
-    """Start a service as its own process, exactly as `specpilot up` does."""
+                  extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a service as its own process, exactly as `specpilot up` does (``env``: extra variables)."""
     log = open(srv.data / f"{name}.log", "ab")  # noqa: SIM115
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", module or f"specpilot.services.{name}", "--data", str(srv.data), "--nats", srv.url,
          "--creds", str(natsd.creds_path(srv.data, name)), *(extra or [])],

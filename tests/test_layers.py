@@ -91,7 +91,7 @@ def test_the_rules_catch_what_they_name():
     assert violations("specpilot.schema", {"specpilot.services.master.planner"})
     assert violations("specpilot.ledger", {"torch"})
     assert violations("specpilot_engine.api", {"specpilot.harness.deployment"})
-    assert violations("specpilot.harness.worker", {"specpilot.services.controller.sandbox"})
+    assert violations("specpilot.harness.worker", {"specpilot.services.controller.workers"})
     assert violations("specpilot.services.controller.main", {"specpilot.services.master.costmodel"})
     assert violations("specpilot.services.master.main", {"specpilot.app.cli"})
     assert violations("specpilot.services.master.main", {"engine.model"})

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from specpilot.sandbox import Limits, Sandbox, bwrap_available
 from specpilot.services.controller import timing
 from specpilot.services.controller.evaluate import Evaluator, System
-from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
 from specpilot.services.controller.workers import FILL_PATTERN, compile_fill_requests
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")

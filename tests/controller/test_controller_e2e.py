@@ -12,7 +12,7 @@ import time
 import pytest
 
 from specpilot import schema
-from specpilot.services.controller.sandbox import bwrap_available
+from specpilot.sandbox import bwrap_available
 from tests.backbone.helpers import sql
 from tests.conftest import connect_as, spawn_service, wait_for_services
 from tests.controller import patches

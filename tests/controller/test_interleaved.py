@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from specpilot.sandbox import Limits, Sandbox, bwrap_available
 from specpilot.services.controller import phases, stats, timing
 from specpilot.services.controller.evaluate import Evaluator, System
-from specpilot.services.controller.sandbox import Limits, Sandbox, bwrap_available
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 

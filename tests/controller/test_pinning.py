@@ -1,18 +1,13 @@
-"""Pinning timing workers to cores (``Sandbox.cpus``, ``sandbox.timing_cpus``, ``Evaluator.pin_cpus``)."""
+"""Pinning timing workers to cores (``Sandbox.cpus``, ``pinning.timing_cpus``, ``Evaluator.pin_cpus``)."""
 
 import os
 import sys
 
 import pytest
 
+from specpilot.sandbox import Sandbox, SandboxError
 from specpilot.services.controller.evaluate import Evaluator
-from specpilot.services.controller.sandbox import (
-    Sandbox,
-    SandboxError,
-    parse_cpulist,
-    pick_cores,
-    timing_cpus,
-)
+from specpilot.services.controller.pinning import parse_cpulist, pick_cores, timing_cpus
 
 
 def test_cpulists_are_parsed_like_sysfs_writes_them():
@@ -64,7 +59,7 @@ def test_gpu_workers_are_pinned_by_default_and_cpu_workers_are_not(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_a_gpu_gets_a_core_on_its_own_numa_node():
-    from specpilot.services.controller.sandbox import device_local_cpus
+    from specpilot.services.controller.pinning import device_local_cpus
 
     local = device_local_cpus("cuda:0")
     assert local, "no local_cpulist for cuda:0's PCI address"

@@ -14,8 +14,8 @@ import pytest
 
 from specpilot import schema
 from specpilot.paths import REPO_ROOT
+from specpilot.sandbox import Limits, bwrap_available
 from specpilot.services.controller.main import Controller
-from specpilot.services.controller.sandbox import Limits, bwrap_available
 from tests.controller.patches import worker_patch
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")

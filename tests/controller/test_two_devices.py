@@ -3,9 +3,9 @@ that are both the CPU, on the tiny deployment: the design and its bookkeeping, n
 
 import pytest
 
+from specpilot.sandbox import Limits, bwrap_available
 from specpilot.services.controller import timing
 from specpilot.services.controller.evaluate import Evaluator, System
-from specpilot.services.controller.sandbox import Limits, bwrap_available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")]

@@ -201,3 +201,17 @@ def test_a_measured_full_chain_cost_replaces_the_extrapolated_one():
     assert [model.full_chain_cost(n) for n in (1, 3, 6, 12)] == pytest.approx([1.1, 1.3, 1.7, 2.6])
     assert cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={}, verified_tokens=2.0,
                         ).full_chain_cost(4) == pytest.approx(2.6)
+
+
+def test_the_tau_ceiling_takes_the_best_replay_of_any_drafter():
+    # own n-gram: shallow matches; the parallel drafter's chain matches 3 deep almost everywhere
+    own_tree = cm.pooled_replay([[0, 1, 0, 1, 0, 1, 0, 1, 0]])
+    parallel_chain = cm.pooled_replay([[0, 3, 3, 3, 3, 3, 3, 3, 3]])
+    best, by = cm.envelope({"ngram tree": own_tree, "parallel chain": parallel_chain})
+    assert by[1] in ("ngram tree", "parallel chain") and best[1] == max(own_tree[1], parallel_chain[1])
+    assert by[4] == "parallel chain" and best[4] == parallel_chain[4] > own_tree[4]
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
+    kw = dict(shape=shape, hw=HW, weight_bytes=4, act_bytes=4, context=10, t_ar_s=1e-3, step_s=1.2e-3,
+              tau=own_tree[4], n_tokens=5, profile_s={"q_proj": 1e-4})
+    assert cm.ceiling(**kw, replay=own_tree).factors["tau"] == pytest.approx(max(own_tree.values()) / own_tree[4])
+    assert cm.ceiling(**kw, replay=best).factors["tau"] > 1.5  # the parallel drafter's room shows in the factor

@@ -15,10 +15,11 @@ import time
 import pytest
 
 from specpilot import ledger, subjects
-from specpilot.services.controller.sandbox import bwrap_available
+from specpilot.sandbox import bwrap_available
 from specpilot.services.master.main import RPC_ROUND
 from tests.backbone.helpers import sql
 from tests.conftest import connect_as, spawn_service, wait_for_services
+from tests.subagent.wire import Call, ScriptedServer, Turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")]
@@ -28,8 +29,8 @@ ROUND = {"deployment": "tiny-cpu", "rounds": 2, "sealed_requests": 2, "sealed_tr
 SERVICES = ("memory", "forcer", "subagent", "master")
 
 
-def _start(server) -> dict:
-    procs = {name: spawn_service(server, name) for name in SERVICES}
+def _start(server, master_env: dict[str, str] | None = None) -> dict:
+    procs = {name: spawn_service(server, name, env=master_env if name == "master" else None) for name in SERVICES}
     procs["controller"] = spawn_service(server, "controller", extra=CONTROLLER_FLAGS)
     wait_for_services(server, set(procs), timeout=120)
     return procs
@@ -46,11 +47,11 @@ def _stop(procs: dict) -> None:
             p.kill()
 
 
-def _start_round(server) -> str:
+def _start_round(server, **params) -> str:
     async def go() -> dict:
         b = await connect_as(server, subjects.ADMIN)
         try:
-            return await b.request(RPC_ROUND, ROUND, timeout=30)
+            return await b.request(RPC_ROUND, {**ROUND, **params}, timeout=30)
         finally:
             await b.close()
 
@@ -116,14 +117,30 @@ def _check_story(events: list[tuple[str, str, dict]]) -> dict:
     return by
 
 
+# An LLM planner (the real Anthropic SDK against the local wire server) plans one sweep a wave.
+PLANS = [Turn("", [Call("plan", {"directions": [{"title": "shorter chains", "factor": "tau", "option": "block_size",
+                                                 "values": [2]}]})]),
+         Turn("", [Call("plan", {"directions": [{"title": "verify trees", "factor": "tau", "option": "verify",
+                                                 "values": ["tree"]}]})])]
+
+
 def test_a_round_tells_its_whole_story_and_replays(server):
-    procs = _start(server)
-    try:
-        round_id = _start_round(server)
-        _wait_for(server, round_id, "round.finished", timeout=600)
-        _check_story(_events(server, round_id))
-    finally:
-        _stop(procs)
+    with ScriptedServer(PLANS) as llm:
+        procs = _start(server, master_env={"ANTHROPIC_API_KEY": "sk-test", "ANTHROPIC_BASE_URL": llm.url})
+        try:
+            round_id = _start_round(server, planner="anthropic:claude-test")
+            _wait_for(server, round_id, "round.finished", timeout=600)
+            by = _check_story(_events(server, round_id))
+        finally:
+            _stop(procs)
+        sent = llm.bodies("/v1/messages")
+    # the planner was told the evidence: the second wave's knows the first wave's verdict
+    assert len(sent) == 2 and '"tried": []' in sent[0]["system"] and "shorter chains" in sent[1]["system"]
+    assert [(d["title"], d["evidence"]["deployment"]["deployment"]) for d in by["direction.planned"]] == [
+        ("shorter chains", "tiny-cpu"), ("verify trees", "tiny-cpu")]
+    assert by["direction.planned"][1]["evidence"]["tried"][0]["options"]["block_size"] == 2
+    used = by["conversation.used"]
+    assert [(u["purpose"], u["turns"], u["ended"]) for u in used] == [("planner", 1, "finished")] * 2
     led = ledger.Ledger(server.data, read_only=True)
     try:
         res = ledger.verify(led)

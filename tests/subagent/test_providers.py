@@ -151,3 +151,17 @@ def test_sdk_error_is_a_provider_error(ws):
     with ScriptedServer([]) as srv:  # /v1/messages is served; a wrong base path gets 404s
         with pytest.raises(ProviderError, match="NotFound"):
             llm.propose(ProviderSpec("anthropic", "m", srv.url + "/wrong"), DIRECTION, Tools(ws), "k")
+
+
+def test_a_conversation_ends_at_its_token_budget_and_reports_what_it_cost(ws):
+    """An agent that never finishes: the token budget ends it, and the usage says so (for ConversationUsed)."""
+    from specpilot.llm import Usage
+
+    looping = [Turn("Looking.", [Call("list_files", {"path": "specpilot_engine"})]) for _ in range(10)]
+    usage = Usage()
+    with ScriptedServer(looping) as srv:
+        spec = ProviderSpec("anthropic", "claude-test", srv.url)
+        with pytest.raises(ProviderError, match="tokens budget"):
+            llm.propose(spec, DIRECTION, Tools(ws), "sk-test", usage=usage, max_total_tokens=250)
+    assert usage.ended == "tokens" and usage.turns == 3 and usage.tools == ["list_files"] * 3
+    assert usage.input_tokens + usage.output_tokens >= 250 and usage.wall_s > 0

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from specpilot import natsd, schema
-from specpilot.services.controller.sandbox import bwrap_available
+from specpilot.sandbox import bwrap_available
 from tests.backbone.helpers import sql
 from tests.conftest import REPO, connect_as, spawn_service, wait_for_services
 from tests.subagent import scripts
@@ -94,6 +94,10 @@ def test_direction_to_verdict_through_the_anthropic_sdk(server):
     verdict = next(p for t, s, p in story if t == "verdict.issued")
     assert verdict["decision"] in ("promote", "reject") and verdict["n_trials"] == 2, verdict
     assert all(p["deployment"] == "tiny-cpu" for _, _, p in story)
+    # what the conversation cost is in the ledger, for `specpilot sql` to sum
+    used = next(p for t, s, p in story if t == "conversation.used")
+    assert (used["purpose"], used["direction_id"], used["turns"], used["ended"]) == ("coder", "d-e2e", 5, "finished")
+    assert used["input_tokens"] == sum(100 + n for n in range(5)) and used["tools"][-1] == "finish"
     # the SDK sent five model calls, each after the first answering the previous tool call
     assert len(sent) == 5
     assert [m["content"][0]["tool_use_id"] for m in (b["messages"][-1] for b in sent[1:])] == \

@@ -10,6 +10,7 @@ import pytest
 from specpilot import policy
 from specpilot.paths import REPO_ROOT
 from specpilot.providers import ProviderError
+from specpilot.sandbox import SANDBOX_SRC, bwrap_available
 from specpilot.services.subagent import offline
 from specpilot.services.subagent.workspace import Tools, Workspace, WorkspaceError, build_workspace, git
 from tests.subagent import scripts
@@ -110,9 +111,10 @@ def test_run_tests_runs_the_workspace_engine_without_secrets(real_ws, monkeypatc
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-secret")
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # as services run: the repository's engine is importable too
     # a test file the agent cannot write, placed by hand: it sees the workspace's engine and no keys
+    where = SANDBOX_SRC if bwrap_available() else str(real_ws.path)  # the sandbox binds the workspace there
     probe = real_ws.path / "tests/engine/test_probe.py"
     probe.write_text("import os\nimport specpilot_engine\n\ndef test_probe():\n"
-                     f"    assert specpilot_engine.__file__.startswith({str(real_ws.path)!r})\n"
+                     f"    assert specpilot_engine.__file__.startswith({where!r})\n"
                      "    assert 'ANTHROPIC_API_KEY' not in os.environ\n")
     res = Tools(real_ws).call("run_tests", {"pattern": "probe", "path": "tests/engine/test_probe.py"})
     assert not res.error and "1 passed" in res.text, res.text

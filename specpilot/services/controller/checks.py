@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specpilot import schema
-from specpilot.services.controller.sandbox import WorkerFailed
 from specpilot.services.controller.systems import PatchDoesNotApply
-from specpilot.services.controller.workers import System
+from specpilot.services.controller.workers import System, WorkerFailed
 
 if TYPE_CHECKING:
     from specpilot.services.controller.evaluate import Evaluator

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.paths import REPO_ROOT
+from specpilot.sandbox import Limits
 from specpilot.services.controller import stats
-from specpilot.services.controller.sandbox import Limits
 from specpilot.services.controller.systems import Systems
 from specpilot.services.controller.workers import System, Workers
 

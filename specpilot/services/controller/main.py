@@ -19,10 +19,10 @@ from pathlib import Path
 
 from specpilot import bus, schema, service
 from specpilot.errors import UserError
+from specpilot.sandbox import Limits
 from specpilot.services.controller import phases, stats, verdict
 from specpilot.services.controller.emit import BusEmitter, LocalEmitter
 from specpilot.services.controller.evaluate import Evaluator, System
-from specpilot.services.controller.sandbox import Limits
 from specpilot.services.controller.state import State, evolve, fold
 
 NAME = "controller"

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING
 
 from specpilot import schema
 from specpilot.services.controller import hardware, stats
-from specpilot.services.controller.sandbox import WorkerFailed
 from specpilot.services.controller.timing import together
-from specpilot.services.controller.workers import System
+from specpilot.services.controller.workers import System, WorkerFailed
 from specpilot.shapes import shape_of
 
 if TYPE_CHECKING:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 
 from specpilot.services.controller import stats
 from specpilot.services.controller.checks import incomplete
-from specpilot.services.controller.sandbox import Worker, WorkerFailed
-from specpilot.services.controller.workers import System
+from specpilot.services.controller.workers import System, Worker, WorkerFailed
 
 if TYPE_CHECKING:
     from specpilot.services.controller.evaluate import Evaluator

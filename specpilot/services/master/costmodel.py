@@ -117,6 +117,19 @@ def pooled_replay(depth_lists: Sequence[Sequence[int]], budgets: Sequence[int] =
     return {b: tokens / steps for b, (tokens, steps) in totals.items()} or {1: 1.0}
 
 
+def envelope(tables: dict[str, dict[int, float]]) -> tuple[dict[int, float], dict[int, str]]:
+    """Per node budget, the most tokens a step commits under any of several replays (the system's own
+    drafter's best tree, its chain, each other drafter's chain: ``name -> replay table``), and which one.
+    A table without that budget counts at its largest budget below it (`_at_budget`)."""
+    budgets = sorted({b for t in tables.values() for b in t})
+    best: dict[int, float] = {}
+    by: dict[int, str] = {}
+    for b in budgets:
+        name = max(tables, key=lambda k: _at_budget(tables[k], b))
+        best[b], by[b] = _at_budget(tables[name], b), name
+    return best, by
+
+
 # --- ceiling and factors --------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specpilot import bus, schema, service, subjects
+from specpilot import bus, evidence, schema, service, subjects
+from specpilot.llm import Usage
 from specpilot.reads import Reads
 from specpilot.services.master import costmodel, planner, plots
 
@@ -177,10 +178,11 @@ class RoundDriver:
         prof: schema.ProfileMeasured = profiles[-1]  # type: ignore[assignment]
         hw: schema.HardwareMeasured = hardware[-1]  # type: ignore[assignment]
         result = compute_ceiling(prof, hw)
+        best, by = costmodel.envelope(replays(prof))
         event = await self.emit(schema.CeilingComputed(
             event_id=f"{self.round_id}-ceiling", ceiling_speedup=result.speedup,
             factors=result.factors, floors_s=result.floors_s,
-            replay_tau={str(k): v for k, v in replay(prof).items()},
+            replay_tau={str(k): v for k, v in best.items()}, replay_by={str(k): v for k, v in by.items()},
             causation_id=prof.event_id))
         with contextlib.suppress(Exception):  # a chart is a nicety; the event is the record
             plots.factor_chart(result.factors, result.speedup, self.master.data / "rounds" / self.round_id / "factors.png")
@@ -194,7 +196,8 @@ class RoundDriver:
         directions = [d for d in await self.round_events(schema.DirectionPlanned)
                       if d.event_id.startswith(prefix)]
         if not directions:
-            planned = await self.within_budget(await self.plan(ceiling))
+            evidence = await self.evidence(ceiling)
+            planned = await self.within_budget(await self.plan(ceiling, evidence, usage_id=f"{prefix}planner"))
             if not planned:
                 log.info("round %s: nothing left to try (or no time) after %d waves", self.round_id, wave)
                 return False
@@ -202,7 +205,7 @@ class RoundDriver:
                 directions.append(await self.emit(schema.DirectionPlanned(
                     event_id=f"{prefix}d{i}", direction_id=f"{prefix}d{i}", title=d.title, rationale=d.rationale,
                     factor=d.factor, provider=d.provider, device=str(i), memory_entry_id=d.memory_entry_id,
-                    hints={**d.hints, "expected_patches": d.expected_patches})))
+                    hints={**d.hints, "expected_patches": d.expected_patches}, evidence=evidence)))
         for d in directions:
             await self.wait_direction(d)  # type: ignore[arg-type]
         return True
@@ -226,7 +229,33 @@ class RoundDriver:
                      "no time for another wave" if not fitted else "fewer candidates")
         return fitted
 
-    async def plan(self, ceiling: schema.CeilingComputed | None) -> list[planner.Direction]:
+    async def entries(self, facts: dict) -> list[dict]:
+        """Accepted memory entries whose requirements hold for ``facts`` (none when memory cannot answer)."""
+        try:
+            reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
+            return reply.get("entries", [])
+        except bus.BusError:
+            return []
+
+    async def evidence(self, ceiling: schema.CeilingComputed | None) -> dict:
+        """What this wave's planner and subagents are told (`specpilot.evidence.bundle`), from the ledger."""
+        from specpilot.harness.deployment import load_deployment
+
+        facts = load_deployment(self.deployment).facts()
+        best = await self.reads.best(self.deployment)
+        history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
+                                          schema.VerdictIssued, deployment=self.deployment)
+        hardware = await self.round_events(schema.HardwareMeasured)
+        profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
+        return evidence.bundle(facts=facts, best_options=dict(best.options) if best else {},
+                               attempts=evidence.attempts(history), hardware=hardware[-1] if hardware else None,
+                               profile=profiles[-1] if profiles else None, ceiling=ceiling,
+                               entries=await self.entries(facts))  # type: ignore[arg-type]
+
+    async def plan(self, ceiling: schema.CeilingComputed | None, known_evidence: dict | None = None,
+                   usage_id: str = "") -> list[planner.Direction]:
+        """The wave's directions: the LLM planner's (its conversation reported as a `schema.ConversationUsed`
+        under ``usage_id``) or, without one or when it fails, the rules'."""
         from specpilot.harness.deployment import load_deployment
         from specpilot_engine.options import EngineOptions
 
@@ -240,11 +269,7 @@ class RoundDriver:
                 tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
             if d.memory_entry_id:  # type: ignore[attr-defined]
                 applied.add(d.memory_entry_id)  # type: ignore[attr-defined]
-        try:
-            reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
-            entries = reply.get("entries", [])
-        except bus.BusError:
-            entries = []
+        entries = await self.entries(facts)
         # An entry this deployment's own promotion taught is in its best system already: re-applying it
         # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
@@ -262,17 +287,22 @@ class RoundDriver:
             from specpilot.errors import UserError
             from specpilot.services.master.llm_planner import plan_with_llm
 
-            context = {"deployment": facts, "best_options": best_options, "stock_options": EngineOptions().to_dict(),
-                       "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors),
-                                   "replay_tau": dict(ceiling.replay_tau)} if ceiling else None,
-                       "profile_s": dict(profiles[-1].classes_s) if profiles else None,  # type: ignore[attr-defined]
-                       "tried": sorted(f"{o}={v}" for o, v in tried), "memory_entries": entries}
+            # The evidence holds the deployment, best options, device, profile, ceiling, entries and attempts.
+            context = {"stock_options": EngineOptions().to_dict(), "swept": sorted(f"{o}={v}" for o, v in tried),
+                       "evidence": known_evidence or await self.evidence(ceiling)}
+            usage = Usage()
             try:
                 return await asyncio.to_thread(plan_with_llm, self.started.planner, context, known, best_options,
-                                               self.started.coder, devices)
+                                               self.started.coder, devices, None, usage)
             except UserError as exc:  # provider errors and missing keys: plan by the rules instead
                 log.warning("round %s: LLM planner %s failed (%s); planning by the rules", self.round_id,
                             self.started.planner, exc)
+            finally:
+                if usage.turns:
+                    await self.emit(schema.ConversationUsed(
+                        **({"event_id": usage_id} if usage_id else {}), purpose="planner", provider=self.started.planner,
+                        turns=usage.turns, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                        wall_s=round(usage.wall_s, 3), ended=usage.ended or "error", tools=list(usage.tools)))
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=known, entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
@@ -336,6 +366,19 @@ def replay(prof: schema.ProfileMeasured, chain: bool = False) -> dict[int, float
     return costmodel.pooled_replay(prof.chain_depths if chain else prof.replay_depths)
 
 
+def replays(prof: schema.ProfileMeasured) -> dict[str, dict[int, float]]:
+    """Every replay the profile holds, by mechanism: the system's own drafter as a tree (best in hindsight)
+    and as a chain, and each other drafter (or setting) the worker replayed as a chain."""
+    own = str(prof.options.get("drafter", "")) or "own drafter"
+    out = {f"{own} tree": replay(prof)}
+    if prof.chain_depths:
+        out[f"{own} chain"] = replay(prof, chain=True)
+    for name, d in prof.drafters.items():
+        if d.get("chain_depths"):
+            out[f"{name} chain"] = costmodel.pooled_replay(d["chain_depths"])
+    return out
+
+
 def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     drafters = {name: (costmodel.pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
                 for name, d in prof.drafters.items() if d.get("chain_depths")}
@@ -351,7 +394,8 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -
     return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
                              weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
-                             profile_s=dict(prof.classes_s), replay=replay(prof), launches=dict(prof.launches),
+                             profile_s=dict(prof.classes_s), replay=costmodel.envelope(replays(prof))[0],
+                             launches=dict(prof.launches),
                              launch_s=hw.launch_s)
 
 

@@ -2,7 +2,8 @@
 (`specpilot.llm.tool_loop`) over a workspace's tools (`workspace.Tools`).
 
 ``propose(spec, direction, tools, key)`` states the direction (title, rationale, factor, hints), the
-deployment, what an engine option is and the rules in the system prompt; the model calls the tools of
+deployment, the evidence the master sent with it (`specpilot.evidence`), what an engine option is and
+the rules in the system prompt; the model calls the tools of
 ``workspace.TOOL_SPECS`` until an accepted ``finish``, which yields a ``Proposal`` (the workspace's diff
 against its base, the finish's options and notes). No ``finish`` within ``max_turns`` model calls, a
 finish with neither a diff nor options, or an SDK error is a ``ProviderError``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from specpilot import schema
+from specpilot import evidence, schema
 from specpilot.llm import DEFAULT_MAX_TOKENS, DEFAULT_MAX_TURNS, Usage, tool_loop
 from specpilot.providers import ProviderError, ProviderSpec
 from specpilot.services.subagent.offline import Proposal
@@ -34,6 +35,12 @@ Gap it attacks: {direction.factor or "unspecified"}
 Rationale: {direction.rationale or "none given"}
 Hints: {hints}
 Option settings of the current best system: {json.dumps(best_options, sort_keys=True) if best_options else "stock"}
+
+Evidence (measured on this deployment: the device, the current best's profile per kernel class, its \
+replayed tau and chain costs c(N), the cost model's ceiling and factors, the memory entries that apply, and \
+every patch tried so far with its verdict, gain, lower bound, bar and reason; do not repeat a rejected \
+attempt unless you know why it would now win):
+{evidence.render(direction.evidence)}
 
 Your workspace is a copy of the current best system:
 - specpilot_engine/: a compact PyTorch speculative-decoding engine (read specpilot_engine/README.md first);
@@ -66,14 +73,18 @@ def task_message(direction: schema.DirectionPlanned) -> str:
 
 def propose(spec: ProviderSpec, direction: schema.DirectionPlanned, tools: Tools, key: str,
             best_options: dict | None = None, max_turns: int = DEFAULT_MAX_TURNS,
-            max_tokens: int = DEFAULT_MAX_TOKENS) -> Proposal:
-    """Run the tool loop of ``spec`` until ``finish``; the patch as a ``Proposal``."""
+            max_tokens: int = DEFAULT_MAX_TOKENS, usage: Usage | None = None, max_wall_s: float | None = None,
+            max_total_tokens: int | None = None) -> Proposal:
+    """Run the tool loop of ``spec`` until ``finish`` or a budget is spent; the patch as a ``Proposal``.
+    ``usage`` (filled as the conversation goes, also when it fails) is the caller's to report."""
     system = system_prompt(direction, best_options or {}, max_turns)
-    usage = Usage()
-    tool_loop(spec, key, system, task_message(direction), tools, usage, max_turns, max_tokens, nudge=NUDGE)
+    usage = usage if usage is not None else Usage()
+    tool_loop(spec, key, system, task_message(direction), tools, usage, max_turns, max_tokens, nudge=NUDGE,
+              max_wall_s=max_wall_s, max_total_tokens=max_total_tokens)
     done = tools.finished
     if done is None:
-        raise ProviderError(f"{spec}: no finish within {max_turns} turns ({usage.summary()})")
+        limit = f"within {max_turns} turns" if usage.ended == "turns" else f"before its {usage.ended} budget ran out"
+        raise ProviderError(f"{spec}: no finish {limit} ({usage.summary()})")
     diff = tools.ws.diff()
     if not diff.strip() and not done.options:
         raise ProviderError(f"{spec}: finished without a change ({done.notes.strip()[:500] or 'no notes'})")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from specpilot import bus, providers, schema, service
 from specpilot.errors import UserError
+from specpilot.llm import Usage
 from specpilot.paths import REPO_ROOT
 from specpilot.reads import Reads
 from specpilot.services.subagent import offline
@@ -46,6 +47,7 @@ NAME = "subagent"
 DESCRIPTION = "Turns one direction into one patch behind an engine option."
 HEARTBEAT_S = 10.0  # well inside the consumer's ack wait (60 s)
 READ_TIMEOUT_S = 30.0
+DEFAULT_CONVERSATION_S = 1800.0  # one LLM conversation, turns and tool runs included
 log = logging.getLogger(NAME)
 
 
@@ -65,6 +67,9 @@ class Settings:
     max_turns: int = 30
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
     work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
+    hide: tuple[Path, ...] = ()  # what agent code must not see when it runs (the service's data directory)
+    max_wall_s: float = DEFAULT_CONVERSATION_S  # one LLM conversation's wall-clock budget
+    max_llm_tokens: int | None = None  # one conversation's token budget (input + output; None: no limit)
 
 
 async def current_best(reads: Reads, deployment: str) -> Best:
@@ -84,15 +89,16 @@ async def current_best(reads: Reads, deployment: str) -> Best:
 
 
 def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
-            env: Mapping[str, str] | None = None) -> list[Proposal]:
-    """The proposals of one direction (blocking: runs in a worker thread). Raises ``UserError`` on failure."""
+            env: Mapping[str, str] | None = None, usage: Usage | None = None) -> list[Proposal]:
+    """The proposals of one direction (blocking: runs in a worker thread). Raises ``UserError`` on failure.
+    ``usage`` is filled by an LLM provider's conversation (also when it fails)."""
     spec = providers.parse_provider(direction.provider or settings.default_provider)
     key = providers.api_key(spec, env) if spec.kind in providers.LLM else ""  # a missing key fails before any work
     dest = None
     if settings.work_dir is not None:
         Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
         dest = Path(settings.work_dir) / f"{direction.direction_id}-{direction.event_id[-12:]}"
-    ws = Workspace(build_workspace(settings.source, best.promotions, dest))
+    ws = Workspace(build_workspace(settings.source, best.promotions, dest), hide=settings.hide)
     try:
         if spec.kind == providers.SWEEP:
             return offline.sweep(direction.hints, offline.workspace_validator(ws))
@@ -101,7 +107,8 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
         from specpilot.services.subagent import llm  # the SDKs load only when an LLM provider is used
 
         tools = Tools(ws, test_timeout_s=settings.test_timeout_s)
-        return [llm.propose(spec, direction, tools, key, best_options=best.options, max_turns=settings.max_turns)]
+        return [llm.propose(spec, direction, tools, key, best_options=best.options, max_turns=settings.max_turns,
+                            usage=usage, max_wall_s=settings.max_wall_s, max_total_tokens=settings.max_llm_tokens)]
     finally:
         ws.remove()
 
@@ -122,6 +129,16 @@ def patch_events(direction: schema.DirectionPlanned, proposals: list[Proposal], 
                                  patch_id=f"{direction.direction_id}-p{i}", diff=p.diff, options=dict(p.options),
                                  base_commit=best.commit, provider=provider, notes=p.notes)
             for i, p in enumerate(proposals)]
+
+
+def usage_events(direction: schema.DirectionPlanned, provider: str, usage: Usage) -> list[schema.ConversationUsed]:
+    """The direction's `schema.ConversationUsed` (none when no model was called), under a fixed id."""
+    if not usage.turns:
+        return []
+    return [schema.ConversationUsed(
+        event_id=patch_event_id(direction.event_id, -2), purpose="coder", direction_id=direction.direction_id,
+        provider=provider, turns=usage.turns, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+        wall_s=round(usage.wall_s, 3), ended=usage.ended or "error", tools=list(usage.tools))]
 
 
 def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
@@ -176,9 +193,10 @@ class Subagent:
             return
         provider = d.provider or self.settings.default_provider
         log.info("direction %s (%s, %s): %s", d.direction_id, provider, d.deployment, d.title)
+        usage = Usage()
         try:
             best = await current_best(Reads.over(self.bus, timeout=READ_TIMEOUT_S, retry=False), d.deployment)
-            work = _in_daemon_thread(produce, d, best, self.settings, self.env)
+            work = _in_daemon_thread(produce, d, best, self.settings, self.env, usage)
             while True:
                 done, _ = await asyncio.wait({work}, timeout=HEARTBEAT_S)
                 if done:
@@ -198,11 +216,11 @@ class Subagent:
                       exc_info=not isinstance(exc, UserError))
             failed = schema.DirectionFailed(event_id=patch_event_id(d.event_id, -1), direction_id=d.direction_id,
                                             provider=provider, reason=f"{type(exc).__name__}: {exc}"[:2000])
-            await self.bus.publish(failed, cause=d)
+            await self.bus.publish_many([*usage_events(d, provider, usage), failed], cause=d)
             await delivery.ack()
             return
         patches = patch_events(d, proposals, best, provider)
-        await self.bus.publish_many(patches, cause=d)
+        await self.bus.publish_many([*usage_events(d, provider, usage), *patches], cause=d)
         await delivery.ack()
         for p in patches:
             log.info("direction %s: %s (%d-byte diff, options %s)", d.direction_id, p.patch_id, len(p.diff), p.options)
@@ -212,6 +230,10 @@ def add_args(parser) -> None:
     parser.add_argument("--default-provider", default=providers.ANTHROPIC,
                         help="provider for a direction that names none (see specpilot/services/subagent/providers.py)")
     parser.add_argument("--max-turns", type=int, default=30, help="model calls before an LLM provider gives up")
+    parser.add_argument("--max-wall-s", type=float, default=DEFAULT_CONVERSATION_S,
+                        help="seconds one LLM conversation may take before it gives up")
+    parser.add_argument("--max-llm-tokens", type=int, default=None,
+                        help="tokens (input + output) one LLM conversation may use (default: no limit)")
     parser.add_argument("--test-timeout", type=float, default=DEFAULT_TEST_TIMEOUT_S,
                         help="seconds one run_tests call may take")
     parser.add_argument("--work-dir", type=Path, default=None, help="where workspaces are built (default: a temp dir)")
@@ -222,7 +244,8 @@ def add_args(parser) -> None:
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
-                        test_timeout_s=a.test_timeout, work_dir=a.work_dir)
+                        test_timeout_s=a.test_timeout, work_dir=a.work_dir, hide=(Path(cfg.data),),
+                        max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens)
     providers.parse_provider(settings.default_provider)  # a bad flag fails at start-up
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:

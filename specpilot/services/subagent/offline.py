@@ -54,7 +54,7 @@ def host_validator(options: dict) -> str | None:
 
 
 def workspace_validator(workspace: Workspace) -> Validator:
-    return lambda options: validate_options(workspace.path, options)
+    return lambda options: validate_options(workspace, options)
 
 
 def sweep(hints: dict, validate: Validator = host_validator) -> list[Proposal]:
@@ -100,7 +100,7 @@ def memory(hints: dict, workspace: Workspace) -> Proposal:
         how = merge_from_stock(workspace.path, delta)
     except WorkspaceError as exc:
         raise ProviderError(f"memory entry {entry_id!r} does not apply to the current best: {exc}") from exc
-    if problem := validate_options(workspace.path, options):
+    if problem := validate_options(workspace, options):
         raise ProviderError(f"memory entry {entry_id!r}: its options are not valid here: {problem}")
     diff = workspace.diff()
     notes = f"memory entry {entry_id} applied ({how})" + ("; already part of the current best" if not diff else "")

@@ -14,9 +14,11 @@ Contract:
   a ``ToolResult`` with ``error=True`` and a message saying what to do. Reading is confined to
   ``READABLE`` (request sets are off limits); diffs go through the controller's own policy
   (``specpilot.policy.check``: only ``specpilot_engine/`` and ``specpilot_kernels/``, no tests, no ``..``).
-  ``run_tests`` runs ``python -m pytest -q -x tests/engine -k PATTERN`` inside the workspace with a
-  timeout and an environment without API keys or NATS credentials; it is a convenience for the agent,
-  not a sandbox (the controller re-tests everything in its own).
+  ``run_tests`` runs ``python -m pytest -q -x tests/engine -k PATTERN`` over the workspace.
+- Agent-written code never runs in the service's process nor outside a sandbox: ``run_tests`` and
+  ``validate_options`` run through `Workspace.run`, a `specpilot.sandbox.Sandbox` (the controller's
+  rules: read-only system, private ``/tmp``, no network, cleared environment, the service's data
+  directory hidden, process/memory/wall limits) over a read-only bind of the workspace.
 - ``finish(options, notes)`` is accepted only when the options pass the policy and the workspace's own
   ``specpilot_engine.options.options_from_dict`` (a patch may add options); then ``Tools.finished`` is set.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from pathlib import Path
 from specpilot import policy
 from specpilot.errors import UserError
 from specpilot.llm import ToolResult
+from specpilot.sandbox import Limits, Sandbox
 
 STOCK_DIRS = ("specpilot_engine", "specpilot_kernels", "deployments", "tests/engine")
 STOCK_FILES = ("tests/__init__.py",)
@@ -55,8 +57,8 @@ _PYTEST_INI = ("[pytest]\naddopts = -m \"not long\" -p no:cacheprovider\n"
 _GIT_ENV = {"GIT_AUTHOR_NAME": "specpilot-subagent", "GIT_AUTHOR_EMAIL": "subagent@specpilot.local",
             "GIT_COMMITTER_NAME": "specpilot-subagent", "GIT_COMMITTER_EMAIL": "subagent@specpilot.local",
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
-# Environment variables a test run never sees (the agent's code runs there).
-_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|NATS|AUTH", re.I)
+# What agent code may use in one sandboxed run (tests load SmolLM2: ~1 GB; pytest, torch's threads).
+RUN_LIMITS = Limits(memory_bytes=6 << 30, pids=256)
 
 
 class WorkspaceError(UserError):
@@ -155,11 +157,23 @@ def build_workspace(root: Path, promotions: list[tuple[str, str]], dest: Path | 
 
 
 class Workspace:
-    """A built workspace: its base commit (the current best) and its diff against it."""
+    """A built workspace: its base commit (the current best), its diff against it, and sandboxed runs of its code.
 
-    def __init__(self, path: Path):
+    ``hide``: paths a run must not see (the service's data directory: credentials, and the ledger where
+    memory shares the host); covered by empty directories inside the sandbox."""
+
+    def __init__(self, path: Path, hide: tuple[Path, ...] = (), limits: Limits = RUN_LIMITS):
         self.path = Path(path)
+        self.hide, self.limits = tuple(Path(h) for h in hide), limits
         self.base = git(self.path, "rev-parse", "HEAD").stdout.strip()
+
+    def run(self, cmd: list[str], timeout_s: float, tail: int = 4000) -> dict:
+        """Run ``cmd`` (the workspace's code) in a fresh sandbox over a read-only bind of the workspace;
+        `specpilot.sandbox.Sandbox.run`'s result: returncode, output tail, timed_out, oom_killed, plus
+        the sandbox's description."""
+        limits = Limits(wall_s=timeout_s, memory_bytes=self.limits.memory_bytes, pids=self.limits.pids)
+        with Sandbox(src=self.path, models=self.path / ".no-models", hide=list(self.hide), limits=limits) as sbx:
+            return {**sbx.run(cmd, timeout=timeout_s, tail=tail), "sandbox": sbx.describe()}
 
     def diff(self) -> str:
         """The proposed patch: every change to specpilot_engine/ and specpilot_kernels/ since the base (new files included)."""
@@ -171,30 +185,20 @@ class Workspace:
                       ignore_errors=True)
 
 
-def validate_options(workspace: Path, options: dict, timeout_s: float = 60.0) -> str | None:
+def validate_options(workspace: Workspace, options: dict, timeout_s: float = 60.0) -> str | None:
     """Why ``options`` are not valid for the workspace's own engine (None when they are).
 
-    Runs the workspace's ``specpilot_engine.options.options_from_dict`` in a subprocess: a patch may add options,
-    and the agent's code is never imported into the service."""
+    Runs the workspace's ``specpilot_engine.options.options_from_dict`` in its sandbox (`Workspace.run`): a
+    patch may add options, and the agent's code is never imported into the service."""
     code = ("import json, sys\nfrom specpilot_engine.options import options_from_dict\n"
             "try:\n    options_from_dict(json.loads(sys.argv[1]))\n"
             "except (ValueError, TypeError) as exc:\n    print(exc); sys.exit(3)\n")
-    try:
-        res = subprocess.run([sys.executable, "-c", code, json.dumps(options)], cwd=workspace, capture_output=True,
-                             text=True, env=scrubbed_env(), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    res = workspace.run([sys.executable, "-c", code, json.dumps(options)], timeout_s, tail=2000)
+    if res["timed_out"]:
         return f"checking the options took over {timeout_s:.0f} s"
-    if res.returncode == 0:
+    if res["returncode"] == 0:
         return None
-    return (res.stdout.strip() or res.stderr.strip()[-2000:]) or f"exit status {res.returncode}"
-
-
-def scrubbed_env() -> dict[str, str]:
-    """This environment without anything that looks like a secret. PYTHONPATH stays (``specpilot`` may be
-    found through it); ``python -m``/``-c`` put the workspace first on ``sys.path``, so its ``specpilot_engine`` wins."""
-    env = {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
+    return res["output"].strip() or f"exit status {res['returncode']}"
 
 
 # --- tools ---------------------------------------------------------------------------------------
@@ -340,14 +344,13 @@ class Tools:
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", target]
         if pattern:
             cmd += ["-k", str(pattern)]
-        try:
-            res = subprocess.run(cmd, cwd=self.ws.path, capture_output=True, text=True, env=scrubbed_env(),
-                                 timeout=self.test_timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or "") if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-            return ToolResult(f"tests timed out after {self.test_timeout_s:.0f} s\n{out[-TEST_OUTPUT_TAIL:]}", True)
-        out = (res.stdout + res.stderr)[-TEST_OUTPUT_TAIL:]
-        return ToolResult(f"exit status {res.returncode}\n{out}", res.returncode not in (0, 5))
+        res = self.ws.run(cmd, self.test_timeout_s, tail=TEST_OUTPUT_TAIL)
+        if res["timed_out"]:
+            return ToolResult(f"tests timed out after {self.test_timeout_s:.0f} s (killed)\n{res['output']}", True)
+        if res["oom_killed"]:
+            return ToolResult(f"tests ran out of memory (limit {self.ws.limits.memory_bytes >> 20} MiB; killed)\n"
+                              f"{res['output']}", True)
+        return ToolResult(f"exit status {res['returncode']}\n{res['output']}", res["returncode"] not in (0, 5))
 
     def finish(self, options: dict | None = None, notes: str = "") -> ToolResult:
         options = options or {}
@@ -356,7 +359,7 @@ class Tools:
         diff = self.ws.diff()
         if refusal := policy.check(diff, options):
             return ToolResult(f"not finished, the controller would refuse it ({refusal.rule}): {refusal.reason}", True)
-        if problem := validate_options(self.ws.path, options):
+        if problem := validate_options(self.ws, options):
             return ToolResult(f"not finished, the options are not valid for the workspace's engine: {problem}", True)
         self.finished = Finished(options=dict(options), notes=str(notes or ""))
         return ToolResult(f"finished: the patch changes {len(policy.touched_paths(diff))} file(s), "

@@ -1,4 +1,4 @@
-"""The sandbox every candidate runs in, and the timing worker the controller talks to.
+"""The sandbox agent-written code runs in: candidates timed by the controller, and an agent's own tests.
 
 What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
 - **Files**: the whole machine is mounted read-only; ``/tmp`` is a fresh, empty tmpfs (the only
@@ -18,9 +18,9 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`).
   Where cgroups are not writable, ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose
   address-space reservations it breaks) and the process cap is best effort.
-- **The clock, the harness and the reference tokens** stay in the controller's process: the worker
-  only receives prompt ids and returns tokens; the controller times each request from its own
-  clock, from sending the request to reading the reply.
+- **The clock, the harness and the reference tokens** stay in the caller's process (for the
+  controller: the worker, `specpilot.services.controller.workers.Worker`, only receives prompt ids and
+  returns tokens, timed on the controller's clock).
 
 What is not isolated: CPU time shares the machine's cores (the controller times one thing at a time
 and records the load average beside each sample; when two workers are alive at once, the idle one is
@@ -35,15 +35,12 @@ directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``Pa
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import resource
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -149,58 +146,6 @@ def bwrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
 
-def parse_cpulist(text: str) -> set[int]:
-    """CPU ids of a Linux cpulist such as ``"0-7,16-23"`` (sysfs ``local_cpulist``)."""
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def pick_cores(local: list[set[int]], allowed: set[int]) -> list[int]:
-    """One core per device, each from the device's local cores where it may (else any allowed core),
-    all different, taken from the top (low-numbered cores tend to take the machine's interrupts and
-    housekeeping). ``local[i]`` empty: nothing known about device ``i``."""
-    taken: list[int] = []
-    for near in local:
-        free = sorted(allowed - set(taken))
-        if not free:
-            raise SandboxError(f"{len(local)} devices but only {len(allowed)} usable CPUs")
-        pool = [c for c in free if c in near] or free
-        taken.append(pool[-1])
-    return taken
-
-
-def device_local_cpus(device: str) -> set[int]:
-    """The CPUs on the NUMA node of a CUDA device (its PCI function's ``local_cpulist``); empty
-    when unknown (a CPU device, no sysfs, a torch without PCI ids)."""
-    if not device.startswith("cuda"):
-        return set()
-    try:
-        import torch
-
-        dev = torch.device(device)
-        props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text())
-    except (AttributeError, OSError, RuntimeError, ValueError):
-        return set()
-
-
-def timing_cpus(devices: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-    """The core each timing device's workers are pinned to: one core beside each GPU.
-
-    A fresh GPU worker's speed follows the core the scheduler gives it (a 135M model's step is mostly
-    the host's launches and syncs): per-worker levels that no number of requests per trial averages
-    out (docs/FIGURES.md, "Lab notes moved from code"). Workers that run one at a time (one device,
-    interleaved or not) share that core; two devices get two cores."""
-    allowed = os.sched_getaffinity(0)
-    cores = pick_cores([device_local_cpus(d) for d in devices], allowed)
-    return {d: (c,) for d, c in zip(devices, cores, strict=True)}
-
-
 @dataclass
 class Sandbox:
     """One isolated process tree over a candidate's source tree."""
@@ -276,8 +221,9 @@ class Sandbox:
         self._procs.append(proc)
         return proc
 
-    def run(self, cmd: list[str], timeout: float | None = None) -> dict:
-        """Run to completion; returns returncode, output tail, and whether it timed out or was OOM-killed."""
+    def run(self, cmd: list[str], timeout: float | None = None, tail: int = 4000) -> dict:
+        """Run to completion; returns returncode, the last ``tail`` characters of its output, and whether
+        it timed out or was OOM-killed."""
         proc = self.popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             out, _ = proc.communicate(timeout=timeout or self.limits.wall_s)
@@ -286,8 +232,12 @@ class Sandbox:
             self.kill()
             out, _ = proc.communicate()
             timed_out = True
-        return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-4000:], "timed_out": timed_out,
-                "oom_killed": self._cgroup.oom_killed()}
+        return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-tail:], "timed_out": timed_out,
+                "oom_killed": self.oom_killed()}
+
+    def oom_killed(self) -> bool:
+        """Whether the sandbox's cgroup killed a process for memory."""
+        return self._cgroup.oom_killed()
 
     def _signal_all(self, sig: int) -> None:
         """``sig`` to every process of the sandbox: its cgroup's (which no process can leave) and, where
@@ -335,95 +285,3 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class WorkerFailed(RuntimeError):
-    pass
-
-
-class Worker:
-    """``python -m specpilot.harness.worker`` of one system inside a sandbox, driven over a pipe.
-
-    The controller's clock measures each request from send to reply; the worker only returns tokens.
-    """
-
-    def __init__(self, sandbox: Sandbox, python: str, deployment: str, options: dict, device: str = "cpu",
-                 ready_timeout_s: float = 300.0):
-        cmd = [python, "-m", "specpilot.harness.worker", "--deployment", deployment, "--options", json.dumps(options),
-               "--device", device, "--data-dir", SANDBOX_DATA if sandbox.isolated else str(Path(sandbox.models).parent)]
-        if sandbox.threads:
-            cmd += ["--threads", str(sandbox.threads)]
-        self.sandbox = sandbox
-        self.proc = sandbox.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self._lines: queue.Queue = queue.Queue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-        reply = self._read(ready_timeout_s)
-        if not reply.get("ready"):
-            raise WorkerFailed(f"worker did not start: {reply.get('error') or self.stderr_tail()}")
-
-    @staticmethod
-    def _pump(stream, q: queue.Queue) -> None:
-        for line in stream:
-            q.put(line)
-        q.put(None)
-
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr.append(line.decode(errors="replace"))
-            del self._stderr[:-50]
-
-    def stderr_tail(self) -> str:
-        return "".join(self._stderr[-15:]).strip() or f"exit code {self.proc.poll()}"
-
-    def _read(self, timeout: float) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            self.sandbox.kill()
-            raise WorkerFailed(f"worker gave no answer within {timeout:.0f} s (killed)") from None
-        if line is None:
-            oom = " (out of memory: the cgroup killed it)" if self.sandbox._cgroup.oom_killed() else ""
-            raise WorkerFailed(f"worker exited{oom}: {self.stderr_tail()}")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}") from None
-        if not isinstance(reply, dict):
-            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}")
-        return reply
-
-    def request(self, obj: dict, timeout: float = 300.0) -> tuple[dict, float]:
-        """Send one protocol request; the reply and the seconds from send to reply (controller clock)."""
-        msg = (json.dumps(obj) + "\n").encode()
-        t0 = time.perf_counter()
-        try:
-            self.proc.stdin.write(msg)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise WorkerFailed(f"worker is gone: {self.stderr_tail()}") from None
-        reply = self._read(timeout)
-        elapsed = time.perf_counter() - t0
-        if "error" in reply:
-            raise WorkerFailed(f"worker error: {reply['error']}")
-        return reply, elapsed
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:
-        """Tokens and seconds measured by the controller's clock, send to reply."""
-        reply, elapsed = self.request({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}, timeout)
-        tokens = reply.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise WorkerFailed("worker returned something other than a list of token ids")
-        return tokens, elapsed
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.sandbox.kill()
