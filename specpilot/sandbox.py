@@ -1,4 +1,5 @@
-"""The sandbox agent-written code runs in: candidates timed by the controller, and an agent's own tests.
+"""The sandbox agent-written code runs in (candidates timed by the controller, an agent's own tests and
+advice runs), and `Worker`, the driver of a timing worker (`specpilot.harness.worker`) inside one.
 
 What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
 - **Files**: the whole machine is mounted read-only; ``/tmp`` is a fresh, empty tmpfs (the only
@@ -35,12 +36,15 @@ directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``Pa
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -285,3 +289,95 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Worker:
+    """``python -m specpilot.harness.worker`` of one system inside a sandbox, driven over a pipe.
+
+    The controller's clock measures each request from send to reply; the worker only returns tokens.
+    """
+
+    def __init__(self, sandbox: Sandbox, python: str, deployment: str, options: dict, device: str = "cpu",
+                 ready_timeout_s: float = 300.0):
+        cmd = [python, "-m", "specpilot.harness.worker", "--deployment", deployment, "--options", json.dumps(options),
+               "--device", device, "--data-dir", SANDBOX_DATA if sandbox.isolated else str(Path(sandbox.models).parent)]
+        if sandbox.threads:
+            cmd += ["--threads", str(sandbox.threads)]
+        self.sandbox = sandbox
+        self.proc = sandbox.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._lines: queue.Queue = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        reply = self._read(ready_timeout_s)
+        if not reply.get("ready"):
+            raise WorkerFailed(f"worker did not start: {reply.get('error') or self.stderr_tail()}")
+
+    @staticmethod
+    def _pump(stream, q: queue.Queue) -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line.decode(errors="replace"))
+            del self._stderr[:-50]
+
+    def stderr_tail(self) -> str:
+        return "".join(self._stderr[-15:]).strip() or f"exit code {self.proc.poll()}"
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.sandbox.kill()
+            raise WorkerFailed(f"worker gave no answer within {timeout:.0f} s (killed)") from None
+        if line is None:
+            oom = " (out of memory: the cgroup killed it)" if self.sandbox.oom_killed() else ""
+            raise WorkerFailed(f"worker exited{oom}: {self.stderr_tail()}")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}")
+        return reply
+
+    def request(self, obj: dict, timeout: float = 300.0) -> tuple[dict, float]:
+        """Send one protocol request; the reply and the seconds from send to reply (controller clock)."""
+        msg = (json.dumps(obj) + "\n").encode()
+        t0 = time.perf_counter()
+        try:
+            self.proc.stdin.write(msg)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise WorkerFailed(f"worker is gone: {self.stderr_tail()}") from None
+        reply = self._read(timeout)
+        elapsed = time.perf_counter() - t0
+        if "error" in reply:
+            raise WorkerFailed(f"worker error: {reply['error']}")
+        return reply, elapsed
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:
+        """Tokens and seconds measured by the controller's clock, send to reply."""
+        reply, elapsed = self.request({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}, timeout)
+        tokens = reply.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise WorkerFailed("worker returned something other than a list of token ids")
+        return tokens, elapsed
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.sandbox.kill()

@@ -86,7 +86,8 @@ def test_anthropic_sdk_drives_the_tool_loop(ws):
                for r in reqs)
     first = reqs[0].body
     assert first["model"] == "claude-test" and first["max_tokens"] == llm.DEFAULT_MAX_TOKENS
-    assert {t["name"] for t in first["tools"]} == {"list_files", "read_file", "apply_diff", "run_tests", "finish"}
+    assert {t["name"] for t in first["tools"]} == {"list_files", "read_file", "apply_diff", "run_tests", "quick_time", "profile",
+                                                        "finish"}
     assert all("input_schema" in t for t in first["tools"])
     assert "add a demo flag" in first["system"] and "tiny-cpu" in first["system"] and '"block_size": 4' in first["system"]
 

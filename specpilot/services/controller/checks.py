@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specpilot import schema
+from specpilot.sandbox import WorkerFailed
 from specpilot.services.controller.systems import PatchDoesNotApply
-from specpilot.services.controller.workers import System, WorkerFailed
+from specpilot.services.controller.workers import System
 
 if TYPE_CHECKING:
     from specpilot.services.controller.evaluate import Evaluator

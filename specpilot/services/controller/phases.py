@@ -19,9 +19,10 @@ import math
 from typing import TYPE_CHECKING
 
 from specpilot import schema
+from specpilot.sandbox import WorkerFailed
 from specpilot.services.controller import hardware, stats
 from specpilot.services.controller.timing import together
-from specpilot.services.controller.workers import System, WorkerFailed
+from specpilot.services.controller.workers import System
 from specpilot.shapes import shape_of
 
 if TYPE_CHECKING:

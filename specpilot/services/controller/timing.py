@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specpilot.sandbox import Worker, WorkerFailed
 from specpilot.services.controller import stats
 from specpilot.services.controller.checks import incomplete
-from specpilot.services.controller.workers import System, Worker, WorkerFailed
+from specpilot.services.controller.workers import System
 
 if TYPE_CHECKING:
     from specpilot.services.controller.evaluate import Evaluator

@@ -63,8 +63,9 @@ work that changes tokens, truncating answers, or remembering answers between req
 paired trials; only a measured speed-up is promoted. Keep the patch small and correct.
 
 Tools: list_files(path), read_file(path), apply_diff(diff) (a unified diff with a/ and b/ prefixes; diffs \
-accumulate), run_tests(pattern, path) (pytest -k over tests/engine), finish(options, notes). Read before you \
-edit, run the relevant tests after, and call finish within {max_turns} turns."""
+accumulate), run_tests(pattern, path) (pytest -k over tests/engine), quick_time(options) and profile(options) \
+(advice from two public dev requests, never a verdict), finish(options, notes). Read before you edit, run the \
+relevant tests after, and call finish within {max_turns} turns."""
 
 
 def task_message(direction: schema.DirectionPlanned) -> str:

@@ -68,6 +68,7 @@ class Settings:
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
     work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
     hide: tuple[Path, ...] = ()  # what agent code must not see when it runs (the service's data directory)
+    data: Path | None = None  # the service's data directory: its model cache feeds quick_time/profile (None: off)
     max_wall_s: float = DEFAULT_CONVERSATION_S  # one LLM conversation's wall-clock budget
     max_llm_tokens: int | None = None  # one conversation's token budget (input + output; None: no limit)
 
@@ -104,9 +105,13 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
             return offline.sweep(direction.hints, offline.workspace_validator(ws))
         if spec.kind == providers.MEMORY:
             return [offline.memory(direction.hints, ws)]
+        from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
         from specpilot.services.subagent import llm  # the SDKs load only when an LLM provider is used
+        from specpilot.services.subagent.advice import Advisor
 
-        tools = Tools(ws, test_timeout_s=settings.test_timeout_s)
+        advisor = Advisor(direction.deployment or DEFAULT_DEPLOYMENT, settings.data, dict(best.options), settings.hide) \
+            if settings.data is not None else None
+        tools = Tools(ws, test_timeout_s=settings.test_timeout_s, advisor=advisor)
         return [llm.propose(spec, direction, tools, key, best_options=best.options, max_turns=settings.max_turns,
                             usage=usage, max_wall_s=settings.max_wall_s, max_total_tokens=settings.max_llm_tokens)]
     finally:
@@ -244,7 +249,7 @@ def add_args(parser) -> None:
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
-                        test_timeout_s=a.test_timeout, work_dir=a.work_dir, hide=(Path(cfg.data),),
+                        test_timeout_s=a.test_timeout, work_dir=a.work_dir, hide=(Path(cfg.data),), data=Path(cfg.data),
                         max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens)
     providers.parse_provider(settings.default_provider)  # a bad flag fails at start-up
 

@@ -10,7 +10,7 @@ Contract:
 - ``apply_diff`` applies a diff as it is (then with recounted hunks); ``merge_from_stock`` applies a diff
   written against stock (a memory entry) to a later commit, by a 3-way merge when it does not apply as is.
 - ``Tools`` executes the provider-neutral tools in ``TOOL_SPECS`` (``list_files``, ``read_file``,
-  ``apply_diff``, ``run_tests``, ``finish``) and never raises for an agent's mistake: every problem is
+  ``apply_diff``, ``run_tests``, ``quick_time`` and ``profile`` (advice: `advice.Advisor`), ``finish``) and never raises for an agent's mistake: every problem is
   a ``ToolResult`` with ``error=True`` and a message saying what to do. Reading is confined to
   ``READABLE`` (request sets are off limits); diffs go through the controller's own policy
   (``specpilot.policy.check``: only ``specpilot_engine/`` and ``specpilot_kernels/``, no tests, no ``..``).
@@ -226,6 +226,18 @@ TOOL_SPECS: list[dict] = [
          "pattern": {"type": "string", "description": "pytest -k expression; empty runs all (slow)"},
          "path": {"type": "string", "description": "a test file under tests/engine/ (optional)"}},
          "required": []}},
+    {"name": "quick_time",
+     "description": "Advice, not a verdict: time the workspace (with these engine options, on top of the best's) "
+                    "against the current best on two public dev requests, in a sandbox; says the speed ratio and "
+                    "whether the tokens are the best's. Takes a minute or so.",
+     "input_schema": {"type": "object", "properties": {
+         "options": {"type": "object", "description": "engine option name -> value (your mechanism's)"}},
+         "required": []}},
+    {"name": "profile",
+     "description": "Advice, not a verdict: the workspace's tokens per step and milliseconds per kernel class "
+                    "(with these options) on two public dev requests, in a sandbox.",
+     "input_schema": {"type": "object", "properties": {
+         "options": {"type": "object", "description": "engine option name -> value"}}, "required": []}},
     {"name": "finish",
      "description": "Finish: the workspace's changes are the patch. options are the engine option settings that "
                     "enable the new mechanism (relative to stock); notes say what changed and why it is faster.",
@@ -246,16 +258,19 @@ class Tools:
 
     specs = TOOL_SPECS
 
-    def __init__(self, workspace: Workspace, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S):
+    def __init__(self, workspace: Workspace, test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S, advisor=None):
+        """``advisor``: an `advice.Advisor` for ``quick_time`` and ``profile`` (None: they say they are off)."""
         self.ws = workspace
         self.test_timeout_s = test_timeout_s
+        self.advisor = advisor
         self.finished: Finished | None = None
         self.calls: list[tuple[str, dict, ToolResult]] = []
 
     def call(self, name: str, args: dict | None) -> ToolResult:
         args = args if isinstance(args, dict) else {}
         fn = {"list_files": self.list_files, "read_file": self.read_file, "apply_diff": self.apply_diff,
-              "run_tests": self.run_tests, "finish": self.finish}.get(name)
+              "run_tests": self.run_tests, "quick_time": self.quick_time, "profile": self.profile,
+              "finish": self.finish}.get(name)
         if fn is None:
             res = ToolResult(f"unknown tool {name!r}; tools: {', '.join(t['name'] for t in TOOL_SPECS)}", True)
         else:
@@ -351,6 +366,29 @@ class Tools:
             return ToolResult(f"tests ran out of memory (limit {self.ws.limits.memory_bytes >> 20} MiB; killed)\n"
                               f"{res['output']}", True)
         return ToolResult(f"exit status {res['returncode']}\n{res['output']}", res["returncode"] not in (0, 5))
+
+    def _advice(self, what: str, options: dict | None) -> ToolResult:
+        from specpilot.sandbox import WorkerFailed
+
+        if self.advisor is None:
+            return ToolResult(f"{what} is not available for this direction", True)
+        options = options or {}
+        if not isinstance(options, dict):
+            return ToolResult("options must be an object of option name -> value", True)
+        if problem := validate_options(self.ws, options):
+            return ToolResult(f"the options are not valid for the workspace's engine: {problem}", True)
+        try:
+            if what == "quick_time":
+                return ToolResult(self.advisor.quick_time(self.ws.path, self.ws.base, options))
+            return ToolResult(self.advisor.profile(self.ws.path, options))
+        except WorkerFailed as exc:
+            return ToolResult(f"{what} failed (a sandboxed worker): {exc}", True)
+
+    def quick_time(self, options: dict | None = None) -> ToolResult:
+        return self._advice("quick_time", options)
+
+    def profile(self, options: dict | None = None) -> ToolResult:
+        return self._advice("profile", options)
 
     def finish(self, options: dict | None = None, notes: str = "") -> ToolResult:
         options = options or {}
