@@ -1,6 +1,6 @@
 """The LLM tool loop, through the Anthropic or OpenAI SDK: the only module that imports ``anthropic`` or
-``openai`` (when a conversation runs, not on import). Shared by the services that converse with a model (the subagent's patch writer, the master's
-planner); it knows nothing of either.
+``openai`` (when a conversation runs, not on import). Shared by the services that converse with a model
+(the subagent's patch writer, the master's planner); it knows nothing of either.
 
 Contract: ``tool_loop(spec, key, system, task, toolbox, usage, max_turns)`` drives one conversation over
 any toolbox (``specs``: name/description/input_schema dicts; ``call(name, args)`` → `ToolResult`;
@@ -25,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from specpilot import schema
 from specpilot.providers import ANTHROPIC, ProviderError, ProviderSpec
 
 log = logging.getLogger("llm")
@@ -56,6 +57,14 @@ class Usage:
 
     def summary(self) -> str:
         return f"{self.turns} turns, {self.input_tokens} input / {self.output_tokens} output tokens, {self.wall_s:.0f} s"
+
+    def event(self, purpose: str, provider: str, **fields) -> schema.ConversationUsed:
+        """This conversation as the `schema.ConversationUsed` its service publishes (``fields``: the event
+        id, the direction)."""
+        return schema.ConversationUsed(purpose=purpose, provider=provider, turns=self.turns,
+                                       input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+                                       wall_s=round(self.wall_s, 3), ended=self.ended or "error",
+                                       tools=list(self.tools), **fields)
 
 
 @dataclass(frozen=True)

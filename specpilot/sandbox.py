@@ -16,12 +16,12 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   session, capabilities dropped, and the whole tree dies with the controller (``--die-with-parent``).
 - **Resources**: a cgroup (v1 or v2) per sandbox caps processes (``pids.max``) and memory; the
   controller enforces wall-clock timeouts and kills the tree. ``cpus`` pins the whole tree to a set
-  of cores (the controller pins GPU timing workers to one core beside the GPU: see `timing_cpus`).
+  of cores (the controller pins GPU timing workers to one core beside the GPU:
+  `specpilot.services.controller.pinning.timing_cpus`).
   Where cgroups are not writable, ``RLIMIT_AS`` caps memory on CPU runs (never on CUDA, whose
   address-space reservations it breaks) and the process cap is best effort.
-- **The clock, the harness and the reference tokens** stay in the caller's process (for the
-  controller: the worker, `specpilot.services.controller.workers.Worker`, only receives prompt ids and
-  returns tokens, timed on the controller's clock).
+- **The clock, the harness and the reference tokens** stay in the caller's process: a `Worker` only
+  receives prompt ids and returns tokens, each request timed on the caller's clock.
 
 What is not isolated: CPU time shares the machine's cores (the controller times one thing at a time
 and records the load average beside each sample; when two workers are alive at once, the idle one is

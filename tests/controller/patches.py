@@ -35,6 +35,19 @@ def worker_patch(before_ready: str = "", before_reply: str = "") -> str:
         text = text.replace(REPLY, textwrap.indent(code, "        ") + REPLY)
     return diff(API, text)
 
+# Probe code that forks until the process cap stops it, each child asleep for an hour (the controller's
+# and the subagent's sandbox probes run it; underscored names keep it from shadowing a module's own).
+FORK_BOMB = """
+import os as _os, time as _time
+while True:
+    try:
+        if _os.fork() == 0:
+            _time.sleep(3600)
+            _os._exit(0)
+    except OSError:
+        _time.sleep(0.01)
+"""
+
 OPTIONS = "specpilot_engine/options.py"
 OPTION_ANCHOR = "    drafter_weights: str = option("  # a one-line field: new ones go after it
 

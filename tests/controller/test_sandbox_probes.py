@@ -16,7 +16,7 @@ from specpilot import schema
 from specpilot.paths import REPO_ROOT
 from specpilot.sandbox import Limits, bwrap_available
 from specpilot.services.controller.main import Controller
-from tests.controller.patches import worker_patch
+from tests.controller.patches import FORK_BOMB, worker_patch
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 
@@ -100,17 +100,7 @@ def test_escape_attempts_are_contained(ctl, tmp_path):
 
 
 def test_fork_bomb_is_contained(ctl):
-    probe = """
-    import os, time
-    while True:
-        try:
-            if os.fork() == 0:
-                time.sleep(3600)
-                os._exit(0)
-        except OSError:
-            time.sleep(0.01)
-    """
-    events = evaluate(ctl, worker_patch(before_ready=probe))
+    events = evaluate(ctl, worker_patch(before_ready=FORK_BOMB))
     t = patch_tested(events)
     assert not t.passed and "no answer within" in t.detail
     left = subprocess.run(["pgrep", "-f", "specpilot.harness.worker"], capture_output=True, text=True).stdout.split()

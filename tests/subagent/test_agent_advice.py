@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs
 def tools(tmp_path) -> Tools:
     data = tmp_path / "data"
     ws = Workspace(build_workspace(REPO_ROOT, [], dest=tmp_path / "ws"), hide=(data,))
-    return Tools(ws, advisor=Advisor("tiny-cpu", data, base_options={}, hide=(data,)))
+    return Tools(ws, advisor=Advisor("tiny-cpu", data, base_options={}))
 
 
 def test_quick_time_and_profile_advise_on_the_workspace(tools):

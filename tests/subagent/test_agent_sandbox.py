@@ -17,6 +17,7 @@ import pytest
 from specpilot.paths import REPO_ROOT
 from specpilot.sandbox import Limits, bwrap_available
 from specpilot.services.subagent.workspace import Tools, Workspace, build_workspace
+from tests.controller.patches import FORK_BOMB
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 
@@ -94,16 +95,7 @@ def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_p
 
 
 def test_an_agents_fork_bomb_and_infinite_loop_are_killed_and_reported(tmp_path, data):
-    bomb = tools_with(tmp_path / "bomb", data, """
-    import os as _os, time as _time
-    while True:
-        try:
-            if _os.fork() == 0:
-                _time.sleep(3600)
-                _os._exit(0)
-        except OSError:
-            _time.sleep(0.01)
-    """, timeout_s=15.0)
+    bomb = tools_with(tmp_path / "bomb", data, FORK_BOMB, timeout_s=15.0)
     res = bomb.call("run_tests", QUICK_TEST)
     assert res.error and "timed out after 15 s (killed)" in res.text, res.text
     loop = tools_with(tmp_path / "loop", data, "while True:\n    pass\n", timeout_s=10.0)

@@ -1,12 +1,12 @@
 """Running systems: the controller's sandboxed workers, their lifecycle and their compile caches.
 
 `Workers` starts a fresh timing worker (`specpilot.harness.worker`) of a `System` (a commit of the systems
-repository plus option settings) in a fresh `sandbox.Sandbox`, warms it up untimed
+repository plus option settings) in a fresh `specpilot.sandbox.Sandbox`, warms it up untimed
 (`warm_up_requests`), hands it out, and closes it (the sandbox killed) on exit; `run` answers prompts on
 the controller's clock. Each worker starts from a fresh copy of its system's compile cache, filled once
 with requests that know lengths, not tokens (`compile_fill_requests`). `abort` kills every sandbox in
-use (the service is stopping). What is timed, checked or decided is the `Evaluator`'s job
-(`evaluate.py`); this module only runs systems.
+use (the service is stopping). What is checked, timed or decided is the jobs' (`checks`, `timing`,
+`phases`, `verdict`); this module only runs systems.
 """
 
 from __future__ import annotations

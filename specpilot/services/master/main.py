@@ -177,8 +177,8 @@ class RoundDriver:
             return None
         prof: schema.ProfileMeasured = profiles[-1]  # type: ignore[assignment]
         hw: schema.HardwareMeasured = hardware[-1]  # type: ignore[assignment]
-        result = compute_ceiling(prof, hw)
         best, by = costmodel.envelope(replays(prof))
+        result = compute_ceiling(prof, hw, best)
         event = await self.emit(schema.CeilingComputed(
             event_id=f"{self.round_id}-ceiling", ceiling_speedup=result.speedup,
             factors=result.factors, floors_s=result.floors_s,
@@ -196,8 +196,8 @@ class RoundDriver:
         directions = [d for d in await self.round_events(schema.DirectionPlanned)
                       if d.event_id.startswith(prefix)]
         if not directions:
-            evidence = await self.evidence(ceiling)
-            planned = await self.within_budget(await self.plan(ceiling, evidence, usage_id=f"{prefix}planner"))
+            planned, told = await self.plan(ceiling, usage_id=f"{prefix}planner")
+            planned = await self.within_budget(planned)
             if not planned:
                 log.info("round %s: nothing left to try (or no time) after %d waves", self.round_id, wave)
                 return False
@@ -205,7 +205,7 @@ class RoundDriver:
                 directions.append(await self.emit(schema.DirectionPlanned(
                     event_id=f"{prefix}d{i}", direction_id=f"{prefix}d{i}", title=d.title, rationale=d.rationale,
                     factor=d.factor, provider=d.provider, device=str(i), memory_entry_id=d.memory_entry_id,
-                    hints={**d.hints, "expected_patches": d.expected_patches}, evidence=evidence)))
+                    hints={**d.hints, "expected_patches": d.expected_patches}, evidence=told)))
         for d in directions:
             await self.wait_direction(d)  # type: ignore[arg-type]
         return True
@@ -229,52 +229,41 @@ class RoundDriver:
                      "no time for another wave" if not fitted else "fewer candidates")
         return fitted
 
-    async def entries(self, facts: dict) -> list[dict]:
-        """Accepted memory entries whose requirements hold for ``facts`` (none when memory cannot answer)."""
-        try:
-            reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
-            return reply.get("entries", [])
-        except bus.BusError:
-            return []
-
-    async def evidence(self, ceiling: schema.CeilingComputed | None) -> dict:
-        """What this wave's planner and subagents are told (`specpilot.evidence.bundle`), from the ledger."""
-        from specpilot.harness.deployment import load_deployment
-
-        facts = load_deployment(self.deployment).facts()
-        best = await self.reads.best(self.deployment)
-        history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
-                                          schema.VerdictIssued, deployment=self.deployment)
-        hardware = await self.round_events(schema.HardwareMeasured)
-        profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
-        return evidence.bundle(facts=facts, best_options=dict(best.options) if best else {},
-                               attempts=evidence.attempts(history), hardware=hardware[-1] if hardware else None,
-                               profile=profiles[-1] if profiles else None, ceiling=ceiling,
-                               entries=await self.entries(facts))  # type: ignore[arg-type]
-
-    async def plan(self, ceiling: schema.CeilingComputed | None, known_evidence: dict | None = None,
-                   usage_id: str = "") -> list[planner.Direction]:
+    async def plan(self, ceiling: schema.CeilingComputed | None, usage_id: str = "",
+                   ) -> tuple[list[planner.Direction], dict]:
         """The wave's directions: the LLM planner's (its conversation reported as a `schema.ConversationUsed`
-        under ``usage_id``) or, without one or when it fails, the rules'."""
+        under ``usage_id``) or, without one or when it fails, the rules'; and the evidence both planners
+        and the subagents are told (`specpilot.evidence.bundle`), from the same reads of the ledger."""
         from specpilot.harness.deployment import load_deployment
         from specpilot_engine.options import EngineOptions
 
         facts = load_deployment(self.deployment).facts()
         best = await self.reads.events(schema.BestAdvanced, deployment=self.deployment)
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
+        history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
+                                          schema.VerdictIssued, deployment=self.deployment)
         tried: set[tuple[str, str]] = set()
         applied: set[str] = set()
-        for d in await self.reads.events(schema.DirectionPlanned, deployment=self.deployment):
+        for d in (e for e in history if isinstance(e, schema.DirectionPlanned)):
             if d.provider == "sweep":  # type: ignore[attr-defined]
                 tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
             if d.memory_entry_id:  # type: ignore[attr-defined]
                 applied.add(d.memory_entry_id)  # type: ignore[attr-defined]
-        entries = await self.entries(facts)
+        try:
+            reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
+            entries = reply.get("entries", [])
+        except bus.BusError:
+            entries = []
         # An entry this deployment's own promotion taught is in its best system already: re-applying it
         # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
+        hardware = await self.round_events(schema.HardwareMeasured)
+        told = evidence.bundle(facts=facts, best_options=best_options, attempts=evidence.attempts(history),
+                               hardware=hardware[-1] if hardware else None,  # type: ignore[arg-type]
+                               profile=profiles[-1] if profiles else None, ceiling=ceiling,  # type: ignore[arg-type]
+                               entries=entries)
         if profiles:
             model = step_model(profiles[-1])  # type: ignore[arg-type]
             stock = load_deployment(self.deployment).stock_options().to_dict()
@@ -289,24 +278,22 @@ class RoundDriver:
 
             # The evidence holds the deployment, best options, device, profile, ceiling, entries and attempts.
             context = {"stock_options": EngineOptions().to_dict(), "swept": sorted(f"{o}={v}" for o, v in tried),
-                       "evidence": known_evidence or await self.evidence(ceiling)}
+                       "evidence": told}
             usage = Usage()
             try:
                 return await asyncio.to_thread(plan_with_llm, self.started.planner, context, known, best_options,
-                                               self.started.coder, devices, None, usage)
+                                               self.started.coder, devices, None, usage), told
             except UserError as exc:  # provider errors and missing keys: plan by the rules instead
                 log.warning("round %s: LLM planner %s failed (%s); planning by the rules", self.round_id,
                             self.started.planner, exc)
             finally:
                 if usage.turns:
-                    await self.emit(schema.ConversationUsed(
-                        **({"event_id": usage_id} if usage_id else {}), purpose="planner", provider=self.started.planner,
-                        turns=usage.turns, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
-                        wall_s=round(usage.wall_s, 3), ended=usage.ended or "error", tools=list(usage.tools)))
+                    await self.emit(usage.event("planner", self.started.planner,
+                                                **({"event_id": usage_id} if usage_id else {})))
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=known, entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
-                            coder=self.started.coder, devices=devices, predict=predict)
+                            coder=self.started.coder, devices=devices, predict=predict), told
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
         did = direction.direction_id
@@ -388,14 +375,16 @@ def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
                                drafters=drafters, chain_cost=dict(prof.chain_cost))
 
 
-def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> costmodel.Ceiling:
+def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
+                    replay_tau: dict[int, float]) -> costmodel.Ceiling:
+    """The ceiling of ``prof`` on ``hw``; ``replay_tau``: the best replay per node budget
+    (`costmodel.envelope` of `replays`)."""
     shape = costmodel.Shape(**prof.shape)
     bytes_per = 2.0 if prof.dtype == "bf16" else 4.0
     return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
                              weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
-                             profile_s=dict(prof.classes_s), replay=costmodel.envelope(replays(prof))[0],
-                             launches=dict(prof.launches),
+                             profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
                              launch_s=hw.launch_s)
 
 

@@ -2,7 +2,8 @@
 
 `Advisor` runs the workspace's system, and the current best it was built from, as timing workers
 (`specpilot.sandbox.Worker`) each in its own `specpilot.sandbox.Sandbox` (the same rules as
-`run_tests`: read-only source, no network, cleared environment, the service's data directory hidden),
+`run_tests`: read-only source, no network, cleared environment, the data directory hidden but for its
+model cache, bound read-only),
 on the first few requests of the deployment's *public* dev split (the controller's secret split is
 not known here, and these figures decide nothing).
 
@@ -43,7 +44,6 @@ class Advisor:
     deployment: str
     data: Path
     base_options: dict = field(default_factory=dict)
-    hide: tuple[Path, ...] = ()
     threads: int = 1
     limits: Limits = ADVICE_LIMITS
     _prompts: list[list[int]] | None = None
@@ -68,7 +68,7 @@ class Advisor:
 
     @contextlib.contextmanager
     def _worker(self, src: Path, options: dict):
-        with Sandbox(src=src, models=Path(self.data) / "models", hide=list(self.hide), limits=self.limits,
+        with Sandbox(src=src, models=Path(self.data) / "models", hide=[self.data], limits=self.limits,
                      threads=self.threads) as sbx:
             worker = Worker(sbx, sys.executable, self.deployment, options, ready_timeout_s=self.limits.wall_s)
             try:

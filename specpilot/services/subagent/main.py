@@ -67,8 +67,9 @@ class Settings:
     max_turns: int = 30
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
     work_dir: Path | None = None  # where workspaces are built (a temporary directory when None)
-    hide: tuple[Path, ...] = ()  # what agent code must not see when it runs (the service's data directory)
-    data: Path | None = None  # the service's data directory: its model cache feeds quick_time/profile (None: off)
+    # The service's data directory: hidden from every run of agent code; its model cache feeds the
+    # quick_time and profile tools (None: no such tools, nothing to hide).
+    data: Path | None = None
     max_wall_s: float = DEFAULT_CONVERSATION_S  # one LLM conversation's wall-clock budget
     max_llm_tokens: int | None = None  # one conversation's token budget (input + output; None: no limit)
 
@@ -99,7 +100,7 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
     if settings.work_dir is not None:
         Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
         dest = Path(settings.work_dir) / f"{direction.direction_id}-{direction.event_id[-12:]}"
-    ws = Workspace(build_workspace(settings.source, best.promotions, dest), hide=settings.hide)
+    ws = Workspace(build_workspace(settings.source, best.promotions, dest), hide=(settings.data,) if settings.data else ())
     try:
         if spec.kind == providers.SWEEP:
             return offline.sweep(direction.hints, offline.workspace_validator(ws))
@@ -109,7 +110,7 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
         from specpilot.services.subagent import llm  # the SDKs load only when an LLM provider is used
         from specpilot.services.subagent.advice import Advisor
 
-        advisor = Advisor(direction.deployment or DEFAULT_DEPLOYMENT, settings.data, dict(best.options), settings.hide) \
+        advisor = Advisor(direction.deployment or DEFAULT_DEPLOYMENT, settings.data, dict(best.options)) \
             if settings.data is not None else None
         tools = Tools(ws, test_timeout_s=settings.test_timeout_s, advisor=advisor)
         return [llm.propose(spec, direction, tools, key, best_options=best.options, max_turns=settings.max_turns,
@@ -140,10 +141,8 @@ def usage_events(direction: schema.DirectionPlanned, provider: str, usage: Usage
     """The direction's `schema.ConversationUsed` (none when no model was called), under a fixed id."""
     if not usage.turns:
         return []
-    return [schema.ConversationUsed(
-        event_id=patch_event_id(direction.event_id, -2), purpose="coder", direction_id=direction.direction_id,
-        provider=provider, turns=usage.turns, input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
-        wall_s=round(usage.wall_s, 3), ended=usage.ended or "error", tools=list(usage.tools))]
+    return [usage.event("coder", provider, event_id=patch_event_id(direction.event_id, -2),
+                        direction_id=direction.direction_id)]
 
 
 def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
@@ -249,7 +248,7 @@ def add_args(parser) -> None:
 def make(cfg: service.ServiceConfig):
     a = cfg.args
     settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
-                        test_timeout_s=a.test_timeout, work_dir=a.work_dir, hide=(Path(cfg.data),), data=Path(cfg.data),
+                        test_timeout_s=a.test_timeout, work_dir=a.work_dir, data=Path(cfg.data),
                         max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens)
     providers.parse_provider(settings.default_provider)  # a bad flag fails at start-up
 

@@ -10,8 +10,8 @@ Contract:
 - ``apply_diff`` applies a diff as it is (then with recounted hunks); ``merge_from_stock`` applies a diff
   written against stock (a memory entry) to a later commit, by a 3-way merge when it does not apply as is.
 - ``Tools`` executes the provider-neutral tools in ``TOOL_SPECS`` (``list_files``, ``read_file``,
-  ``apply_diff``, ``run_tests``, ``quick_time`` and ``profile`` (advice: `advice.Advisor`), ``finish``) and never raises for an agent's mistake: every problem is
-  a ``ToolResult`` with ``error=True`` and a message saying what to do. Reading is confined to
+  ``apply_diff``, ``run_tests``, ``quick_time`` and ``profile`` (advice: `advice.Advisor`), ``finish``)
+  and never raises for an agent's mistake: every problem is a ``ToolResult`` with ``error=True`` and a message saying what to do. Reading is confined to
   ``READABLE`` (request sets are off limits); diffs go through the controller's own policy
   (``specpilot.policy.check``: only ``specpilot_engine/`` and ``specpilot_kernels/``, no tests, no ``..``).
   ``run_tests`` runs ``python -m pytest -q -x tests/engine -k PATTERN`` over the workspace.
@@ -33,13 +33,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot import policy
 from specpilot.errors import UserError
 from specpilot.llm import ToolResult
-from specpilot.sandbox import Limits, Sandbox
+from specpilot.sandbox import Limits, Sandbox, WorkerFailed
 
 STOCK_DIRS = ("specpilot_engine", "specpilot_kernels", "deployments", "tests/engine")
 STOCK_FILES = ("tests/__init__.py",)
@@ -169,11 +170,10 @@ class Workspace:
 
     def run(self, cmd: list[str], timeout_s: float, tail: int = 4000) -> dict:
         """Run ``cmd`` (the workspace's code) in a fresh sandbox over a read-only bind of the workspace;
-        `specpilot.sandbox.Sandbox.run`'s result: returncode, output tail, timed_out, oom_killed, plus
-        the sandbox's description."""
+        `specpilot.sandbox.Sandbox.run`'s result: returncode, output tail, timed_out, oom_killed."""
         limits = Limits(wall_s=timeout_s, memory_bytes=self.limits.memory_bytes, pids=self.limits.pids)
         with Sandbox(src=self.path, models=self.path / ".no-models", hide=list(self.hide), limits=limits) as sbx:
-            return {**sbx.run(cmd, timeout=timeout_s, tail=tail), "sandbox": sbx.describe()}
+            return sbx.run(cmd, timeout=timeout_s, tail=tail)
 
     def diff(self) -> str:
         """The proposed patch: every change to specpilot_engine/ and specpilot_kernels/ since the base (new files included)."""
@@ -367,9 +367,8 @@ class Tools:
                               f"{res['output']}", True)
         return ToolResult(f"exit status {res['returncode']}\n{res['output']}", res["returncode"] not in (0, 5))
 
-    def _advice(self, what: str, options: dict | None) -> ToolResult:
-        from specpilot.sandbox import WorkerFailed
-
+    def _advice(self, what: str, options: dict | None, run: Callable[[dict], str]) -> ToolResult:
+        """``run(options)`` of the advisor, after the checks ``finish`` makes of the options."""
         if self.advisor is None:
             return ToolResult(f"{what} is not available for this direction", True)
         options = options or {}
@@ -378,17 +377,15 @@ class Tools:
         if problem := validate_options(self.ws, options):
             return ToolResult(f"the options are not valid for the workspace's engine: {problem}", True)
         try:
-            if what == "quick_time":
-                return ToolResult(self.advisor.quick_time(self.ws.path, self.ws.base, options))
-            return ToolResult(self.advisor.profile(self.ws.path, options))
+            return ToolResult(run(options))
         except WorkerFailed as exc:
             return ToolResult(f"{what} failed (a sandboxed worker): {exc}", True)
 
     def quick_time(self, options: dict | None = None) -> ToolResult:
-        return self._advice("quick_time", options)
+        return self._advice("quick_time", options, lambda o: self.advisor.quick_time(self.ws.path, self.ws.base, o))
 
     def profile(self, options: dict | None = None) -> ToolResult:
-        return self._advice("profile", options)
+        return self._advice("profile", options, lambda o: self.advisor.profile(self.ws.path, o))
 
     def finish(self, options: dict | None = None, notes: str = "") -> ToolResult:
         options = options or {}
