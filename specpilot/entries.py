@@ -1,12 +1,17 @@
 """Memory entries: validated mechanisms that later rounds and other deployments can reuse (docs/DESIGN.md §7).
 
 An entry (``MemoryEntryProposed``) carries a code delta against stock, option settings,
-requirements (predicates on the deployment), the correctness contract it was checked under,
-evidence (event ids), and the sha256 of every file of its source system under ``specpilot_engine/`` and
-``specpilot_kernels/``. It is accepted only if applying the delta to stock reproduces those files exactly
-(`validate`). `matches` filters entries by a deployment's facts.
+requirements (predicates on the deployment, `requirements_for`: only what the entry changes needs),
+the correctness contract it was checked under, evidence (event ids), and the sha256 of every file of
+its source system and of its stock under ``specpilot_engine/`` and ``specpilot_kernels/``. It is accepted
+only if applying the delta to *its* stock reproduces those files exactly (`validate`). Stocks are kept
+in a content-addressed snapshot store (``<store>/<sha256>``, `snapshot`): the memory service files its
+checkout's runtime there when it starts and whenever an entry names files the checkout still holds, and
+`specpilot memory import` brings an exported entry's stock with it; a check then never depends on what
+the host's checkout holds today. `matches` filters entries by a deployment's facts.
 
-Pure apart from `validate`, which works in a temporary directory with ``git apply``.
+Pure apart from `snapshot` and `validate`, which copy files and work in a temporary directory with
+``git apply``.
 """
 
 from __future__ import annotations
@@ -46,23 +51,64 @@ def _compare(want: dict[str, str], got: dict[str, str]) -> str:
                      (("missing", missing), ("unexpected", extra), ("different", differ)) if paths)
 
 
-def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
-             stock_files: dict[str, str] | None = None) -> str:
-    """'' if ``delta`` applied to stock reproduces ``source_files`` exactly, else why not.
+def snapshot(store: Path, files: dict[str, str] | None = None, live: Path = REPO_ROOT) -> int:
+    """File into ``store`` every file of ``files`` (default: all of ``live``'s runtime) that ``live``
+    holds with that content and the store lacks; returns how many were added. Written atomically."""
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    files = tree_hashes(live) if files is None else files
+    added = 0
+    for rel, sha in files.items():
+        src, dest = Path(live) / rel, store / sha
+        if dest.exists() or not src.is_file():
+            continue
+        data = src.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha:
+            continue
+        tmp = dest.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.rename(dest)
+        added += 1
+    return added
 
-    ``stock_files`` (the hashes of the stock the delta was made against, when the entry names them)
-    are checked first, so a stock tree edited since the deployment was registered is reported as
-    such rather than as a delta that does not reproduce its source."""
-    if not source_files:
-        return "the entry names no source files to check the delta against"
+
+def _stock_tree(dest: Path, stock: Path, stock_files: dict[str, str] | None, store: Path | None) -> str:
+    """Write the stock a delta was made against into ``dest``; why not ('' when written)."""
+    if store is not None and stock_files:
+        snapshot(store, stock_files, stock)
+        missing = sorted(rel for rel, sha in stock_files.items() if not (Path(store) / sha).exists())
+        if missing:
+            return (f"the stock this entry was made against is not in the snapshot store {store} ({len(missing)} "
+                    f"files, e.g. {', '.join(missing[:3])}): import it with the entry (`specpilot memory import`)")
+        for rel, sha in stock_files.items():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(store) / sha, dest / rel)
+        return ""
     if stock_files and (changed := _compare(stock_files, tree_hashes(stock))):
         return ("the stock here is not the stock the delta was made against (" + changed + "): specpilot_engine/ or "
                 "specpilot_kernels/ changed since the deployment was registered; validate where that stock is")
+    for r in ROOTS:
+        if (Path(stock) / r).exists():
+            shutil.copytree(Path(stock) / r, dest / r, ignore=_IGNORE)
+    return ""
+
+
+def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
+             stock_files: dict[str, str] | None = None, store: Path | None = None) -> str:
+    """'' if ``delta`` applied to its stock reproduces ``source_files`` exactly, else why not.
+
+    The stock is ``stock_files`` from the snapshot ``store`` (filed from ``stock`` first where it holds
+    them) when both are given; else the tree at ``stock``, checked against ``stock_files`` first so a
+    stock edited since the deployment was registered is reported as such rather than as a delta that
+    does not reproduce its source."""
+    if not source_files:
+        return "the entry names no source files to check the delta against"
+    if not delta.strip() and stock_files and source_files == stock_files:
+        return ""  # options on stock, no code: nothing to reproduce (each use re-times it on its own stock)
     with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
         work = Path(tmp)
-        for r in ROOTS:
-            if (Path(stock) / r).exists():
-                shutil.copytree(Path(stock) / r, work / r, ignore=_IGNORE)
+        if problem := _stock_tree(work, Path(stock), stock_files, store):
+            return problem
         if delta.strip():
             res = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=work, input=delta, text=True,
                                  capture_output=True, timeout=60)
@@ -75,8 +121,40 @@ def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
 
 
 def requirements_of(deployment: dict[str, Any]) -> dict[str, Any]:
-    """The predicates an entry found on ``deployment`` states (the facts it was validated under)."""
+    """Every fact an entry found on ``deployment`` could need (the facts it was validated under)."""
     return {k: deployment[k] for k in ("device_kind", "model_family", "dtype", "mode") if k in deployment}
+
+
+def requirements_for(options: dict[str, Any], facts: dict[str, Any], code_delta: bool, outputs_identical: bool,
+                     devices: dict[str, tuple[str, ...]], per_target: dict[str, tuple[Any, ...]],
+                     device_kinds: tuple[str, ...]) -> dict[str, Any]:
+    """What an entry needs of a deployment, from what it changes (so it carries as far as it holds):
+
+    - ``mode``: always the one it was found in (a batched engine is another engine);
+    - ``device_kind``: the kinds every option it sets means something on (``devices``: option -> kinds,
+      each option's `OptionInfo.devices`), narrowed to the kind it ran on when it carries code (timed
+      there only);
+    - ``model_family``: the architecture, when it carries code (it may touch the model's blocks);
+    - ``target``: when it sets a value with weights trained for one target (``per_target``: option ->
+      such values, `OptionInfo.per_target`);
+    - ``dtype``: when its contract is forcing (it changed tokens: judged against that dtype's stock).
+
+    ``device_kinds``: every kind there is. Pure: the caller reads the option table (the core imports no
+    runtime)."""
+    req: dict[str, Any] = {"mode": facts.get("mode")}
+    kinds = set(device_kinds)
+    for name in options:
+        kinds &= set(devices.get(name, device_kinds))
+    if code_delta:
+        kinds &= {facts.get("device_kind")}
+        req["model_family"] = facts.get("model_family")
+    if kinds != set(device_kinds):
+        req["device_kind"] = sorted(kinds)
+    if any(value in per_target.get(name, ()) for name, value in options.items()):
+        req["target"] = facts.get("target")
+    if not outputs_identical:
+        req["dtype"] = facts.get("dtype")
+    return req
 
 
 def matches(requirements: dict[str, Any], deployment: dict[str, Any]) -> bool:

@@ -51,6 +51,11 @@ DELTA_QUANTILE = 0.95  # of stock's own mismatch margins
 DELTA_FLOOR = 0.05
 EVENT_FACTOR = 2.0  # an event is a mismatch with margin > EVENT_FACTOR * delta
 MAX_AUDITED = 200  # events whose explanation is checked per run (and reported)
+# Power: every verdict reports the probability that its rate rule would have rejected a system 1 point
+# worse than stock (`rate_power`); the controller forces at least `tokens_for_power` positions, so a
+# passing verdict had >= 90% power to catch such a system.
+POWER_EXCESS = 0.01
+POWER_TARGET = 0.9
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -232,6 +237,33 @@ def rate_rule(system: Counts, stock: Counts, margin: float = RATE_MARGIN,
     return RateResult(passed=not p < 1 - confidence, system_rate=x1 / n1, stock_rate=x0 / n0, difference=diff,
                       lower_bound=bound, p_value=p, margin=margin, system_ci=_wilson(x1, n1),
                       stock_ci=_wilson(x0, n0))
+
+
+def rate_power(n_system: int, n_stock: int, stock_rate: float, excess: float = POWER_EXCESS,
+               margin: float = RATE_MARGIN, confidence: float = CONFIDENCE) -> float:
+    """Probability that the rate rule rejects a system whose true mismatch rate is stock's plus
+    ``excess``, with ``n_system`` and ``n_stock`` forced positions: the normal approximation of the
+    one-sided Farrington-Manning score test (its null variance from the restricted MLE at the margin,
+    its alternative variance from the true rates)."""
+    if n_system <= 0 or n_stock <= 0 or excess <= margin:
+        return 0.0
+    p0 = min(max(stock_rate, 0.0), 1.0 - excess)
+    p1 = p0 + excess
+    r1, r0 = _restricted_mle(p1 * n_system, n_system, p0 * n_stock, n_stock, margin)
+    null_sd = math.sqrt(r1 * (1 - r1) / n_system + r0 * (1 - r0) / n_stock)
+    true_sd = math.sqrt(p1 * (1 - p1) / n_system + p0 * (1 - p0) / n_stock)
+    return float(stats.norm.cdf((excess - margin - stats.norm.ppf(confidence) * null_sd) / true_sd))
+
+
+def tokens_for_power(stock_rate: float, target: float = POWER_TARGET, excess: float = POWER_EXCESS) -> int:
+    """Forced positions a side (system and stock alike) for `rate_power` >= ``target``."""
+    lo, hi = 1, 1024
+    while rate_power(hi, hi, stock_rate, excess) < target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if rate_power(mid, mid, stock_rate, excess) >= target else (mid, hi)
+    return hi
 
 
 @dataclass(frozen=True)

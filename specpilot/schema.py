@@ -78,10 +78,11 @@ class RoundStarted(Event, frozen=True, kw_only=True, tag="round.started"):
     """A round began on a deployment with the given providers."""
 
     sources: ClassVar[frozenset[str]] = _only(MASTER)
-    rounds: int = 1
+    rounds: int = 1  # waves (0: until nothing is left to try or the budget ends)
     planner: str = ""
     coder: str = ""
     devices: list[str] = []
+    directions: int = 0  # directions a wave plans (0: 2 on a CPU, one per device on GPUs)
     sealed_requests: int = 0  # Phase 4: sealed requests to run (0: all)
     sealed_trials: int = 3
     minutes: float = 0.0  # wall-clock budget: no candidate starts that would end after the sealed final would (0: none)
@@ -211,6 +212,10 @@ class PatchTested(Event, frozen=True, kw_only=True, tag="patch.tested"):
     default_outputs_identical: bool = False
     detail: str = ""
     sandbox: dict[str, Any] = {}
+    # The best the patch was merged onto when another promotion moved it past the patch's base (its
+    # candidate is the integration of both); "" when the patch was written on the best it is timed against.
+    integrated_onto: str = ""
+    options: dict[str, Any] = {}  # the candidate's options: the best's, with the patch's changes from its base
 
 
 class TimingMeasured(Event, frozen=True, kw_only=True, tag="timing.measured"):
@@ -232,6 +237,10 @@ class TimingMeasured(Event, frozen=True, kw_only=True, tag="timing.measured"):
     interleaved: bool = False  # both workers alive in each trial, taking turns request by request
     request_s: list[list[float]] = []  # seconds of each request, per run, in each trial's `order`
     carryover: dict[str, float] = {}  # interleaved: effect, lower_bound, p_value (stats.carryover)
+    # untimed seconds (start-up and warm-up) of each worker of each system (bounded: stats.untimed_excess)
+    incumbent_untimed_s: list[float] = []
+    candidate_untimed_s: list[float] = []
+    reused_from: str = ""  # noise: taken from this machine's cache ("<data dir>: <event id>"), not measured here
 
 
 class VerdictIssued(Event, frozen=True, kw_only=True, tag="verdict.issued"):
@@ -316,9 +325,10 @@ class SealedFinalReported(Event, frozen=True, kw_only=True, tag="sealed.final.re
 
 
 class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.proposed"):
-    """A validated mechanism offered to structured memory."""
+    """A validated mechanism offered to structured memory (by the controller on a promotion, or by
+    memory itself for an entry imported from another data directory: ``origin`` and its evidence)."""
 
-    sources: ClassVar[frozenset[str]] = _only(CONTROLLER, MASTER)
+    sources: ClassVar[frozenset[str]] = _only(CONTROLLER, MASTER, MEMORY)
     entry_id: str
     title: str = ""
     delta: str = ""  # unified diff against stock
@@ -329,6 +339,8 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     source_commit: str = ""
     source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under specpilot_engine/ and specpilot_kernels/
     stock_files: dict[str, str] = {}  # the same for the stock the delta is against (as registered by the controller)
+    origin: str = ""  # imported: where it was exported from (`specpilot memory import`)
+    imported_evidence: list[dict[str, Any]] = []  # imported: the evidence events themselves, as recorded there
 
 
 class MemoryEntryAccepted(Event, frozen=True, kw_only=True, tag="memory.entry.accepted"):

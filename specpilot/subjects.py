@@ -62,6 +62,7 @@ RPC_EXPORT = rpc(MEMORY, "export")
 RPC_ENTRIES = rpc(MEMORY, "entries")
 RPC_EVENTS = rpc(MEMORY, "events")  # typed reads of events (specpilot.reads.EventQuery)
 RPC_VIEW = rpc(MEMORY, "view")  # typed reads of projections (specpilot.reads.ViewQuery)
+RPC_IMPORT = rpc(MEMORY, "import")  # memory entries from another data directory (admin only)
 SERVICE_RPCS = (RPC_SQL, RPC_AUDIT, RPC_REPLAY, RPC_ENTRIES, RPC_EVENTS, RPC_VIEW)  # memory endpoints a service user may call
 MICRO_DISCOVERY = "$SRV.INFO"
 MICRO_ALL = "$SRV.>"

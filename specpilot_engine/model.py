@@ -53,6 +53,7 @@ class ModelConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     stop_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
+    family: str = "llama"  # the architecture (decoder blocks, norms, rotary embedding) this config runs
 
     @property
     def head_dim(self) -> int:

@@ -45,6 +45,9 @@ class OptionInfo:
     requires: Mapping[str, OptionValue] = field(default_factory=dict)  # settings it only means something with
     may_change_outputs: bool = False  # True: may change the output's bits (forcing decides); False: lossless
     minimum: int | None = None  # the smallest value of an integer option
+    # values that carry weights trained for one target (a learned drafter): a memory entry setting one
+    # applies only to that target (`specpilot.entries.requirements_for`)
+    per_target: tuple[OptionValue, ...] = ()
 
     def __post_init__(self) -> None:
         if self.factor is not None and self.factor not in FACTORS:
@@ -75,10 +78,10 @@ class EngineOptions:
         4, "longest context suffix the n-gram drafter tries to match", factor="tau", minimum=1)
     ngram_min_match: int = option(
         2, "shortest suffix the n-gram drafter matches; below it it proposes nothing", sweep=(1, 3),
-        factor="tau", minimum=1)
+        factor="tau", minimum=1, requires={"drafter": "ngram"})
     drafter: Literal["ngram", "parallel", "eagle", "none"] = option(
         "ngram", "who drafts: n-gram lookup, the parallel or eagle drafter, or none (plain AR decoding)",
-        sweep=("eagle", "parallel"), factor="tau")
+        sweep=("eagle", "parallel"), factor="tau", per_target=("eagle", "parallel"))
     drafter_weights: str = option("", "parallel drafter weights file; empty: the one shipped for the target")
 
     # --- precision: the deployment's choice, never swept.
@@ -173,6 +176,30 @@ def sweeps(cls: type[EngineOptions] = EngineOptions) -> dict[str, list[tuple[str
 def requirements(cls: type[EngineOptions] = EngineOptions) -> dict[str, dict[str, OptionValue]]:
     """Option -> the settings it only means something with (only options that have some)."""
     return {name: dict(i.requires) for name, i in infos(cls).items() if i.requires}
+
+
+def shape_options(cls: type[EngineOptions] = EngineOptions) -> dict[str, list[OptionValue]]:
+    """Swept options that change what a step verifies (`EngineOptions.verifies_tree`, `step_tokens`),
+    with their stock value and sweep values: block size, tree and tree size. The planner predicts a
+    change of drafter or drafter setting jointly with each of them, since the best draft length
+    depends on the drafter (docs/FIGURES.md, "Joint drafter and block-size prediction")."""
+    stock, out = cls(), {}
+    for name, i in infos(cls).items():
+        if not i.sweep:
+            continue
+        base = dataclasses.replace(stock, **dict(i.requires))
+        shape = (base.verifies_tree, base.step_tokens)
+        if any((o.verifies_tree, o.step_tokens) != shape for o in (dataclasses.replace(base, **{name: v}) for v in i.sweep)):
+            out[name] = [getattr(stock, name), *(v for v in i.sweep if v != getattr(stock, name))]
+    return out
+
+
+def requirement_tables(cls: type[EngineOptions] = EngineOptions) -> dict[str, Any]:
+    """What `specpilot.entries.requirements_for` reads of the option table: each option's device
+    kinds, the values that carry per-target weights, and every device kind."""
+    info = infos(cls)
+    return {"devices": {k: i.devices for k, i in info.items()},
+            "per_target": {k: i.per_target for k, i in info.items() if i.per_target}, "device_kinds": DEVICE_KINDS}
 
 
 def model_options(cls: type[EngineOptions] = EngineOptions) -> tuple[str, ...]:

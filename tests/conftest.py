@@ -15,6 +15,13 @@ from specpilot import bus, natsd, subjects
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def own_machine_cache(tmp_path_factory, monkeypatch):
+    """Each test its own machine cache (services it starts inherit it): a noise figure one test's
+    controller measured must not be reused by another's (`Evaluator.noise_cached`)."""
+    monkeypatch.setenv("SPECPILOT_MACHINE_CACHE", str(tmp_path_factory.mktemp("machine-cache")))
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     d = tmp_path / "data"

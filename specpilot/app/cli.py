@@ -365,6 +365,7 @@ PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
     "w12": ("specpilot.app.cmd_w12", "pack a model's weights in the lossless 12-bit W12 format and report"),
     "force": ("specpilot.app.cmd_force", "token-force a system's outputs through the stock target"),
     "time": ("specpilot.app.cmd_time", "evaluate a patch like the controller does (policy, tests, timing, verdict)"),
+    "memory": ("specpilot.app.cmd_memory", "list, export and import memory entries"),
 }
 
 

@@ -47,7 +47,12 @@ def add_commands(sub) -> None:
                    help="planner: rules (offline, the default), anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
     p.add_argument("--coder", default=d["coder"],
                    help="subagent provider: sweep, memory, anthropic[:MODEL], openai[:MODEL], openai-compatible:URL[|MODEL]")
-    p.add_argument("--rounds", type=positive_int, default=d["rounds"], help="waves of directions")
+    p.add_argument("--rounds", type=non_negative_int, default=d["rounds"],
+                   help="waves of directions (0, the default: until nothing is left to try or the --minutes "
+                        "budget ends)")
+    p.add_argument("--directions", type=non_negative_int, default=d["directions"],
+                   help="directions a wave plans, worked on at once by the subagents (0: 2 on a CPU, one per device "
+                        "on GPUs)")
     p.add_argument("--sealed-requests", type=non_negative_int, default=d["sealed_requests"], help="sealed requests in phase 4 (0: all)")
     p.add_argument("--sealed-trials", type=positive_int, default=d["sealed_trials"])
     p.add_argument("--minutes", type=non_negative_float, default=ROUND_MINUTES,
@@ -67,6 +72,9 @@ def add_commands(sub) -> None:
                    help="controller timing: pin the workers to one core beside the device (default: on for GPUs; "
                         "only when this command starts the controller)")
     p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds to follow the round before giving up")
+    p.add_argument("--shipped-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a data directory with no memory entries yet, propose the ones shipped in "
+                        "deployments/shipped-memory (recorded by real rounds; re-validated and re-timed)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.set_defaults(func=cmd_round)
 
@@ -93,8 +101,16 @@ def cmd_round(args: argparse.Namespace) -> int:
     local = not args.nats
     if local:
         cli.ensure_up(args, extra_flags={"controller": controller_flags(args)}, timeout=120.0)
+        if args.shipped_memory:
+            from specpilot.app.cmd_memory import import_shipped
+
+            if shipped := import_shipped(args):
+                console.print(f"a fresh ledger: proposed {len(shipped)} shipped memory entr"
+                              f"{'y' if len(shipped) == 1 else 'ies'} (validated, then applied and timed where "
+                              "their requirements hold)")
     request = {"deployment": args.deployment, "planner": args.planner, "coder": args.coder, "rounds": args.rounds,
-               "sealed_requests": args.sealed_requests, "sealed_trials": args.sealed_trials, "minutes": args.minutes}
+               "sealed_requests": args.sealed_requests, "sealed_trials": args.sealed_trials, "minutes": args.minutes,
+               "directions": args.directions}
     reply = asyncio.run(_call(args, RPC_ROUND, request))
     round_id = reply["round_id"]
     console.print(f"[bold]{'resuming' if reply.get('resumed') else 'started'} {round_id}[/bold] on {args.deployment}")
@@ -167,7 +183,8 @@ def describe(e: schema.Event) -> str:
     """One progress line per event worth showing."""
     match e:
         case schema.RoundStarted():
-            return f"phase 0: measuring the device and profiling the best system ({e.rounds} waves, coder {e.coder})"
+            waves = f"{e.rounds} waves" if e.rounds > 0 else "waves until the budget"
+            return f"phase 0: measuring the device and profiling the best system ({waves}, coder {e.coder})"
         case schema.HardwareMeasured():
             return f"hardware: {e.bandwidth_bytes_s / 1e9:.1f} GB/s, {e.flops_s / 1e12:.2f} TFLOP/s ({e.device})"
         case schema.ProfileMeasured():

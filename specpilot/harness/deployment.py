@@ -83,7 +83,9 @@ class Deployment:
 
     def facts(self) -> dict[str, str]:
         """What memory-entry requirements are stated over (see specpilot.entries)."""
-        return {"deployment": self.name, "target": self.target, "model_family": "llama",
+        from specpilot_engine.model import get_config
+
+        return {"deployment": self.name, "target": self.target, "model_family": get_config(self.target).family,
                 "device_kind": "cuda" if self.device.startswith("cuda") else "cpu", "dtype": self.dtype,
                 "mode": self.mode}
 

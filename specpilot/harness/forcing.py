@@ -13,9 +13,20 @@
 - Stock's own outputs are forced the same way: given with each output (``stock_tokens``), or
   generated here by the stock engine (greedy, its real options) for the same prompts and the same
   number of tokens. Stock's own mismatch margins calibrate δ (`forcing_rules.calibrate_delta`).
+  Where the stock model computes in FP32 on a CPU, where any drafter gives the AR tokens bit for bit
+  (the lossless tests), the stock engine drafts the *system's* output while it agrees with it
+  (`FollowDraft`), its own drafter after they part: stock's exact tokens at a fraction of the steps.
+- Every report carries the rate rule's power (`forcing_rules.rate_power`: the probability of
+  rejecting a system one point worse than stock with these counts) and the forced positions a side
+  that 90% power needs (`forcing_rules.tokens_for_power`), so the controller can force more.
 - `Forcer.stock_pick(prefix)` is the explanation check: the stock engine's own greedy decode of
   one token after that exact prefix (its real dtype, kernels and LM head, through
-  `Engine.generate`). An event is explained when it returns the system's token.
+  `Engine.generate`). An event is explained when it returns the system's token. An FP32 CPU stock's
+  pick is its forced FP32 argmax (no decode: `audit`), since its tokens do not depend on the step's
+  shape and an event's margin is far above rounding.
+- Stock's outputs are kept between processes under the data directory (``forcer/stock-outputs``),
+  keyed by the stock runtime's files, its options and the prompt: the controller forces the same dev
+  prompts for every candidate.
 - `Forcer.run` audits up to ``max_audit`` events per side (a seeded uniform sample beyond that),
   then applies `forcing_rules.verdict`. Both runs use the same model object, so the forcer holds one
   copy of the weights.
@@ -27,6 +38,8 @@ system's code: it only ever runs stock's engine on token ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,12 +118,16 @@ def head_weight_fp32(model: torch.nn.Module) -> torch.Tensor:
 class Forcer:
     """Forcing against one loaded stock engine (an `specpilot_engine.api.Engine` with the deployment's stock options)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, memo_dir: Path | None = None):
+        """``memo_dir``: where stock's outputs are kept between processes (None: in memory only), keyed by
+        the stock runtime's files, its options and the prompt."""
         self.engine = engine
         self.model = engine.model
         self.head = head_weight_fp32(self.model)
         self._stock_outputs: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}  # prompt -> (n, tokens)
         self._stock_forced: dict[tuple[tuple[int, ...], tuple[int, ...]], Forced] = {}
+        self.memo_dir = Path(memo_dir) if memo_dir is not None else None
+        self._stock_identity = ""
 
     # --- the teacher-forced pass ----------------------------------------------------------------
 
@@ -153,17 +170,60 @@ class Forcer:
         """The token the stock engine itself emits next after ``prefix`` (greedy, its real numerics)."""
         return int(self.engine.generate(list(prefix), 1).tokens[0])
 
-    def stock_output(self, prompt_ids: tuple[int, ...], n: int) -> tuple[int, ...]:
-        """Stock's own greedy output of up to ``n`` tokens. Memoised per prompt: greedy decoding makes
-        the first ``n`` tokens of a longer output the output of ``n`` tokens."""
+    def stock_output(self, prompt_ids: tuple[int, ...], n: int, guess: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """Stock's own greedy output of up to ``n`` tokens; ``guess`` (the system's output for the prompt)
+        is drafted while stock agrees with it where that is exact (`follows_exactly`). Memoised per prompt:
+        greedy decoding makes the first ``n`` tokens of a longer output the output of ``n`` tokens."""
         if n <= 0:
             return ()
         key = tuple(prompt_ids)
-        have = self._stock_outputs.get(key)
+        have = self._stock_outputs.get(key) or self._recall(key)
         if have is None or (have[0] < n and len(have[1]) == have[0]):  # (an output that stopped stays)
-            have = (n, tuple(self.engine.generate(list(prompt_ids), n).tokens))
-            _remember(self._stock_outputs, key, have)
+            own = self.engine.drafter
+            if guess and self.follows_exactly:
+                self.engine.drafter = FollowDraft(len(prompt_ids), tuple(guess), own)
+            try:
+                have = (n, tuple(self.engine.generate(list(prompt_ids), n).tokens))
+            finally:
+                self.engine.drafter = own
+            self._keep(key, have)
+        _remember(self._stock_outputs, key, have)
         return have[1][:n]
+
+    def _memo_path(self, prompt: tuple[int, ...]) -> Path | None:
+        if self.memo_dir is None:
+            return None
+        if not self._stock_identity:
+            from specpilot.entries import tree_hashes
+            from specpilot.paths import REPO_ROOT
+
+            runtime = json.dumps(sorted(tree_hashes(REPO_ROOT).items()))
+            self._stock_identity = hashlib.sha256(f"{runtime}|{self.engine.options}".encode()).hexdigest()
+        key = hashlib.sha256(f"{self._stock_identity}|{list(prompt)}".encode()).hexdigest()[:32]
+        return self.memo_dir / f"{key}.json"
+
+    def _recall(self, prompt: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+        path = self._memo_path(prompt)
+        try:
+            n, tokens = json.loads(path.read_text()) if path is not None else (None, None)
+        except (OSError, ValueError):
+            return None
+        return (int(n), tuple(tokens)) if n is not None else None
+
+    def _keep(self, prompt: tuple[int, ...], have: tuple[int, tuple[int, ...]]) -> None:
+        path = self._memo_path(prompt)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps([have[0], list(have[1])]))
+        tmp.rename(path)
+
+    @property
+    def follows_exactly(self) -> bool:
+        """Whether any drafter yields stock's tokens bit for bit: FP32 on a CPU (chains and trees of any
+        drafter verify to the AR tokens there; tests/engine/test_lossless.py)."""
+        return self.model.device.type == "cpu" and self.model.dtype == torch.float32 and self.engine.drafter is not None
 
     # --- a whole run ----------------------------------------------------------------------------
 
@@ -190,10 +250,15 @@ class Forcer:
             chosen = [chosen[k] for k in idx]
         for i, j in chosen:
             o, f = side.outputs[i], side.forced[i]
-            pick = self.stock_pick([*o.prompt_ids, *o.tokens[:j]])
+            # An FP32 CPU stock emits its FP32 argmax whatever the step's shape (the lossless tests), and an
+            # event's margin (> 2δ >= 0.1 logit) is far above what summation order moves: its pick is the
+            # forced argmax, with no decode. Elsewhere the stock engine decodes that exact prefix.
+            exact = self.follows_exactly
+            pick = int(f.argmax[j]) if exact else self.stock_pick([*o.prompt_ids, *o.tokens[:j]])
             side.audited.append({"prompt_index": i, "position": j, "system_token": int(f.tokens[j]),
                                  "argmax_token": int(f.argmax[j]), "margin": float(f.margin[j]),
-                                 "stock_token": pick, "explained": pick == int(f.tokens[j])})
+                                 "stock_token": pick, "explained": pick == int(f.tokens[j]),
+                                 "stock_pick": "forced argmax (fp32 CPU stock)" if exact else "stock decode"})
 
     def run(self, outputs: list[Output], max_audit: int = forcing_rules.MAX_AUDITED, seed: int = 0,
             delta: float | None = None) -> Report:
@@ -204,7 +269,8 @@ class Forcer:
         """
         t0 = time.perf_counter()
         stock_outputs = [Output(o.prompt_ids, o.stock_tokens if o.stock_tokens is not None
-                                else self.stock_output(o.prompt_ids, len(o.tokens))) for o in outputs]
+                                else self.stock_output(o.prompt_ids, len(o.tokens), o.tokens)) for o in outputs]
+        stock_s = time.perf_counter() - t0
         stock = self.force_side(stock_outputs, memo=True)
         calibrated = forcing_rules.calibrate_delta(stock.mismatch_margins())
         d = calibrated if delta is None else delta
@@ -214,13 +280,40 @@ class Forcer:
         self.audit(system, d, max_audit, rng)
         v = forcing_rules.verdict(system.counts(), stock.counts(), d)
         st = v.stats()
+        sys_c, stock_c = system.counts(), stock.counts()
         st.update({
+            "power": forcing_rules.rate_power(sys_c.positions, stock_c.positions, stock_c.rate),
+            "tokens_for_power": forcing_rules.tokens_for_power(stock_c.rate),
+            "power_excess": forcing_rules.POWER_EXCESS,
             "calibrated_delta": calibrated, "prompts": len(outputs), "seconds": time.perf_counter() - t0,
+            "stock_generation_s": stock_s,
             "stock_generated": sum(o.stock_tokens is None for o in outputs),
             "stock_audited": stock.audited[:20],
             "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device),
         })
         return Report(v.passed, v.reason, st, system.audited, v)
+
+
+class FollowDraft:
+    """A drafter for the stock engine that proposes the system's own output while the committed
+    context still agrees with it, and asks stock's own drafter once they part (or None: no guess).
+    It changes how fast stock's tokens come, never which: the target verifies every one."""
+
+    def __init__(self, prompt_len: int, tokens: tuple[int, ...], fallback=None):
+        self.prompt_len, self.tokens, self.fallback = prompt_len, tokens, fallback
+
+    def reset(self) -> None:
+        if self.fallback is not None:
+            self.fallback.reset()
+
+    def propose(self, context: list[int], last_hidden, k: int, n: int) -> list:
+        from specpilot_engine.tree import Candidate
+
+        done = len(context) - self.prompt_len
+        if 0 < done < len(self.tokens) and tuple(context[self.prompt_len:]) == self.tokens[:done]:
+            ahead = self.tokens[done:done + k]
+            return [Candidate(ahead, tuple(1.0 for _ in ahead))]
+        return self.fallback.propose(context, last_hidden, k, n) if self.fallback is not None else []
 
 
 def _remember(memo: dict, key, value) -> None:
@@ -233,7 +326,8 @@ def load_forcer(deployment: str | Path, data_dir: Path | None = None, device: st
     """A forcer over the deployment's stock engine (default options: stock)."""
     from specpilot.harness.deployment import load_engine
 
-    return Forcer(load_engine(deployment, device=device, data_dir=data_dir))
+    return Forcer(load_engine(deployment, device=device, data_dir=data_dir),
+                  memo_dir=Path(data_dir) / "forcer" / "stock-outputs" if data_dir is not None else None)
 
 
 _forcers: dict[tuple[str, str, str], Forcer] = {}

@@ -11,6 +11,13 @@ Split: a request is *sealed* iff ``sha256(f"{split_seed}:{request_id}")``, read 
 the seed, so it never changes when a set grows. Only the controller may load the sealed split;
 this module states the rule, the controller's sandbox enforces it.
 
+Sealed requests are *disguised* (`disguise`) with the same seed: a HumanEval prompt's entry function
+and its longer parameter names are renamed to seeded identifiers everywhere in the prompt, and a chat
+prompt gets a seeded audience and a seeded number to work into the answer. The public prompts are
+known to every agent and every capable LLM, so a patch could carry (or compute at start-up) the
+target's answers to them and "draft" those perfectly; with the controller's secret seed, the sealed
+requests exist nowhere before the sealed final. Dev requests stay as published (agents read them).
+
 Requests are text; `encode_requests` turns them into prompt ids with a tokenizer.
 """
 
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -70,7 +79,48 @@ def load_requests(deployment, split: Literal["dev", "sealed", "all"] = "dev") ->
     out = []
     for i in range(max((len(s) for s in per_set), default=0)):
         out.extend(s[i] for s in per_set if i < len(s))
-    return out
+    return [disguise(r, deployment.split_seed) for r in out] if split == "sealed" else out
+
+
+# Identifier parts and chat audiences the disguise draws from (seeded): plain words, so a renamed
+# function still reads like code a person wrote and the target answers it as it would the original.
+_WORDS = ("amber", "basin", "cedar", "delta", "ember", "fable", "grove", "harbor", "ivory", "jasper", "kettle",
+          "lumen", "meadow", "nectar", "orbit", "pebble", "quartz", "raven", "sable", "tundra", "umber", "velvet",
+          "willow", "yonder", "zephyr", "compute", "check", "count", "find", "merge", "parse", "select", "split",
+          "value", "items", "total", "limit", "source", "target", "record")
+_AUDIENCES = ("a curious teenager", "a busy nurse", "a retired engineer", "a first-year student", "a chef",
+              "a software tester", "a museum guide", "a farmer", "a new manager", "a travelling musician")
+
+
+def disguise(request: Request, seed: int) -> Request:
+    """``request`` rewritten with ``seed`` (module docstring): same task, text no one can know without
+    the seed. Deterministic in (seed, request id)."""
+    rng = random.Random(hashlib.sha256(f"disguise:{seed}:{request.id}".encode()).digest())
+    if request.set == "humaneval":
+        return Request(request.id, request.set, _rename_entry(request.text, rng), request.chat)
+    if request.chat:
+        text = (f"{request.text}\n\n(I am {rng.choice(_AUDIENCES)}; if it fits, mention the number "
+                f"{rng.randint(11, 997)} somewhere.)")
+        return Request(request.id, request.set, text, request.chat)
+    return request
+
+
+def _rename_entry(code: str, rng: random.Random) -> str:
+    """The last function defined in ``code`` and its parameters of 3+ characters renamed everywhere."""
+    defs = list(re.finditer(r"^def (\w+)\((.*?)\)", code, flags=re.M | re.S))
+    if not defs:
+        return code
+    name, params = defs[-1].group(1), defs[-1].group(2)
+    names = [name, *(p for p in re.findall(r"(?:^|,)\s*(\w+)", params) if len(p) >= 3)]
+    taken = set(re.findall(r"\w+", code))
+    renames = {}
+    for old in names:
+        new = old
+        while new in taken:
+            new = f"{rng.choice(_WORDS)}_{rng.choice(_WORDS)}"
+        taken.add(new)
+        renames[old] = new
+    return re.sub(r"\b(" + "|".join(map(re.escape, renames)) + r")\b", lambda m: renames[m.group(1)], code)
 
 
 def encode_requests(requests: list[Request], tokenizer) -> list[list[int]]:

@@ -23,6 +23,10 @@ def test_the_state_is_folded_from_events():
     assert state.best == {"tiny-cpu": Best("c2", {"verify": "tree", "block_size": 6})}
     assert state.best_options("tiny-cpu") == {"verify": "tree", "block_size": 6} and state.best_options("x") == {}
     assert evolve(State(), events[0]).registered == {"tiny-cpu": "s0"}
+    # the options of the system a patch was written on: a former best's, stock's, or (unknown) the best's
+    assert state.base_options("tiny-cpu", "c1") == {"verify": "tree"}
+    assert state.base_options("tiny-cpu", "") == {} and state.base_options("tiny-cpu", "s0") == {}
+    assert state.base_options("tiny-cpu", "never-seen") == {"verify": "tree", "block_size": 6}
     assert {type(e) for e in events if type(e) is not schema.PatchProposed} <= set(RESTORED_FROM)
 
 

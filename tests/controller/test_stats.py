@@ -268,3 +268,12 @@ def test_a_confirmation_is_held_to_its_own_standard_error_when_that_is_larger():
     noisy = stats.paired_gain([1.0, 1.3, 0.8, 1.2, 0.9, 1.25], [0.9, 1.0, 0.85, 0.95, 0.8, 1.1])
     assert stats.confirmation_noise(0.005, noisy) == noisy.std_err > 0.005
     assert stats.confirmation_noise(0.5, noisy) == 0.5
+
+
+def test_untimed_work_is_bounded_against_the_incumbents():
+    """A worker's start-up and warm-up are not timed: a patch that answers ahead of time there (or
+    precomputes anything) is refused; loading a drafter or packing weights fits the bound."""
+    assert stats.untimed_excess([4.0, 5.0], [9.0, 12.0]) == ""  # a drafter's weights, packed linears
+    why = stats.untimed_excess([4.0, 5.0], [300.0, 310.0])  # the dev answers generated at start-up
+    assert "start-up work" in why and "limit 39.0 s" in why
+    assert stats.untimed_excess([], [300.0]) == ""  # nothing measured (a run-by-run confirmation)

@@ -9,7 +9,7 @@ import pytest
 
 from specpilot.errors import UserError
 from specpilot.paths import REPO_ROOT
-from specpilot.services.controller.systems import Systems, export_system, migrate
+from specpilot.services.controller.systems import PatchDoesNotApply, Systems, export_system, migrate
 
 ANCHOR = "class DraftTree"
 
@@ -78,3 +78,25 @@ def test_an_old_data_directory_is_refused_then_migrated(tmp_path, monkeypatch):
     assert systems.resolve(old_best) == res["commit"]  # the ledger's old commit leads to the carried one
     assert systems.resolve("0" * 40) is None
     assert migrate(data) == [f"nothing to migrate: {data / 'controller' / 'systems'} already has this version's layout"]
+
+
+def test_a_patch_written_on_an_earlier_best_is_integrated_onto_the_latest(tmp_path):
+    """Two directions of one wave start from the same best; the first is promoted. The second's diff,
+    written on the old best, is merged onto the new one (both changes kept); a clash is refused."""
+    systems = Systems(tmp_path / "systems")
+    stock = systems.ensure_stock()
+    root = systems.root
+    tree = (root / "specpilot_engine" / "tree.py").read_text()
+    lines = tree.splitlines(keepends=True)
+    first = _edit(root, "specpilot_engine/tree.py", "# first direction\n" + tree)
+    second = _edit(root, "specpilot_engine/tree.py", "".join(lines[:-1]) + lines[-1] + "# second direction\n")
+    best = systems.apply(stock, first, "first, promoted")
+    merged = systems.integrate(best, stock, second, "second, onto the first")
+    text = systems.git("show", f"{merged}:specpilot_engine/tree.py")
+    assert text.startswith("# first direction\n") and text.endswith("# second direction")
+    assert systems.integrate(best, best, "", "options only") != best  # its own commit, same tree
+    assert systems.git("rev-parse", f"{systems.integrate(best, '', '', 'x')}^{{tree}}") == systems.git(
+        "rev-parse", f"{best}^{{tree}}")
+    clash = _edit(root, "specpilot_engine/tree.py", "# another first line\n" + tree)
+    with pytest.raises(PatchDoesNotApply, match=r"conflicts with the best"):
+        systems.integrate(best, stock, clash, "clashes with the first")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from specpilot.errors import UserError
 from specpilot.harness.deployment import DeploymentError, list_deployments, load_deployment
-from specpilot.harness.requests import REQUEST_SETS, load_requests, split_of
+from specpilot.harness.requests import REQUEST_SETS, disguise, load_requests, split_of
 
 
 def test_shipped_deployments_load():
@@ -67,6 +69,27 @@ def test_split_is_deterministic_disjoint_and_complete():
     assert len({split_of(f"x/{i}", 1, 0.5) for i in range(20)}) == 2
     with pytest.raises(ValueError, match="unknown split"):
         load_requests(d, "test")
+
+
+def test_sealed_requests_are_disguised_with_the_seed_and_dev_requests_are_not():
+    """Public prompts can be memorised; the sealed ones exist only with the controller's secret seed."""
+    from dataclasses import replace
+
+    public = {r.id: r.text for r in load_requests(load_deployment("smollm2-cpu"), "all")}
+    d = replace(load_deployment("smollm2-cpu"), split_seed=987654321)
+    dev, sealed = load_requests(d, "dev"), load_requests(d, "sealed")
+    assert all(r.text == public[r.id] for r in dev)
+    assert all(r.text != public[r.id] for r in sealed)
+    code = next(r for r in sealed if r.set == "humaneval")
+    original = public[code.id]
+    entry = re.search(r"^def (\w+)\(", original, re.M).group(1)
+    assert entry not in code.text and code.text.count("def ") == original.count("def ")  # renamed everywhere
+    compile(code.text + "    pass\n", code.id, "exec")  # still Python
+    chat = next(r for r in sealed if r.set == "chat")
+    assert chat.text.startswith(public[chat.id]) and chat.chat
+    # deterministic in (seed, id); another seed, another text
+    assert disguise(REQUEST_SETS["humaneval"]()[0], 1) == disguise(REQUEST_SETS["humaneval"]()[0], 1)
+    assert disguise(REQUEST_SETS["humaneval"]()[0], 1).text != disguise(REQUEST_SETS["humaneval"]()[0], 2).text
 
 
 def test_chat_prompts_are_unique_and_substantial():

@@ -63,6 +63,9 @@ def test_output_of_a_faulty_model_is_rejected(tiny_forcer, stock_outputs, one_th
     a = rep.audited[0]
     assert a["margin"] > 2 * rep.stats["delta"] and a["system_token"] != a["argmax_token"]
     assert a["stock_token"] == a["argmax_token"]  # fp32 stock: its own pick is the FP32 argmax
+    assert a["stock_pick"] == "forced argmax (fp32 CPU stock)"  # so no decode was needed to know it
+    prefix = [*faulty[a["prompt_index"]].prompt_ids, *faulty[a["prompt_index"]].tokens[:a["position"]]]
+    assert tiny_forcer.stock_pick(prefix) == a["stock_token"]  # and a decode agrees
 
 
 def perturb(o: Output, positions: list[int], vocab: int) -> Output:
@@ -85,6 +88,8 @@ def test_tokens_perturbed_at_large_margin_positions_are_rejected(tiny_forcer, st
 class ExplainingForcer(Forcer):
     """Stock's own pick is the system's token at chosen prefixes (as a bf16 stock can pick a token the
     FP32 head ranks second): those events are explained."""
+
+    follows_exactly = False  # a stock whose pick can differ from its forced argmax: decode each event
 
     def __init__(self, base: Forcer, answers: dict[tuple[int, ...], int]):
         self.__dict__.update(base.__dict__)
@@ -169,3 +174,44 @@ def test_force_outputs_is_what_the_controller_calls(stock_outputs, one_thread):
 
     with pytest.raises(DeploymentError, match="no deployment 'no-such-deployment'"):
         force_outputs("no-such-deployment", rows)
+
+
+def test_stock_drafting_the_systems_output_gives_stocks_exact_tokens(tiny_forcer, stock_outputs, one_thread):
+    """`FollowDraft`: on an FP32 CPU stock the system's output is drafted while stock agrees with it;
+    stock's tokens come out the same, whether the guess is right, wrong from some point, or garbage."""
+    assert tiny_forcer.follows_exactly
+    vocab = tiny_forcer.model.cfg.vocab_size
+    for o in stock_outputs:
+        wrong_late = perturb(o, [N_TOKENS // 2], vocab).tokens
+        garbage = tuple((t + 3) % vocab for t in o.tokens)
+        for guess in (o.tokens, wrong_late, garbage):
+            tiny_forcer._stock_outputs.clear()
+            assert tiny_forcer.stock_output(o.prompt_ids, N_TOKENS, guess) == o.tokens
+    # a right guess takes few steps: the engine verifies block_size + 1 tokens each
+    from specpilot.harness.forcing import FollowDraft
+
+    e, o = tiny_forcer.engine, stock_outputs[0]
+    own = e.drafter
+    e.drafter = FollowDraft(len(o.prompt_ids), o.tokens, own)
+    try:
+        steps = e.generate(list(o.prompt_ids), N_TOKENS).steps
+    finally:
+        e.drafter = own
+    assert steps <= -(-(N_TOKENS - 1) // (e.options.block_size + 1)) + 1
+
+
+def test_stock_outputs_are_kept_between_forcers(tiny_forcer, stock_outputs, tmp_path, monkeypatch, one_thread):
+    """The controller forces the same dev prompts for every candidate: stock's outputs are generated
+    once per stock runtime and prompt, then read back (here by a second forcer that cannot generate)."""
+    o = stock_outputs[0]
+    first = Forcer(tiny_forcer.engine, memo_dir=tmp_path)
+    assert first.stock_output(o.prompt_ids, N_TOKENS) == o.tokens
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_decoding(*a, **k):
+        raise AssertionError("stock's output should have been read back")
+
+    monkeypatch.setattr(tiny_forcer.engine, "generate", no_decoding)
+    second = Forcer(tiny_forcer.engine, memo_dir=tmp_path)
+    assert second.stock_output(o.prompt_ids, N_TOKENS) == o.tokens
+    assert second.stock_output(o.prompt_ids, N_TOKENS // 2) == o.tokens[: N_TOKENS // 2]

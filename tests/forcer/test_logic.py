@@ -167,3 +167,29 @@ def test_report_answers_its_request_with_a_stable_id():
     assert a.event_id[:13] == req.event_id[:13]  # same millisecond: sorts right after its cause
     assert a.request_id == "r1" and a.patch_id == "p1" and not a.passed and "boom" in a.reason
     assert schema.decode(schema.encode(a)) == a
+
+
+# --- power ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stock_rate,n", [(0.0, 1200), (0.0105, 4000), (0.0105, 10_000)])
+def test_the_reported_power_is_the_rate_rules_rejection_rate_one_point_over_stock(stock_rate, n):
+    """The normal approximation against the rule itself on simulated counts (400 draws each)."""
+    rng = np.random.default_rng(7)
+    draws = 400
+    rejected = sum(
+        not forcing_rules.rate_rule(Counts(n, int(rng.binomial(n, stock_rate + 0.01)), 0, 0, 0),
+                                    Counts(n, int(rng.binomial(n, stock_rate)), 0, 0, 0)).passed
+        for _ in range(draws))
+    assert rejected / draws == pytest.approx(forcing_rules.rate_power(n, n, stock_rate), abs=0.08)
+
+
+def test_tokens_for_power_reach_the_target_and_grow_with_stocks_own_rate():
+    fp32 = forcing_rules.tokens_for_power(0.0)
+    bf16 = forcing_rules.tokens_for_power(0.0105)  # SmolLM2 bf16 stock's measured rate
+    assert fp32 < bf16
+    for rate, n in ((0.0, fp32), (0.0105, bf16)):
+        assert forcing_rules.rate_power(n, n, rate) >= 0.9 > forcing_rules.rate_power(n - 1, n - 1, rate)
+    # the issue's case: 2.24% against 1.05% on 1,159 tokens was passed with little power
+    assert forcing_rules.rate_power(1159, 1159, 0.0105) < 0.5
+    assert forcing_rules.rate_power(0, 10, 0.0) == 0.0

@@ -215,3 +215,20 @@ def test_the_tau_ceiling_takes_the_best_replay_of_any_drafter():
               tau=own_tree[4], n_tokens=5, profile_s={"q_proj": 1e-4})
     assert cm.ceiling(**kw, replay=own_tree).factors["tau"] == pytest.approx(max(own_tree.values()) / own_tree[4])
     assert cm.ceiling(**kw, replay=best).factors["tau"] > 1.5  # the parallel drafter's room shows in the factor
+
+
+def test_candidates_are_predicted_against_the_profiled_system_whatever_their_step_shape():
+    # Profiled: the n-gram chain of 4 (14 ms against AR 10 ms, 2.0 tokens a step: 1.43x over AR).
+    # Full chains measured at c(2) = 1.1, c(4) = 1.6.
+    model = cm.StepModel(t_ar_s=0.010, step_s=0.014, n_tokens=5, tau=2.0, replay={2: 1.8, 4: 2.0},
+                         chain_replay={2: 1.5, 4: 1.9}, chain_cost={2: 1.1, 4: 1.6}, profiled={"block_size": 4},
+                         drafters={"parallel": ({2: 2.2, 4: 2.6}, 0.001), "ngram_min_match=1": ({2: 1.6, 4: 2.2}, 0.0)})
+    stock = {"drafter": "ngram", "block_size": 4, "verify": "chain", "tree_nodes": 16, "ngram_min_match": 2}
+    current = 2.0 / 1.4
+    # the parallel drafter paired with 2 drafts: its chain at 2 over c(2) and its draft time
+    assert cm.predicted_gain(model, "drafter", "parallel", {"block_size": 2}, stock) == pytest.approx(
+        2.2 / (1.1 + 0.1) / current)
+    # a drafter setting at the profiled shape: the ratio of the two replays (as before) ...
+    assert cm.predicted_gain(model, "ngram_min_match", 1, {"block_size": 4}, stock) == pytest.approx(2.2 / 1.9)
+    # ... paired with another shape: its chain like a drafter's, against the profiled system
+    assert cm.predicted_gain(model, "ngram_min_match", 1, {"block_size": 2}, stock) == pytest.approx(1.6 / 1.1 / current)

@@ -37,7 +37,8 @@ def test_fusion_options_follow_graphs_and_fused_gemv_brings_fused_kernels_along(
     assert [d.hints["option"] for d in ds] == ["cuda_graphs", "fused_kernels", "fused_gemv", "compile"]
     assert ds[2].hints["base"] == {"fused_kernels": True}  # the option only means something on fused blocks
     (d,) = _plan({"overhead": 300.0}, facts=GPU, known=known, best={"cuda_graphs": True, "fused_kernels": True})
-    assert d.hints == {"option": "fused_gemv", "values": [True], "base": {"cuda_graphs": True, "fused_kernels": True}}
+    assert d.hints == {"option": "fused_gemv", "values": [True], "base": {"cuda_graphs": True, "fused_kernels": True},
+                       "requires": {"fused_kernels": True}}
     assert all(d.hints["option"] not in ("fused_kernels", "fused_gemv") for d in _plan({"overhead": 9.0}, known=known,
                                                                                        devices=10))  # a CPU: none
 
@@ -85,15 +86,17 @@ def test_values_the_cost_model_predicts_to_lose_are_not_timed_and_the_best_predi
     ds = _plan({"tau": 2.0}, devices=10, predict=lambda o, v, base: guesses.get((o, v)))
     options = {d.hints["option"]: d for d in ds}
     assert "verify" not in options  # predicted to lose more than 10%
-    assert options["block_size"].hints["values"] == [8, 2]  # 6 screened out; best predicted first
-    assert options["block_size"].hints["predicted_gain"] == {"2": 0.95, "8": 1.2}
+    # 6 screened out; 2 is an alternative the model ranks clearly below 8: planned again if 8 loses
+    assert options["block_size"].hints["values"] == [8]
+    assert options["block_size"].hints["predicted_gain"] == {"8": 1.2}
     assert "predicted_gain" not in options["ngram_min_match"].hints  # the model cannot say: timed
     # the prediction sees what the option needs (tree_nodes means a tree)
     seen = []
     _plan({"tau": 2.0}, devices=10, predict=lambda o, v, base: seen.append((o, base.get("verify"))))
     assert ("tree_nodes", "tree") in seen and ("block_size", None) in seen
     # directions ordered by their best predicted value; unknowns count as a share of their factor
-    assert [d.hints["option"] for d in ds] == ["block_size", "ngram_min_match", "drafter", "tree_nodes"]
+    # (the drafter waits for a later wave: the n-gram setting before it needs drafter = ngram)
+    assert [d.hints["option"] for d in ds] == ["block_size", "ngram_min_match", "tree_nodes"]
 
 
 def test_predictions_and_factor_priors_are_ranked_together_across_factors():
@@ -103,7 +106,10 @@ def test_predictions_and_factor_priors_are_ranked_together_across_factors():
     ds = _plan({"tau": 1.01, "kernel": 1.88, "overhead": 1.3}, devices=10, known=known,
                predict=lambda o, v, base: guesses.get((o, v)))
     assert [d.hints["option"] for d in ds][:2] == ["drafter", "linear_backend"]
-    assert ds[0].hints["values"] == ["parallel", "eagle"]
+    assert ds[0].hints["values"] == ["parallel"]  # eagle, predicted 0.93, waits for parallel's verdict
+    guesses[("drafter", "eagle")] = 1.19  # too close to tell apart: both timed, best predicted first
+    (d,) = _plan({"tau": 1.01}, known=known, predict=lambda o, v, base: guesses.get((o, v)))
+    assert d.hints["values"] == ["parallel", "eagle"]
     # GPU: graphs (6 ** 0.25 = 1.57) before a tree predicted at +20%
     ds = _plan({"tau": 1.2, "kernel": 1.5, "overhead": 6.0}, facts=GPU, devices=10,
                predict=lambda o, v, base: 1.2 if o == "verify" else None)
@@ -129,6 +135,30 @@ def test_fit_to_budget_cuts_sweeps_to_what_fits():
     assert cut.hints["values"] == [2, 6] and cut.title == "sweep block_size over [2, 6]"
     assert planner.fit_to_budget([sweep, llm], remaining_s=99, candidate_s=100) == []
     assert planner.fit_to_budget([llm], remaining_s=150, candidate_s=100) == [llm]
+    # one controller times the wave's candidates one after another: directions share the slots, first first
+    cut = planner.fit_to_budget([sweep, llm], remaining_s=350, candidate_s=100)
+    assert [d.hints.get("values") for d in cut] == [[2, 6, 8]]
+    cut = planner.fit_to_budget([llm, sweep], remaining_s=350, candidate_s=100)
+    assert cut[0] == llm and cut[1].hints["values"] == [2, 6]
+
+
+def test_directions_of_one_wave_do_not_undo_each_other():
+    # the drafter paired with 2 drafts: a block-size sweep and an n-gram setting (which needs the n-gram
+    # drafter) would undo it when timed on top; the kernel option is independent
+    known = KNOWN | {"linear_backend"}
+    ds = _plan({"tau": 1.64, "kernel": 1.2}, devices=4, known=known,
+               predict=lambda o, v, base: _chain_model(o, v, base) or (1.03 if o in ("block_size", "ngram_min_match") else None))
+    planned = [d.hints["option"] for d in ds]
+    assert planned[0] == "drafter" and "linear_backend" in planned
+    assert "block_size" not in planned and "ngram_min_match" not in planned
+    # a requirement another direction sets to the same value is no clash (fused_gemv on fused_kernels)
+    assert "tree_nodes" in planned and "verify" in planned
+
+
+def test_directions_per_wave():
+    assert planner.directions_per_wave(0, "cpu", 1) == 2  # one is timed while the other's patches are written
+    assert planner.directions_per_wave(0, "cuda", 4) == 4 and planner.directions_per_wave(0, "cuda", 0) == 1
+    assert planner.directions_per_wave(3, "cpu", 1) == 3
 
 
 def test_entries_taught_by_this_deployments_promotions_are_not_applied_again():
@@ -174,7 +204,8 @@ def test_a_new_option_is_offered_from_its_field_alone():
     dirs = planner.plan(factors={"kernel": 4.0}, facts=CPU, best_options={}, known_options={"turbo"}, entries=[],
                         history=History(), devices=5, options=WithTurbo)
     (turbo,) = [d for d in dirs if d.hints.get("option") == "turbo"]
-    assert turbo.factor == "kernel" and turbo.hints == {"option": "turbo", "values": [2, 3], "base": {"verify": "tree"}}
+    assert turbo.factor == "kernel" and turbo.hints == {"option": "turbo", "values": [2, 3], "base": {"verify": "tree"},
+                                                        "requires": {"verify": "tree"}}
     assert not [d for d in planner.plan(factors={"kernel": 4.0}, facts=GPU, best_options={}, known_options={"turbo"},
                                         entries=[], history=History(), devices=5, options=WithTurbo)
                 if d.hints.get("option") == "turbo"]  # its OptionInfo says CPU only
@@ -183,3 +214,31 @@ def test_a_new_option_is_offered_from_its_field_alone():
     with pytest.raises(ValueError, match="turbo"):
         options_from_dict({"turbo": -1}, WithTurbo())
     assert "turbo" not in {d.hints.get("option") for d in _plan({"kernel": 4.0}, devices=10)}  # stock has none
+
+
+def _chain_model(o, v, base):
+    """Session 20's profile (SmolLM2 fp32 on 2 cores, docs/FIGURES.md, "Joint drafter and block-size
+    prediction"), by hand: the current n-gram chain of 4 gives 1.13x over AR; a full chain of n drafts
+    costs c(2) = 1.06, c(4) = 1.62 AR steps; the parallel drafter's chain commits 1.76 tokens at 2
+    drafts and 1.97 at 4. Predicted: tau / c(n) over the current."""
+    cost, tau = {2: 1.06, 4: 1.62, 6: 1.87, 8: 2.11}, {2: 1.76, 4: 1.97, 6: 1.97, 8: 2.06}
+    if o != "drafter" or v != "parallel" or base.get("verify") == "tree":
+        return None
+    n = base.get("block_size", 4)
+    return tau[n] / cost[n] / 1.13
+
+
+def test_a_drafter_is_predicted_with_its_best_block_size_and_offered_as_the_pair():
+    (d,) = _plan({"tau": 1.64, "kernel": 1.2}, predict=_chain_model)
+    # alone (at the best's 4 drafts): 1.97 / 1.62 / 1.13 = 1.08; paired with 2 drafts: 1.47
+    assert d.hints["option"] == "drafter" and d.hints["values"] == ["parallel"]
+    assert d.hints["joint"] == {"'parallel'": {"block_size": 2}}
+    assert d.hints["predicted_gain"] == {"'parallel'": pytest.approx(1.76 / 1.06 / 1.13, abs=1e-3)}
+    assert "block_size=2" in d.title
+    # the sweep coder turns it into one candidate holding both settings
+    from specpilot.services.subagent.offline import sweep
+    (proposal,) = sweep(d.hints)
+    assert proposal.options == {"drafter": "parallel", "block_size": 2}
+    # a pair is only offered when it beats the value alone by the margin; the best's own length is kept
+    (d,) = _plan({"tau": 1.64}, best={"block_size": 2}, predict=_chain_model)
+    assert "joint" not in d.hints and d.hints["base"] == {"block_size": 2}

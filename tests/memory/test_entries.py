@@ -6,6 +6,7 @@ from pathlib import Path
 
 from specpilot import entries
 from specpilot.paths import REPO_ROOT
+from specpilot_engine.options import requirement_tables
 
 OPTIONS_PY = "specpilot_engine/options.py"
 
@@ -56,3 +57,45 @@ def test_requirements_filter_entries_by_deployment():
     assert entries.matches(req, cpu) and not entries.matches(req, gpu)
     assert entries.matches({"device_kind": ["cpu", "cuda"]}, gpu)
     assert not entries.matches({"arch": "sm90"}, gpu)  # a fact the deployment lacks fails
+
+
+def test_an_entry_requires_only_what_it_changes():
+    """Requirements come from what the entry sets (not every fact of where it was found), so the
+    parallel drafter follows its target to a bf16 or GPU deployment, the CPU kernel follows the CPU
+    to the tiny model, and code or changed tokens stay where they were judged."""
+    from specpilot.harness.deployment import load_deployment
+
+    smol, tiny, h200 = (load_deployment(n).facts() for n in ("smollm2-cpu", "tiny-cpu", "smollm2-h200"))
+    assert smol["model_family"] == "llama"  # from the target's config, not spelled in the deployment code
+    drafter = entries.requirements_for({"drafter": "parallel", "block_size": 2}, smol, code_delta=False,
+                                       outputs_identical=True, **requirement_tables())
+    assert drafter == {"mode": "batch1", "target": "smollm2-135m"}
+    assert entries.matches(drafter, h200) and not entries.matches(drafter, tiny)
+    kernel = entries.requirements_for({"linear_backend": "stream"}, smol, code_delta=False, outputs_identical=True,
+                                      **requirement_tables())
+    assert kernel == {"mode": "batch1", "device_kind": ["cpu"]}
+    assert entries.matches(kernel, tiny) and not entries.matches(kernel, h200)
+    code = entries.requirements_for({"exact_head": True}, smol, code_delta=True, outputs_identical=False,
+                                    **requirement_tables())
+    assert code == {"mode": "batch1", "device_kind": ["cpu"], "model_family": "llama", "dtype": "fp32"}
+    assert entries.matches(code, tiny) and not entries.matches(code, {**tiny, "dtype": "bf16"})
+
+
+def test_a_stock_snapshot_keeps_entries_checkable_after_the_checkout_changes(tmp_path):
+    """Round 21's case: the runtime was edited while a round ran and its first entry was rejected as
+    'not the stock the delta was made against'. A stock filed in the snapshot store when first seen
+    checks the entry whatever the checkout holds later; a stock the store never saw is named."""
+    live = tmp_path / "live"
+    for r in entries.ROOTS:
+        shutil.copytree(REPO_ROOT / r, live / r, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    stock = entries.tree_hashes(live)
+    delta, files = _source_system(tmp_path, "\n# a mechanism\n")
+    store = tmp_path / "store"
+    assert entries.snapshot(store, live=live) == len(set(stock.values()))  # the service's start-up
+    assert entries.snapshot(store, live=live) == 0  # content-addressed: nothing twice
+    (live / OPTIONS_PY).write_text("# edited after the round started\n")
+    assert "not the stock" in entries.validate(delta, files, stock=live, stock_files=stock)  # the old way
+    assert entries.validate(delta, files, stock=live, stock_files=stock, store=store) == ""
+    fresh = tmp_path / "fresh-store"  # another data directory that never saw that stock
+    problem = entries.validate(delta, files, stock=live, stock_files=stock, store=fresh)
+    assert "not in the snapshot store" in problem and OPTIONS_PY in problem and "memory import" in problem

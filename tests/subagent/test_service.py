@@ -109,7 +109,8 @@ def test_sweep_direction_publishes_patches_then_acks(ledger_server, tmp_path):
     sent = state["sent"]
     patches = _wait_replies(ledger_server, sent, 2)
     assert [p.patch_id for p in patches] == ["d1-p0", "d1-p1"]  # -1 is not a valid value: skipped
-    assert [p.options for p in patches] == [{"block_size": 6, "demo_int": 2}, {"block_size": 6, "demo_int": 3}]
+    # validated on the base (block size 6), carrying only its own setting (laid over the best by the controller)
+    assert [p.options for p in patches] == [{"demo_int": 2}, {"demo_int": 3}]
     for i, p in enumerate(patches):
         assert p.event_id == patch_event_id(sent.event_id, i) and p.event_id[:13] == sent.event_id[:13]
         assert (p.deployment, p.round_id, p.source) == ("tiny-cpu", "r1", "subagent")

@@ -126,8 +126,17 @@ def test_run_tests_runs_the_workspace_engine_without_secrets(real_ws, monkeypatc
 
 def test_sweep_one_patch_per_valid_value():
     props = offline.sweep({"option": "block_size", "values": [2, 8, 0, "x", 8], "base": {"verify": "tree"}})
-    assert [p.options for p in props] == [{"verify": "tree", "block_size": 2}, {"verify": "tree", "block_size": 8}]
+    # a proposal carries its own settings only: the controller lays them over the best it is timed against
+    assert [p.options for p in props] == [{"block_size": 2}, {"block_size": 8}]
     assert all(p.diff == "" for p in props)
+    # what the option needs, and a step shape the planner paired a value with, travel with it
+    props = offline.sweep({"option": "tree_nodes", "values": [8], "base": {"verify": "tree", "block_size": 6},
+                           "requires": {"verify": "tree"}})
+    assert [p.options for p in props] == [{"verify": "tree", "tree_nodes": 8}]
+    (p,) = offline.sweep({"option": "drafter", "values": ["parallel"], "joint": {"'parallel'": {"block_size": 2}}})
+    assert p.options == {"drafter": "parallel", "block_size": 2} and "block_size=2" in p.notes
+    with pytest.raises(ProviderError, match="objects of option settings"):
+        offline.sweep({"option": "drafter", "values": ["parallel"], "joint": {"'parallel'": 2}})
     with pytest.raises(ProviderError, match="none of"):
         offline.sweep({"option": "no_such_option", "values": [1]})
     with pytest.raises(ProviderError, match="hints.values"):

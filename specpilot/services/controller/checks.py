@@ -1,6 +1,8 @@
 """The checks a candidate passes before it is timed, and the completeness rule every timed answer meets.
 
-`default_check` applies a patch on the best commit, then in sandboxes: the candidate with the *best's*
+`default_check` applies a patch on the best commit (merged 3-way when the patch was written on an
+earlier best: `Systems.integrate`; its option *changes* from that base go over the best's options),
+then in sandboxes: the candidate with the *best's*
 options must emit the best's reference tokens exactly (new code is off by default: an option's
 default reproduces stock), and the candidate with its own options must start and answer.
 `incomplete` (pure) says why an answer is not whole: an answer runs to ``max_new_tokens`` or ends on a
@@ -20,31 +22,41 @@ if TYPE_CHECKING:
     from specpilot.services.controller.evaluate import Evaluator
 
 
-def default_check(ev: Evaluator, patch: schema.PatchProposed, best: System) -> tuple[dict, System | None]:
-    """Apply and check a patch; returns the `schema.PatchTested` fields and the candidate (None if it failed)."""
+def default_check(ev: Evaluator, patch: schema.PatchProposed, best: System,
+                  base_options: dict | None = None) -> tuple[dict, System | None]:
+    """Apply and check a patch; returns the `schema.PatchTested` fields and the candidate (None if it failed).
+
+    ``base_options``: the options of the system the patch was written on (the best's when None)."""
+    base = best.options if base_options is None else base_options
+    moved = bool(patch.base_commit) and ev.systems.resolve(patch.base_commit) not in (None, best.commit)
+    integrated = {"integrated_onto": best.commit} if moved else {}
     try:
-        commit = ev.systems.apply(best.commit, patch.diff, f"candidate {patch.patch_id}: {patch.direction_id}")
+        commit = ev.systems.integrate(best.commit, patch.base_commit, patch.diff,
+                                      f"candidate {patch.patch_id}: {patch.direction_id}")
     except PatchDoesNotApply as exc:
-        return {"passed": False, "detail": str(exc)}, None
-    candidate = System(commit, {**best.options, **patch.options})
+        return {"passed": False, "detail": str(exc), **integrated}, None
+    changes = {k: v for k, v in patch.options.items() if k not in base or base[k] != v}
+    candidate = System(commit, {**best.options, **changes})
+    integrated["options"] = dict(candidate.options)
     try:
         defaults, _ = ev.workers.run(System(commit, best.options), ev.prompts())
     except WorkerFailed as exc:
         return {"passed": False, "detail": f"candidate with default options failed: {exc}",
-                "sandbox": ev.workers.last_sandbox}, None
+                "sandbox": ev.workers.last_sandbox, **integrated}, None
     info = ev.workers.last_sandbox  # the default check's sandbox (reference() may start another)
     identical = defaults == ev.reference(best)
     if not identical:
-        return {"passed": False, "default_outputs_identical": False, "sandbox": info,
+        return {"passed": False, "default_outputs_identical": False, "sandbox": info, **integrated,
                 "detail": "with default options the candidate's tokens differ from the incumbent's: "
                           "new behaviour must be off unless its option is set"}, None
     try:
         ev.workers.run(candidate, ev.prompts()[:1])
     except WorkerFailed as exc:
-        return {"passed": False, "default_outputs_identical": True, "sandbox": info,
+        return {"passed": False, "default_outputs_identical": True, "sandbox": info, **integrated,
                 "detail": f"candidate with its options failed: {exc}"}, None
-    return {"passed": True, "default_outputs_identical": True, "sandbox": info,
-            "detail": "default check passed; candidate runs with its options"}, candidate
+    return {"passed": True, "default_outputs_identical": True, "sandbox": info, **integrated,
+            "detail": "default check passed; candidate runs with its options"
+                      + (f" (integrated onto the best {best.commit[:12]}, past its base)" if moved else "")}, candidate
 
 
 def incomplete(outputs: list[list[int]], reference: list[list[int]], stop_ids: set[int], max_new_tokens: int) -> str:

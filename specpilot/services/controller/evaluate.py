@@ -11,20 +11,31 @@ rule (`checks`), paired timing (`timing`), the profile of phase 0 and the sealed
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import secrets
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot.paths import REPO_ROOT
+from specpilot.paths import REPO_ROOT, machine_cache_dir
 from specpilot.sandbox import Limits
 from specpilot.services.controller import stats
 from specpilot.services.controller.systems import Systems
 from specpilot.services.controller.workers import System, Workers
 
 __all__ = ["Evaluator", "System"]
+# A noise figure of this machine is reused by other data directories for a week: a machine that changed
+# (CPU, cores, kernel, GPU) has another fingerprint, so what ages it is load patterns, not hardware.
+NOISE_FRESH_S = 7 * 24 * 3600.0
+
+
+def _noise_path(design: dict) -> Path:
+    key = hashlib.sha256(json.dumps(design, sort_keys=True).encode()).hexdigest()[:20]
+    return machine_cache_dir() / "noise" / f"{key}.json"
 
 
 @dataclass
@@ -108,6 +119,54 @@ class Evaluator:
             reqs = load_requests(dep, split)[: self.n_requests if split == "dev" else None]
             self._prompts[split] = encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
         return self._prompts[split]
+
+    # --- timing noise shared by the data directories of this machine ----------------------------------
+
+    def noise_design(self) -> dict:
+        """What a stock-versus-stock noise figure depends on: the machine, the deployment and the timing
+        design (`noise_cached` keys the machine cache on it)."""
+        from specpilot import __version__
+        from specpilot.harness.deployment import deployment_path
+        from specpilot.services.controller.hardware import fingerprint
+
+        return {"machine": fingerprint(self.device), "device": ",".join(self.devices), "threads": self.threads,
+                "deployment": self.deployment,
+                "deployment_sha256": hashlib.sha256(deployment_path(self.deployment).read_bytes()).hexdigest()[:16],
+                "requests": self.n_requests, "trials": self.trials, "max_new_tokens": self.max_new_tokens,
+                "interleave": self.interleave, "specpilot": __version__}
+
+    def noise_cached(self, max_age_s: float = NOISE_FRESH_S) -> dict | None:
+        """A noise figure this machine measured for the same design within ``max_age_s`` (any data
+        directory), or None: ``{"noise", "measured_at", "event_id", "data"}``."""
+        path = _noise_path(self.noise_design())
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        fresh = time.time() - float(found.get("measured_at", 0)) <= max_age_s
+        return found if fresh and isinstance(found.get("noise"), float) else None
+
+    def remember_noise(self, noise: float, event_id: str) -> None:
+        path = _noise_path(self.noise_design())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"noise": noise, "measured_at": time.time(), "event_id": event_id,
+                                   "data": str(self.data), "design": self.noise_design()}))
+        tmp.rename(path)
+
+    def more_dev_prompts(self, tokens: int) -> list[list[int]]:
+        """Dev prompts after the timing requests, enough for about ``tokens`` output tokens (forcing
+        with power: `verdict.force`); as many as the dev split holds."""
+        from dataclasses import replace
+
+        from specpilot.harness.deployment import load_deployment
+        from specpilot.harness.requests import encode_requests, load_requests
+        from specpilot_engine.weights import load_tokenizer
+
+        dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
+        count = -(-tokens // self.max_new_tokens)
+        reqs = load_requests(dep, "dev")[self.n_requests: self.n_requests + count]
+        return encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:

@@ -9,6 +9,9 @@ they are measured, never looked up.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import platform
 import time
 
 
@@ -19,6 +22,21 @@ def device_label(device: str) -> str:
 
     dev = torch.device(device)
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def fingerprint(device: str) -> str:
+    """What makes timings on this machine comparable: the CPU model, its cores and this host's kernel
+    build (and the GPU's name for a CUDA device), hashed."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    parts = [cpu, str(os.cpu_count()), platform.release()]
+    if device.startswith("cuda"):
+        parts.append(device_label(device))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None, repeats: int = 5) -> dict:

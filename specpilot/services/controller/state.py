@@ -29,9 +29,19 @@ class State:
     best: dict[str, Best] = field(default_factory=dict)  # deployment -> current best (absent: stock)
     noise: dict[str, float] = field(default_factory=dict)  # "deployment@device" -> noise of the gain
     ceiling: dict[str, float] = field(default_factory=dict)  # deployment -> physical ceiling (speedup)
+    options_at: dict[str, dict] = field(default_factory=dict)  # every best commit so far -> its options
 
     def best_options(self, deployment: str) -> dict:
         return dict(self.best[deployment].options) if deployment in self.best else {}
+
+    def base_options(self, deployment: str, base_commit: str) -> dict:
+        """The options of the system a patch was written on: a former best's, stock's for "" or the
+        deployment's registered stock commit, the current best's for a commit this state never saw."""
+        if base_commit in self.options_at:
+            return dict(self.options_at[base_commit])
+        if not base_commit or base_commit == self.registered.get(deployment):
+            return {}
+        return self.best_options(deployment)
 
 
 def noise_key(deployment: str, device: str) -> str:
@@ -45,6 +55,7 @@ def evolve(state: State, event: schema.Event) -> State:
             state.registered[event.deployment] = event.stock_commit
         case schema.BestAdvanced():
             state.best[event.deployment] = Best(event.commit, dict(event.options))
+            state.options_at[event.commit] = dict(event.options)
         case schema.CeilingComputed():
             state.ceiling[event.deployment] = event.ceiling_speedup
         case schema.TimingMeasured(kind="noise"):

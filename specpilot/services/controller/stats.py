@@ -154,6 +154,25 @@ def retime_reason(interleaved: bool, carry: Carryover | None, estimate: GainEsti
     return ""
 
 
+# Untimed work (a worker's start-up and warm-up) may grow with a patch, within bounds: loading a drafter
+# or packing weights is legitimate; answering requests ahead of time is work moved out of the clock.
+UNTIMED_FACTOR = 2.0
+UNTIMED_SLACK_S = 30.0
+
+
+def untimed_excess(incumbent_s: Sequence[float], candidate_s: Sequence[float]) -> str:
+    """Why the candidate's untimed work is out of bounds ('' when it is not): its median over the
+    timing's workers above ``UNTIMED_FACTOR`` x the incumbent's + ``UNTIMED_SLACK_S``."""
+    if not incumbent_s or not candidate_s:
+        return ""
+    ours, theirs = float(np.median(candidate_s)), float(np.median(incumbent_s))
+    limit = UNTIMED_FACTOR * theirs + UNTIMED_SLACK_S
+    if ours <= limit:
+        return ""
+    return (f"start-up work: the candidate's workers took {ours:.1f} s before their first timed request against "
+            f"the incumbent's {theirs:.1f} s (limit {limit:.1f} s); work done before the clock starts is not speed")
+
+
 def confirmation_noise(noise: float, estimate: GainEstimate) -> float:
     """The noise a run-by-run confirmation's verdict is held to: the deployment's noise was measured
     with interleaved trials (the quieter design), so never less than the confirmation's own

@@ -113,6 +113,28 @@ class Systems:
             raise PatchDoesNotApply(f"applied patch changed files outside {ALLOWED_ROOTS}: {outside}")
         return commit
 
+    def integrate(self, best: str, base: str, diff: str, message: str) -> str:
+        """Commit ``diff``, written against ``base``, onto ``best``: applied on ``base`` and cherry-picked
+        (a 3-way merge) when the best has moved on since (another promotion of the same wave), applied
+        on ``best`` directly otherwise. A conflict is a `PatchDoesNotApply` naming both commits."""
+        base = self.resolve(base) if base else None
+        if base is None or base == best or not diff.strip():
+            return self.apply(best, diff, message)
+        own = self.apply(base, diff, message)
+        with tempfile.TemporaryDirectory(prefix="sp-integrate-") as tmp:
+            work = Path(tmp) / "w"
+            self.git("worktree", "add", "-q", "--detach", str(work), best)
+            try:
+                try:
+                    self.git("cherry-pick", "--allow-empty", own, cwd=work)
+                except subprocess.CalledProcessError as exc:
+                    raise PatchDoesNotApply(
+                        f"the patch (written on {base[:12]}) conflicts with the best {best[:12]} it would join: "
+                        f"{(exc.stdout + exc.stderr).strip()[-400:]}") from exc
+                return self.git("rev-parse", "HEAD", cwd=work)
+            finally:
+                self.git("worktree", "remove", "--force", str(work))
+
     def checkout(self, commit: str, dest: Path) -> Path:
         """Write the tree of ``commit`` into ``dest`` (a fresh directory)."""
         dest = Path(dest)

@@ -39,6 +39,9 @@ class TrialResult:
     problem: str = ""
     request_s: list[tuple[str, list[float]]] = field(default_factory=list)  # per run: (A or B, seconds a request)
     carryover: stats.Carryover | None = None  # interleaved trials: does one system slow the next?
+    # untimed seconds (start-up and warm-up) of each worker of each system, in start order
+    incumbent_untimed_s: list[float] = field(default_factory=list)
+    candidate_untimed_s: list[float] = field(default_factory=list)
 
     def per_trial_requests(self) -> list[tuple[str, list[float], list[float]]]:
         """``(order, incumbent request seconds, candidate request seconds)`` per trial of one device."""
@@ -52,7 +55,8 @@ class TrialResult:
         return {"incumbent_s": self.incumbent_s, "candidate_s": self.candidate_s, "order": self.order,
                 "load": self.load, "request_s": [secs for _, secs in self.request_s],
                 "carryover": {k: getattr(self.carryover, k) for k in ("effect", "lower_bound", "p_value")}
-                if self.carryover else {}}
+                if self.carryover else {},
+                "incumbent_untimed_s": self.incumbent_untimed_s, "candidate_untimed_s": self.candidate_untimed_s}
 
 
 def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | None = None,
@@ -73,6 +77,7 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
     res = TrialResult([], [], [], [], [])
     first_candidate: list[list[int]] | None = None
     systems = {"A": incumbent, "B": candidate}
+    started = len(ev.workers.untimed)
     for order in stats.abba_order(trials or ev.trials):
         times: dict[str, float] = {"A": 0.0, "B": 0.0}
         for who, outs, secs, failure in _trial_runs(ev, order, systems, prompts, interleave):
@@ -101,6 +106,11 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
         res.load.append(os.getloadavg()[0])
     if interleave:
         res.carryover = stats.carryover(res.per_trial_requests())
+    starts = ev.workers.untimed[started:]
+    res.incumbent_untimed_s = [s for key, s in starts if key == incumbent.key()]
+    res.candidate_untimed_s = [s for key, s in starts if key == candidate.key()]
+    if why := stats.untimed_excess(res.incumbent_untimed_s, res.candidate_untimed_s):
+        res.problem = why
     return res
 
 

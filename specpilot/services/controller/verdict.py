@@ -50,7 +50,8 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
     best = ctl.best_system(ev, dep)
     noise = await measure_noise(ctl, ev, best, patch)
 
-    fields, candidate = await asyncio.to_thread(default_check, ev, patch, best)
+    fields, candidate = await asyncio.to_thread(default_check, ev, patch, best,
+                                                ctl.state.base_options(dep, patch.base_commit))
     await ctl.emit(schema.PatchTested(patch_id=patch.patch_id, **fields), patch)
     if candidate is None:
         await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=fields["detail"],
@@ -109,8 +110,17 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
 
 
 async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema.Event) -> float:
-    """Stock-versus-stock noise of the gain estimate, measured once per deployment and device."""
+    """Stock-versus-stock noise of the gain estimate, measured once per deployment and device; a fresh
+    figure this machine measured for the same design in another data directory is reused (and the
+    reuse recorded: ``TimingMeasured.reused_from``)."""
     key = noise_key(ev.deployment, ctl.device)
+    if key not in ctl.state.noise and (cached := await asyncio.to_thread(ev.noise_cached)) is not None:
+        log.info("noise of %s reused from %s (measured %s)", key, cached.get("data"),
+                 time.strftime("%Y-%m-%d %H:%M", time.localtime(cached["measured_at"])))
+        await ctl.emit(schema.TimingMeasured(
+            kind="noise", device=ctl.device, incumbent_commit=best.commit, candidate_commit=best.commit,
+            noise=cached["noise"], requests=ev.n_requests, interleaved=ev.interleave,
+            reused_from=f"{cached.get('data')}: {cached.get('event_id')}"), cause)
     if key not in ctl.state.noise:
         t0 = time.monotonic()
         trial = await asyncio.to_thread(timing.paired, ev, best, best)
@@ -118,34 +128,58 @@ async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema
         if trial.problem:
             raise RuntimeError(f"noise measurement failed: {trial.problem}")
         value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
-        await ctl.emit(schema.TimingMeasured(kind="noise", device=ctl.device, incumbent_commit=best.commit,
-                                             candidate_commit=best.commit, noise=value, requests=ev.n_requests,
-                                             interleaved=ev.interleave, wall_s=wall_s, **trial.event_fields()), cause)
+        measured = await ctl.emit(schema.TimingMeasured(
+            kind="noise", device=ctl.device, incumbent_commit=best.commit, candidate_commit=best.commit, noise=value,
+            requests=ev.n_requests, interleaved=ev.interleave, wall_s=wall_s, **trial.event_fields()), cause)
+        await asyncio.to_thread(ev.remember_noise, value, measured.event_id)
     return ctl.state.noise[key]
 
 
 async def force(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
                 outputs: list[list[int]]) -> bool:
-    """Whether the candidate's outputs pass token forcing against the target (False on a timeout)."""
-    request_id = f"force-{patch.patch_id}"
-    outputs_json = [{"prompt_ids": p, "tokens": t} for p, t in zip(ev.prompts(), outputs, strict=True)]
+    """Whether the candidate's outputs pass token forcing against the target (False on a timeout).
+
+    The timing's outputs are forced first; a pass whose rate rule had less than 90% power to catch a
+    system one point worse than stock (the report's ``tokens_for_power``) is forced again with the
+    candidate's outputs on that many more distinct dev tokens (`Evaluator.more_dev_prompts`)."""
+    prompts = ev.prompts()
+    report = await _force_once(ctl, ev, patch, candidate, f"force-{patch.patch_id}", prompts, outputs)
+    if report is None or not report.passed:
+        return False
+    have = sum(map(len, outputs))
+    need = int(report.stats.get("tokens_for_power", 0))
+    if need <= have:
+        return True
+    extra = await asyncio.to_thread(ev.more_dev_prompts, need - have)
+    if not extra:
+        return True
+    more, _ = await asyncio.to_thread(ev.workers.run, candidate, extra)
+    log.info("patch %s: forcing again on %d more dev requests (%d tokens forced had %.0f%% power)",
+             patch.patch_id, len(extra), have, 100 * float(report.stats.get("power", 0.0)))
+    report = await _force_once(ctl, ev, patch, candidate, f"force-{patch.patch_id}-powered", prompts + extra,
+                               outputs + more)
+    return report is not None and report.passed
+
+
+async def _force_once(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
+                      request_id: str, prompts: list[list[int]], outputs: list[list[int]],
+                      ) -> schema.ForcingReported | None:
+    outputs_json = [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs, strict=True)]
     if ctl.bus is None:
         from specpilot.harness.forcing import force_outputs
 
-        report = await asyncio.to_thread(force_outputs, ev.deployment, outputs_json, ev.data)
-        ctl.events.append(schema.ForcingReported(request_id=request_id, patch_id=patch.patch_id, source="forcer",
-                                                 passed=report["passed"], reason=report.get("reason", ""),
-                                                 stats=report.get("stats", {})))
-        return bool(report["passed"])
+        fields = await asyncio.to_thread(force_outputs, ev.deployment, outputs_json, ev.data)
+        report = schema.ForcingReported(request_id=request_id, patch_id=patch.patch_id, source="forcer", **fields)
+        ctl.events.append(report)
+        return report
     reply = ctl.await_forcing(request_id)
     await ctl.emit(schema.ForcingRequested(
         request_id=request_id, patch_id=patch.patch_id, system_commit=candidate.commit, outputs=outputs_json), patch)
     try:
-        report: schema.ForcingReported = await asyncio.wait_for(reply, FORCING_TIMEOUT_S)
+        return await asyncio.wait_for(reply, FORCING_TIMEOUT_S)
     except TimeoutError:
         ctl.forcing.pop(request_id, None)
-        return False
-    return bool(report.passed)
+        return None
 
 
 def memory_entry(ev: Evaluator, patch: schema.PatchProposed, candidate: System, identical: bool,
@@ -153,8 +187,9 @@ def memory_entry(ev: Evaluator, patch: schema.PatchProposed, candidate: System, 
     """What a promotion teaches: the whole delta from stock to the promoted system, and where it holds."""
     import tempfile
 
-    from specpilot.entries import requirements_of, tree_hashes
+    from specpilot.entries import requirements_for, tree_hashes
     from specpilot.harness.deployment import load_deployment
+    from specpilot_engine.options import requirement_tables
 
     stock = ev.systems.git("rev-parse", "stock")
     with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:
@@ -164,7 +199,10 @@ def memory_entry(ev: Evaluator, patch: schema.PatchProposed, candidate: System, 
         entry_id=f"entry-{patch.patch_id}", title=patch.notes[:120] or f"promoted {patch.patch_id}",
         delta=ev.systems.git("diff", stock, candidate.commit, "--", "specpilot_engine", "specpilot_kernels") + "\n"
         if candidate.commit != stock else "",
-        options=candidate.options, requirements=requirements_of(load_deployment(ev.deployment).facts()),
+        options=candidate.options,
+        requirements=requirements_for(candidate.options, load_deployment(ev.deployment).facts(),
+                                      code_delta=candidate.commit != stock and bool(ev.systems.diff(stock, candidate.commit)),
+                                      outputs_identical=identical, **requirement_tables()),
         contract="greedy tokens identical to the incumbent's" if identical
         else "passes token forcing against stock (rate and event rules)",
         evidence=evidence, source_commit=candidate.commit, source_files=files, stock_files=stock_files)

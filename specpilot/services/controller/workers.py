@@ -92,6 +92,8 @@ class Workers:
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
         self._starts: dict[str, int] = {}  # workers started per system key (`compile_cache_for`)
+        # (system key, untimed seconds: start-up and warm-up) of every warm worker, in start order
+        self.untimed: list[tuple[str, float]] = []
         self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
         self.last_sandbox: dict = {}  # describe() of the latest sandbox, recorded in PatchTested
 
@@ -154,9 +156,11 @@ class Workers:
         request (a full pass would double a run)."""
         with self.worker(system, device, lambda tmp: self.compile_cache_for(system, prompts, device, tmp)) as worker:
             for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
-                warm, _ = worker.generate(p, n, timeout=self.limits.wall_s)
+                warm, secs = worker.generate(p, n, timeout=self.limits.wall_s)
+                worker.untimed_s += secs
                 if len(warm) > n:
                     raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+            self.untimed.append((system.key(), worker.untimed_s))
             yield worker
 
     def compile_cache_for(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:

@@ -220,6 +220,7 @@ class StepModel:
     drafters: dict[str, tuple[dict[int, float], float]] = field(default_factory=dict)
     verified_tokens: float = 0.0  # mean tokens per profiled forward, root included (0: n_tokens)
     chain_cost: dict[int, float] = field(default_factory=dict)  # measured c(n) of full chains
+    profiled: dict | None = None  # the profiled system's options over stock (None: each candidate's base)
 
     @property
     def slope(self) -> float:
@@ -266,19 +267,23 @@ class StepModel:
 
 
 def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
-    """Predicted speedup of setting ``option`` to ``value`` over the current system, or None when the
-    model cannot say (a tree of another drafter, a kernel or overhead mechanism, a drafter setting
-    that was not replayed, an option or value this stock does not know, ...).
+    """Predicted speedup of setting ``option`` to ``value`` over the current (profiled) system, or None
+    when the model cannot say (a tree of another drafter, a kernel or overhead mechanism, a drafter
+    setting that was not replayed, an option or value this stock does not know, ...).
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
-    ``verify = "tree"`` for ``tree_nodes``); ``stock``: the deployment's stock options (defaults).
-    What a step verifies is read from the options themselves (`EngineOptions.step_tokens`)."""
+    ``verify = "tree"`` for ``tree_nodes``, plus a step shape the planner pairs a drafter change with);
+    ``stock``: the deployment's stock options (defaults). The profiled system is ``model.profiled``
+    over stock (``options`` itself when the model does not say). What a step verifies is read from the
+    options themselves (`EngineOptions.step_tokens`)."""
     if option not in PREDICTABLE or model.t_ar_s <= 0 or model.step_s <= 0:
         return None
-    known = {k: v for k, v in {**stock, **options}.items() if k in EngineOptions.__dataclass_fields__}
+    fields = EngineOptions.__dataclass_fields__
     try:
-        profiled = options_from_dict(known)
-        new = options_from_dict({option: value}, base=profiled)
+        base = options_from_dict({k: v for k, v in {**stock, **options}.items() if k in fields})
+        new = options_from_dict({option: value}, base=base)
+        profiled = base if model.profiled is None else options_from_dict(
+            {k: v for k, v in {**stock, **model.profiled}.items() if k in fields})
     except ValueError:
         return None  # e.g. a drafter an agent's patch added: not replayed, nothing to predict
     tree, n = new.verifies_tree, new.step_tokens - 1
@@ -286,13 +291,16 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
         if tree or new.drafter not in model.drafters:
             return None  # only chains of replayed drafters are predicted
         return model.drafter_speedup(new.drafter, n) / model.current
-    if (new.verify, new.step_tokens) == (profiled.verify, profiled.step_tokens):
-        # A setting of the same drafter (replayed as "option=value"): same verification and about the
-        # same draft cost, so the gain is the ratio of the two chains' replayed tau at this length.
+    if (new.verify, new.step_tokens) == (base.verify, base.step_tokens):
+        # A setting of the same drafter (replayed as "option=value"): at the profiled step shape the gain
+        # is the ratio of the two chains' replayed tau (same verification, about the same draft cost);
+        # at another shape (paired with a block size) the setting's chain is predicted like a drafter.
         key = f"{option}={value}"
         if tree or key not in model.drafters:
             return None
-        return _at_budget(model.drafters[key][0], n) / model.replay_tau(n, chain=True)
+        if (new.verify, new.step_tokens) == (profiled.verify, profiled.step_tokens):
+            return _at_budget(model.drafters[key][0], n) / model.replay_tau(n, chain=True)
+        return model.drafter_speedup(key, n) / model.current
     return model.speedup(n, chain=not tree) / model.current
 
 

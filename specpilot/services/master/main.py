@@ -11,10 +11,13 @@ by the ledger's primary key. Steps:
    (``HardwareMeasured``, ``ProfileMeasured``; again, before its verdict, for every promotion, so each
    plan reads the best system's profile).
 2. ``CeilingComputed`` from `costmodel` (replayed tree tau, floors, factors; a PNG of the factors).
-3. For each wave: `planner.plan` → ``DirectionPlanned`` (one per free device); wait until each
-   direction's patches have verdicts (or a timeout). A promotion advances the best system inside the
-   controller, so later waves start from it. With one device every candidate is timed against
-   the latest best, i.e. already integrated; ``IntegrationProposed`` is only needed with several.
+3. For each wave: `planner.plan` → ``DirectionPlanned`` (``directions`` of them,
+   `planner.directions_per_wave`: 2 on a CPU, one per device on GPUs), worked on at once by the
+   subagents; wait until each direction's patches have verdicts (or a timeout). The controller times
+   what arrives one candidate at a time, each against the latest best with its delta merged onto it
+   (`specpilot.services.controller.systems.Systems.integrate`): a patch planned on a base that another
+   promotion of the wave has since advanced is timed as the integration of both, and recorded so
+   (``PatchTested.integrated_onto``).
 4. ``SealedFinalRequested`` → the controller's ``SealedFinalReported``; then ``RoundFinished`` with
    the summary the CLI prints.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -44,6 +48,7 @@ POLL_S = 0.5
 PHASE0_TIMEOUT_S = 1800.0
 DIRECTION_TIMEOUT_S = 3600.0
 FINAL_TIMEOUT_S = 3600.0
+UNBUDGETED_WAVES = 3  # waves of a round with neither a wave count nor a time budget (an LLM never runs out)
 NO_PATCH_TIMEOUT_S = 2400.0  # a direction that produced no patch by then has failed (LLM loops run tests)
 log = logging.getLogger(NAME)
 
@@ -51,8 +56,8 @@ log = logging.getLogger(NAME)
 def round_defaults() -> dict[str, Any]:
     from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 
-    return {"deployment": DEFAULT_DEPLOYMENT, "planner": "rules", "coder": "sweep", "rounds": 3,
-            "sealed_requests": 4, "sealed_trials": 3, "devices": 1, "minutes": 0.0}
+    return {"deployment": DEFAULT_DEPLOYMENT, "planner": "rules", "coder": "sweep", "rounds": 0,
+            "sealed_requests": 4, "sealed_trials": 3, "devices": 1, "directions": 0, "minutes": 0.0}
 
 
 class Master:
@@ -79,6 +84,7 @@ class Master:
                                       deployment=params["deployment"], rounds=int(params["rounds"]),
                                       planner=str(params["planner"]), coder=str(params["coder"]),
                                       devices=[str(i) for i in range(int(params["devices"]))],
+                                      directions=int(params["directions"]),
                                       sealed_requests=int(params["sealed_requests"]),
                                       sealed_trials=int(params["sealed_trials"]),
                                       minutes=float(params["minutes"]))
@@ -155,10 +161,13 @@ class RoundDriver:
             await asyncio.wait_for(self.master.wake.wait(), seconds)
 
     async def drive(self) -> None:
-        log.info("round %s on %s: %d waves, coder %s", self.round_id, self.deployment, self.started.rounds,
+        log.info("round %s on %s: %s waves, coder %s", self.round_id, self.deployment, self.started.rounds or "budgeted",
                  self.started.coder)
         ceiling = await self.phase0()
-        for wave in range(self.started.rounds):
+        # rounds = 0: wave after wave until nothing is left to try or the next candidate would not end
+        # before the sealed final must start (`within_budget`); without a budget, UNBUDGETED_WAVES
+        waves = self.started.rounds or (0 if self.started.minutes > 0 else UNBUDGETED_WAVES)
+        for wave in itertools.count() if waves <= 0 else range(waves):
             if not await self.wave(wave, ceiling):
                 break
         final = await self.final()
@@ -204,7 +213,8 @@ class RoundDriver:
             for i, d in enumerate(planned):
                 directions.append(await self.emit(schema.DirectionPlanned(
                     event_id=f"{prefix}d{i}", direction_id=f"{prefix}d{i}", title=d.title, rationale=d.rationale,
-                    factor=d.factor, provider=d.provider, device=str(i), memory_entry_id=d.memory_entry_id,
+                    factor=d.factor, provider=d.provider, device=str(i % max(1, len(self.started.devices))),
+                    memory_entry_id=d.memory_entry_id,
                     hints={**d.hints, "expected_patches": d.expected_patches}, evidence=told)))
         for d in directions:
             await self.wait_direction(d)  # type: ignore[arg-type]
@@ -271,7 +281,8 @@ class RoundDriver:
             def predict(option: str, value: Any, base: dict) -> float | None:
                 return costmodel.predicted_gain(model, option, value, base, stock)
         known = set(EngineOptions.__dataclass_fields__)
-        devices = max(1, len(self.started.devices))
+        devices = planner.directions_per_wave(self.started.directions, facts.get("device_kind", "cpu"),
+                                              len(self.started.devices))
         if self.started.planner not in ("", "rules"):
             from specpilot.errors import UserError
             from specpilot.services.master.llm_planner import plan_with_llm
@@ -372,7 +383,7 @@ def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
                                verified_tokens=prof.verified_tokens,
                                replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {},
-                               drafters=drafters, chain_cost=dict(prof.chain_cost))
+                               drafters=drafters, chain_cost=dict(prof.chain_cost), profiled=dict(prof.options))
 
 
 def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,

@@ -11,9 +11,12 @@ The offline planner (``rules``) works in this order:
    exclude this deployment's (graphs and fusion are CUDA-only, ``linear_backend`` CPU-only).
    Values the cost model can judge (``predict``: draft length, tree size, a replayed drafter or
    drafter setting) are kept only when it predicts a gain; timing a candidate costs minutes,
-   predicting it nothing. A sweep it cannot rank at all (a kernel option) offers its first value a
+   predicting it nothing. A value that keeps the step's shape (a drafter, a drafter setting) is also
+   predicted paired with each step shape (`shape_options`: block size, tree, tree size); where a pair
+   beats the value alone by ``JOINT_MARGIN``, the pair is the candidate (``hints["joint"]``): a drafter
+   whose best chain is short is not judged at the current drafter's length. A sweep it cannot rank at all (a kernel option) offers its first value a
    wave, the next one in a later wave.
-One direction per free device per wave. A direction is a `Direction` (the master publishes it as
+``devices`` directions per wave (`directions_per_wave`). A direction is a `Direction` (the master publishes it as
 ``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
 """
 
@@ -32,6 +35,13 @@ MIN_PREDICTED_GAIN = 0.9
 # 6x overhead factor puts CUDA graphs (1.57) ahead of a tree predicted at +20%, while a 1.9x kernel
 # factor on a CPU (1.17) waits behind a drafter the replay predicts at +22%.
 UNPREDICTED_SHARE = 0.25
+
+# A value paired with another step shape must be predicted this much better than alone to be timed as
+# the pair: the model's c(n) and replay are measured on 3-4 requests.
+JOINT_MARGIN = 1.05
+
+# Predicted values of one option further than this below its best predicted are not timed in the same wave.
+ALTERNATIVES_MARGIN = 1.05
 
 LLM_TASKS = {
     "tau": "raise tokens per step (tau): a better drafter or tree shape, without changing what the target accepts",
@@ -81,6 +91,7 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
 
     cls = options or engine_options.EngineOptions
     sweep_table, requires = engine_options.sweeps(cls), engine_options.requirements(cls)
+    shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
@@ -103,30 +114,91 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
             base = {**best_options, **requires.get(option, {})}
             predicted = {repr(v): predict(option, v, base) for v in fresh} if predict else {}
+            joint: dict[str, dict[str, Any]] = {}
+            if predict is not None and option not in shapes:
+                for v in fresh:
+                    if predicted[repr(v)] is not None:
+                        predicted[repr(v)], pair = _best_pair(option, v, base, predicted[repr(v)], shapes, requires,
+                                                              predict)
+                        if pair:
+                            joint[repr(v)] = pair
             fresh = [v for v in fresh if predicted.get(repr(v)) is None or predicted[repr(v)] >= MIN_PREDICTED_GAIN]
             if not fresh:
                 continue
             guesses = {k: round(g, 3) for k, g in predicted.items() if g is not None and k in map(repr, fresh)}
-            if predict is not None and not guesses:
+            if guesses:
+                # One option's values are alternatives: only one can be in the best. Time those the model
+                # cannot tell apart from the best predicted, best first; the rest (unpredicted ones too)
+                # are planned again, re-predicted against the new best, if it is rejected.
+                top = max(guesses.values())
+                fresh = sorted((v for v in fresh if guesses.get(repr(v), 0.0) * ALTERNATIVES_MARGIN >= top),
+                               key=lambda v: -guesses.get(repr(v), 1.0))
+                guesses = {k: g for k, g in guesses.items() if k in map(repr, fresh)}
+            elif predict is not None:
                 # Values the cost model cannot rank (a kernel, graphs) cost a whole timing each: the first
                 # (the prior's best) now, the next in a later wave if it still ranks first then: timing
                 # both at once left a round no time for the parallel drafter (docs/FIGURES.md, "Lab notes
                 # moved from code").
                 fresh = fresh[:1]
+            joint = {k: pair for k, pair in joint.items() if k in map(repr, fresh)}
             hints: dict[str, Any] = {"option": option, "values": fresh, "base": base}
+            if requires.get(option):
+                hints["requires"] = dict(requires[option])
+            if joint:
+                hints["joint"] = joint
             if guesses:
                 hints["predicted_gain"] = guesses
-                fresh.sort(key=lambda v: -guesses.get(repr(v), 1.0))
             prior = max(1.0, factors.get(factor, 1.0)) ** UNPREDICTED_SHARE
             sweeps.append((max(guesses.values(), default=prior), Direction(
-                title=_sweep_title(option, fresh), factor=factor, provider="sweep",
+                title=_sweep_title(option, fresh, joint), factor=factor, provider="sweep",
                 rationale=_why(factor, factors), hints=hints)))
-    out += [d for _, d in sorted(sweeps, key=lambda sd: -sd[0])]  # stable: factor, then field order among equals
+    touched: dict[str, set[str]] = {}
+    for _, d in sorted(sweeps, key=lambda sd: -sd[0]):  # stable: factor, then field order among equals
+        # Directions of one wave are timed one on top of the other: one that sets an option an earlier
+        # one sets (a block size next to a drafter paired with one), or that needs another value of it
+        # (an n-gram setting next to another drafter), would undo it; it waits for a wave planned on
+        # the new best.
+        own, needs = _settings(d)
+        if own.keys() & touched.keys() or any(touched.get(k, {v}) != {v} for k, v in needs.items()):
+            continue
+        touched.update(own)
+        for k, v in needs.items():
+            touched[k] = {v}
+        out.append(d)
     return out[:devices]
 
 
-def _sweep_title(option: str, values: list[Any]) -> str:
-    return f"sweep {option} over {values}"
+def _settings(d: Direction) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """The options a sweep direction's candidates change (its option and the step shapes it is paired
+    with) and what they need, with their values (as reprs)."""
+    own = {d.hints["option"]: set(map(repr, d.hints["values"]))}
+    for pair in d.hints.get("joint", {}).values():
+        for k, v in pair.items():
+            own.setdefault(k, set()).add(repr(v))
+    return own, {k: repr(v) for k, v in d.hints.get("requires", {}).items()}
+
+
+def _best_pair(option: str, value: Any, base: dict[str, Any], alone: float, shapes: dict[str, list[Any]],
+               requires: dict[str, dict[str, Any]], predict: Callable[[str, Any, dict[str, Any]], float | None],
+               ) -> tuple[float, dict[str, Any]]:
+    """(predicted gain, step-shape settings to pair with) of ``option = value``: the best prediction
+    over every step shape, pair or none; a pair only when it beats the value alone by JOINT_MARGIN."""
+    best, pair = alone, {}
+    for shape, shape_values in shapes.items():
+        for sv in shape_values:
+            if shape == option or base.get(shape, shape_values[0]) == sv:
+                continue
+            settings = {**requires.get(shape, {}), shape: sv}
+            guess = predict(option, value, {**base, **settings})
+            if guess is not None and guess > max(best, alone * JOINT_MARGIN):
+                best, pair = guess, settings
+    return best, pair
+
+
+def _sweep_title(option: str, values: list[Any], joint: dict[str, dict[str, Any]] | None = None) -> str:
+    paired = "; ".join(f"{v!r} with {', '.join(f'{k}={x!r}' for k, x in joint[repr(v)].items())}"
+                       for v in values if joint and repr(v) in joint)
+    return f"sweep {option} over {values}" + (f" ({paired})" if paired else "")
 
 
 def _why(factor: str, factors: dict[str, float]) -> str:
@@ -163,16 +235,28 @@ def budget_estimates(samples: list[TimingSample], sealed_requests: int, sealed_t
     return candidate_s, sealed_s
 
 
-def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: float) -> list[Direction]:
-    """The directions cut to the candidates that fit in ``remaining_s`` (each direction runs on its own
-    device, so each may take that many); [] when not even one fits."""
-    fits = int(remaining_s // candidate_s) if candidate_s > 0 else len(directions)
-    if fits < 1:
-        return []
+def directions_per_wave(setting: int, device_kind: str, devices: int) -> int:
+    """Directions a wave plans: the round's setting, else 2 on a CPU (one timed while the other's
+    patches are written) and one per device on GPUs."""
+    if setting > 0:
+        return setting
+    return 2 if device_kind == "cpu" else max(1, devices)
+
+
+def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: float,
+                  timing_devices: int = 1) -> list[Direction]:
+    """The directions cut to the candidates that fit in ``remaining_s``: the controller times one
+    candidate at a time per timing device, so the wave's candidates share ``remaining_s //
+    candidate_s`` slots per device, first directions first; [] when not even one fits."""
+    slots = int(remaining_s // candidate_s) * max(1, timing_devices) if candidate_s > 0 else 1 << 30
     out = []
     for d in directions:
-        if d.provider == "sweep" and len(d.hints.get("values", [])) > fits:
-            values = d.hints["values"][:fits]
-            d = replace(d, title=_sweep_title(d.hints["option"], values), hints={**d.hints, "values": values})
+        if slots < 1:
+            break
+        if d.provider == "sweep" and len(d.hints.get("values", [])) > slots:
+            values = d.hints["values"][:slots]
+            d = replace(d, title=_sweep_title(d.hints["option"], values, d.hints.get("joint")),
+                        hints={**d.hints, "values": values})
+        slots -= d.expected_patches
         out.append(d)
     return out

@@ -8,10 +8,14 @@ ledger read-only over NATS micro endpoints (``events`` and ``view``: the typed r
 ``replay``, ``export``, ``entries``).
 
 Memory entries: every recorded ``MemoryEntryProposed`` without a decision is validated
-(``entries.validate``: stock + delta must reproduce the source system's files) and answered with
+(``entries.validate``: its stock, from the snapshot store ``DATA/memory/stock`` that the service files
+its checkout's runtime into at start-up, + delta must reproduce the source system's files) and answered with
 ``MemoryEntryAccepted``/``Rejected`` under a fixed event id, so a crash between the check and the
 answer repeats the check and the answer is recorded once. ``entries`` serves the accepted entries
-whose requirements hold for the facts in the request.
+whose requirements hold for the facts in the request. ``import`` (admin) takes entries exported from
+another data directory (`specpilot memory import`: their stock files already in the store) and
+proposes each one not known here as memory's own ``MemoryEntryProposed`` (``origin``, the evidence
+events carried inside): it is validated like any other, never trusted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import msgspec
@@ -42,12 +47,15 @@ def entries_with_status(led: ledger.Ledger, state: projections.State, status: st
 class Recorder:
     """Fetch → classify → append+commit → ack. ``record`` keeps that order; tests subclass it."""
 
-    def __init__(self, led: ledger.Ledger, b: bus.Bus, projection: projections.State | None = None):
+    def __init__(self, led: ledger.Ledger, b: bus.Bus, projection: projections.State | None = None,
+                 store: Path | None = None):
         """``projection``: the live projections, shared with the ``view`` endpoint (read from the ledger
-        when not given)."""
+        when not given); ``store``: the stock snapshot store (None: entries are checked against this
+        host's checkout, as before snapshots existed)."""
         self.ledger = led
         self.bus = b
         self.projection = projection if projection is not None else led.projections()
+        self.store = store
 
     async def step(self, timeout: float = 0.5) -> int:
         deliveries = await self.bus.fetch(batch=BATCH, timeout=timeout)
@@ -61,7 +69,7 @@ class Recorder:
         """Decide every proposed entry that has no decision in the ledger yet."""
         for entry in entries_with_status(self.ledger, self.projection, "proposed"):
             problem = await asyncio.to_thread(entries.validate, entry.delta, entry.source_files,  # type: ignore[attr-defined]
-                                              stock_files=entry.stock_files)  # type: ignore[attr-defined]
+                                              stock_files=entry.stock_files, store=self.store)  # type: ignore[attr-defined]
             decision_id = f"entry-decision-{entry.entry_id}"  # type: ignore[attr-defined]
             if problem:
                 log.warning("memory entry %s rejected: %s", entry.entry_id, problem)  # type: ignore[attr-defined]
@@ -89,6 +97,9 @@ class Recorder:
         await self.bus.flush()
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.store is not None:  # this checkout's runtime is the stock the controller registers next
+            added = await asyncio.to_thread(entries.snapshot, self.store)
+            log.info("stock snapshot store %s: %d new file(s) from this checkout", self.store, added)
         reviewed = False
         while not stop.is_set():
             if not reviewed:  # entries proposed before a crash are decided now
@@ -118,8 +129,28 @@ async def rebuild(led: ledger.Ledger, messages) -> int:
     return n + len(batch)
 
 
-def endpoints(led: ledger.Ledger, state: projections.State) -> dict:
-    """The memory service's RPCs; ``state`` is the recorder's live projections."""
+def stock_store(data: Path) -> Path:
+    """Where the memory service of data directory ``data`` keeps stock snapshots (content-addressed)."""
+    return Path(data) / "memory" / "stock"
+
+
+def imported(entry: dict, evidence: list[dict], origin: str, known: set[str]) -> schema.MemoryEntryProposed | None:
+    """The ``MemoryEntryProposed`` memory records for one exported entry (None when its id is known here).
+    The id derives from the entry's, so importing twice records it once."""
+    try:
+        original = msgspec.convert(entry, schema.MemoryEntryProposed)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"not a memory entry: {exc}") from None
+    if original.entry_id in known:
+        return None
+    return msgspec.structs.replace(original, event_id=f"imported-{original.entry_id}", ts_ns=time.time_ns(),
+                                   source=schema.MEMORY, round_id="", causation_id="", correlation_id="",
+                                   origin=origin or original.origin, imported_evidence=list(evidence))
+
+
+def endpoints(led: ledger.Ledger, state: projections.State, bus_of=lambda: None) -> dict:
+    """The memory service's RPCs; ``state`` is the recorder's live projections; ``bus_of()`` the service's
+    bus once it is connected (imports are published on it, so they are recorded like any event)."""
     async def sql(req: dict) -> dict:
         return led.query_readonly(str(req.get("query", "")))
 
@@ -151,18 +182,35 @@ def endpoints(led: ledger.Ledger, state: projections.State) -> dict:
                  if entries.matches(e.requirements, facts)]  # type: ignore[attr-defined]
         return {"entries": [msgspec.to_builtins(e) for e in found]}
 
+    async def import_entries(req: dict) -> dict:
+        b = bus_of()
+        if b is None:
+            raise ValueError("the memory service is not connected yet; try again")
+        known = set(state.view("memory_entries"))
+        proposed = [e for item in req.get("entries") or []
+                    if (e := imported(item.get("entry") or {}, item.get("evidence") or [], str(req.get("origin", "")),
+                                      known)) is not None]
+        if proposed:
+            await b.publish_many(proposed)
+        return {"imported": [e.entry_id for e in proposed],
+                "known": [str((item.get("entry") or {}).get("entry_id")) for item in req.get("entries") or []
+                          if (item.get("entry") or {}).get("entry_id") in known]}
+
     return {subjects.RPC_SQL: sql, subjects.RPC_AUDIT: audit, subjects.RPC_REPLAY: replay, subjects.RPC_EXPORT: export,
-            subjects.RPC_ENTRIES: accepted, subjects.RPC_EVENTS: events, subjects.RPC_VIEW: view}
+            subjects.RPC_ENTRIES: accepted, subjects.RPC_EVENTS: events, subjects.RPC_VIEW: view,
+            subjects.RPC_IMPORT: import_entries}
 
 
 def make(cfg: service.ServiceConfig, recorder_cls: type[Recorder] = Recorder):
     led = ledger.Ledger(cfg.data)
     state = led.projections()
+    connected: list[bus.Bus] = []
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
-        await recorder_cls(led, b, state).run(stop)
+        connected.append(b)
+        await recorder_cls(led, b, state, stock_store(cfg.data)).run(stop)
 
-    return body, endpoints(led, state)
+    return body, endpoints(led, state, lambda: connected[-1] if connected else None)
 
 
 def main(argv: list[str] | None = None, recorder_cls: type[Recorder] = Recorder) -> None:

@@ -1,7 +1,8 @@
 """The subagent service: turns one direction into a patch behind an engine option (I/O only).
 
 Several subagent processes bound to the durable pull consumer ``subagent`` form a queue group: each
-takes one ``DirectionPlanned`` at a time (other master events are acked and ignored) and:
+works on up to ``concurrency`` ``DirectionPlanned`` at once (`Settings.concurrency`, default 2: a wave
+plans 2 directions on a CPU; other master events are acked and ignored) and, for each:
 
 1. rebuilds the current best system of the direction's deployment from the ledger (through memory's
    read-only SQL endpoint): every ``best.advanced`` of that deployment in ledger order, each one's
@@ -72,6 +73,7 @@ class Settings:
     data: Path | None = None
     max_wall_s: float = DEFAULT_CONVERSATION_S  # one LLM conversation's wall-clock budget
     max_llm_tokens: int | None = None  # one conversation's token budget (input + output; None: no limit)
+    concurrency: int = 2  # directions worked on at once by this process
 
 
 async def current_best(reads: Reads, deployment: str) -> Best:
@@ -172,13 +174,37 @@ class Subagent:
         self.env = os.environ if env is None else env
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                async for event, delivery in self.bus.consume(stop, batch=1):
-                    await self.handle(event, delivery, stop)
-            except (bus.BusError, ConnectionError) as exc:  # the broker went away; it will come back
-                log.warning("bus trouble, retrying: %s", exc)
-                await asyncio.sleep(0.5)
+        """Fetch a direction whenever one of ``concurrency`` slots is free; each is handled in its own task."""
+        slots = asyncio.Semaphore(max(1, self.settings.concurrency))
+        working: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                await slots.acquire()  # one slot for the next direction fetched
+                try:
+                    async for event, delivery in self.bus.consume(stop, batch=1):
+                        task = asyncio.create_task(self._in_slot(event, delivery, stop, slots))
+                        working.add(task)
+                        task.add_done_callback(working.discard)
+                        await slots.acquire()
+                    slots.release()
+                except (bus.BusError, ConnectionError) as exc:  # the broker went away; it will come back
+                    slots.release()
+                    log.warning("bus trouble, retrying: %s", exc)
+                    await asyncio.sleep(0.5)
+        finally:
+            for task in working:
+                task.cancel()
+
+    async def _in_slot(self, event: schema.Event, delivery: bus.Delivery, stop: asyncio.Event,
+                       slots: asyncio.Semaphore) -> None:
+        try:
+            await self.handle(event, delivery, stop)
+        except (bus.BusError, ConnectionError) as exc:  # unacked: the server redelivers it
+            log.warning("direction left unacked after bus trouble: %s", exc)
+        except Exception:  # noqa: BLE001 - one direction's bug must not stop the others
+            log.exception("direction handling failed; it stays unacked and comes back")
+        finally:
+            slots.release()
 
     async def already_proposed(self, direction_id: str) -> bool:
         with contextlib.suppress(bus.BusError):
@@ -240,6 +266,8 @@ def add_args(parser) -> None:
                         help="tokens (input + output) one LLM conversation may use (default: no limit)")
     parser.add_argument("--test-timeout", type=float, default=DEFAULT_TEST_TIMEOUT_S,
                         help="seconds one run_tests call may take")
+    parser.add_argument("--concurrency", type=int, default=Settings.concurrency,
+                        help="directions this process works on at once (several processes also share the queue)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where workspaces are built (default: a temp dir)")
     parser.add_argument("--source", type=Path, default=REPO_ROOT,
                         help="the checkout whose specpilot_engine/, specpilot_kernels/, deployments/ and tests/engine/ are stock")
@@ -249,7 +277,7 @@ def make(cfg: service.ServiceConfig):
     a = cfg.args
     settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
                         test_timeout_s=a.test_timeout, work_dir=a.work_dir, data=Path(cfg.data),
-                        max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens)
+                        max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens, concurrency=a.concurrency)
     providers.parse_provider(settings.default_provider)  # a bad flag fails at start-up
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:

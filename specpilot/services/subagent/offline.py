@@ -1,7 +1,11 @@
 """Offline providers: no model, no network.
 
-- ``sweep(hints, validate)``: ``hints = {"option": NAME, "values": [v1, ...], "base": {opt: val, ...}}``
-  gives one ``Proposal`` per distinct value, with ``diff=""`` and ``options={**base, NAME: v}``. Each
+- ``sweep(hints, validate)``: ``hints = {"option": NAME, "values": [v1, ...], "base": {opt: val, ...},
+  "joint": {repr(v): {opt: val}}}`` gives one ``Proposal`` per distinct value, with ``diff=""`` and
+  ``options={**requires, NAME: v, **joint[repr(v)]}`` (``joint``, optional: the step shape the planner
+  predicted a value best with). A proposal carries only its own settings (the value, ``hints.requires``
+  and its pair), so the controller can lay them over whichever best it is timed against; ``base``,
+  the best's settings when it was planned, is what they are validated with. Each
   option set is checked by the controller's policy and by ``validate`` (the engine's
   ``options_from_dict``: the host's by default, the workspace's in the service, since promoted patches
   may have added options); an invalid value is skipped with a log line. No valid value at all is a
@@ -61,25 +65,28 @@ def sweep(hints: dict, validate: Validator = host_validator) -> list[Proposal]:
     option = hints.get("option")
     values = hints.get("values")
     base = hints.get("base") or {}
+    joint = hints.get("joint") or {}
+    requires = hints.get("requires") or {}
     if not isinstance(option, str) or not option:
         raise ProviderError("sweep needs hints.option: the name of the engine option to sweep")
     if not isinstance(values, list) or not values:
         raise ProviderError(f"sweep of {option!r} needs hints.values: a non-empty list")
-    if not isinstance(base, dict):
-        raise ProviderError("sweep hints.base must be an object of option settings")
+    if not all(isinstance(h, dict) for h in (base, requires, joint, *joint.values())):
+        raise ProviderError("sweep hints.base, hints.requires and each hints.joint value must be objects of option settings")
     out: list[Proposal] = []
     seen: list = []
     for v in values:
         if any(v == s and type(v) is type(s) for s in seen):
             continue
         seen.append(v)
-        options = {**base, option: v}
+        options = {**requires, option: v, **joint.get(repr(v), {})}
         refusal = policy.check("", options)
-        problem = f"{refusal.rule}: {refusal.reason}" if refusal else validate(options)
+        problem = f"{refusal.rule}: {refusal.reason}" if refusal else validate({**base, **options})
         if problem:
             log.warning("sweep of %s: skipping %r: %s", option, v, problem)
             continue
-        out.append(Proposal(diff="", options=options, notes=f"sweep {option}={v!r}"))
+        paired = "".join(f", {k}={x!r}" for k, x in joint.get(repr(v), {}).items())
+        out.append(Proposal(diff="", options=options, notes=f"sweep {option}={v!r}{paired}"))
     if not out:
         raise ProviderError(f"sweep of {option!r}: none of {values!r} is a valid value")
     return out
