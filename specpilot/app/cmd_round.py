@@ -202,6 +202,8 @@ def describe(e: schema.Event) -> str:
             return escape(f"  direction failed [{e.provider}]: {e.reason[:200]}")
         case schema.PatchRefused():
             return f"  [red]refused[/red] {e.patch_id}: {e.rule}: {e.reason}"
+        case schema.TimingMeasured() if e.kind == "noise" and e.reused_from:
+            return f"  noise {e.noise * 100:.1f}%, reused from this machine's earlier measurement ({e.reused_from})"
         case schema.TimingMeasured() if e.kind == "noise":
             return f"  timed stock against itself (noise {e.noise * 100:.1f}%): {len(e.incumbent_s)} trials"
         case schema.TimingMeasured():

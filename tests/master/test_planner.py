@@ -155,6 +155,16 @@ def test_directions_of_one_wave_do_not_undo_each_other():
     assert "tree_nodes" in planned and "verify" in planned
 
 
+def test_a_sweep_does_not_repeat_what_a_memory_entry_of_the_wave_sets():
+    entry = {"entry_id": "e1", "title": "parallel", "delta": "", "options": {"drafter": "parallel", "block_size": 2}}
+    ds = _plan({"tau": 1.64, "kernel": 1.2}, entries=[entry], devices=9, known=KNOWN | {"linear_backend"},
+               predict=_chain_model)
+    assert ds[0].provider == "memory"
+    swept = [d.hints.get("option") for d in ds[1:]]
+    assert "linear_backend" in swept
+    assert not {"drafter", "block_size", "ngram_min_match"} & set(swept)  # the last needs drafter = ngram
+
+
 def test_directions_per_wave():
     assert planner.directions_per_wave(0, "cpu", 1) == 2  # one is timed while the other's patches are written
     assert planner.directions_per_wave(0, "cuda", 4) == 4 and planner.directions_per_wave(0, "cuda", 0) == 1

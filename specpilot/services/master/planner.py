@@ -152,7 +152,9 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
             sweeps.append((max(guesses.values(), default=prior), Direction(
                 title=_sweep_title(option, fresh, joint), factor=factor, provider="sweep",
                 rationale=_why(factor, factors), hints=hints)))
-    touched: dict[str, set[str]] = {}
+    # what the wave's memory entries set counts as set: a sweep of the same option would time it again
+    touched: dict[str, set[str]] = {k: {repr(v)} for d in out if d.provider == "memory"
+                                    for k, v in (d.hints["entry"].get("options") or {}).items()}
     for _, d in sorted(sweeps, key=lambda sd: -sd[0]):  # stable: factor, then field order among equals
         # Directions of one wave are timed one on top of the other: one that sets an option an earlier
         # one sets (a block size next to a drafter paired with one), or that needs another value of it
