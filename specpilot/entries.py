@@ -120,11 +120,6 @@ def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
     return ""
 
 
-def requirements_of(deployment: dict[str, Any]) -> dict[str, Any]:
-    """Every fact an entry found on ``deployment`` could need (the facts it was validated under)."""
-    return {k: deployment[k] for k in ("device_kind", "model_family", "dtype", "mode") if k in deployment}
-
-
 def requirements_for(options: dict[str, Any], facts: dict[str, Any], code_delta: bool, outputs_identical: bool,
                      devices: dict[str, tuple[str, ...]], per_target: dict[str, tuple[Any, ...]],
                      device_kinds: tuple[str, ...]) -> dict[str, Any]:

@@ -85,23 +85,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     (dest / "stock").mkdir(parents=True, exist_ok=True)
     store = stock_store(cli.data_dir(args))
     lines, missing = [], []
-    here = entries.tree_hashes(REPO_ROOT)
+    # An export shipped inside a checkout leaves out the stock files that checkout holds already.
+    here = entries.tree_hashes(REPO_ROOT) if args.without_checkout_files else {}
     for e in chosen:
         evidence = [json.loads(raw) for raw in _ask(args, subjects.RPC_EVENTS, reads.query(
             event_id=list(e.evidence)))["events"]] if e.evidence else []
         lines.append(json.dumps({"entry": json.loads(schema.encode(e)),
                                  "evidence": evidence or list(e.imported_evidence)}))
-        for sha in e.stock_files.values():
+        wanted = {rel: sha for rel, sha in e.stock_files.items() if here.get(rel) != sha}
+        for sha in wanted.values():
             target = dest / "stock" / sha
             if not target.exists() and (store / sha).exists():
                 shutil.copyfile(store / sha, target)
-        entries.snapshot(dest / "stock", dict(e.stock_files))  # what the store lacks, from this checkout
-        if args.without_checkout_files:  # an export shipped inside a checkout: its files are there already
-            for rel, sha in e.stock_files.items():
-                if here.get(rel) == sha:
-                    (dest / "stock" / sha).unlink(missing_ok=True)
-            continue
-        missing += [f"{e.entry_id}: {rel}" for rel, sha in e.stock_files.items() if not (dest / "stock" / sha).exists()]
+        entries.snapshot(dest / "stock", wanted)  # what the store lacks, from this checkout
+        missing += [f"{e.entry_id}: {rel}" for rel, sha in wanted.items() if not (dest / "stock" / sha).exists()]
     (dest / "entries.jsonl").write_text("".join(line + "\n" for line in lines))
     manifest = {"format": EXPORT_FORMAT, "origin": str(cli.data_dir(args)), "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "entries": [e.entry_id for e in chosen], "stock_files_missing": missing}
@@ -145,12 +142,17 @@ def file_stock(src: Path, data: Path) -> int:
     return filed
 
 
-def cmd_import(args: argparse.Namespace) -> int:
-    src = Path(args.dir)
+def propose_export(args: argparse.Namespace, src: Path, origin: str | None = None) -> tuple[dict | None, int]:
+    """File an export's stock files here and ask the memory service to propose its entries: (its reply,
+    None when it does not answer; stock files newly filed). ``origin``: the manifest's, unless given."""
     manifest, items = read_export(src)
     filed = file_stock(src, cli.data_dir(args))
-    payload = {"entries": items, "origin": str(manifest.get("origin", src))}
-    reply = asyncio.run(cli.call_memory(args, subjects.RPC_IMPORT, payload))
+    payload = {"entries": items, "origin": origin or str(manifest.get("origin", src))}
+    return asyncio.run(cli.call_memory(args, subjects.RPC_IMPORT, payload)), filed
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    reply, filed = propose_export(args, Path(args.dir))
     if reply is None:
         raise UserError(f"the memory service of {cli.data_dir(args)} does not answer: start it with `specpilot up`, "
                         "then import again")
@@ -174,9 +176,7 @@ def import_shipped(args: argparse.Namespace, src: Path = SHIPPED) -> list[str]:
     rows = asyncio.run(cli.call_memory(args, subjects.RPC_VIEW, {"view": "memory_entries"}))
     if rows is None or rows.get("rows"):
         return []
-    manifest, items = read_export(src)
-    file_stock(src, cli.data_dir(args))
-    reply = asyncio.run(cli.call_memory(args, subjects.RPC_IMPORT, {"entries": items, "origin": f"shipped: {src.name}"}))
+    reply, _ = propose_export(args, src, origin=f"shipped: {src.name}")
     return list(reply["imported"]) if reply else []
 
 

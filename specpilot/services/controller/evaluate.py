@@ -109,16 +109,19 @@ class Evaluator:
     def prompts(self, split: str = "dev") -> list[list[int]]:
         """Prompt ids of the timing requests (encoded by the controller with stock's tokenizer)."""
         if split not in self._prompts:
-            from dataclasses import replace
-
-            from specpilot.harness.deployment import load_deployment
-            from specpilot.harness.requests import encode_requests, load_requests
-            from specpilot_engine.weights import load_tokenizer
-
-            dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
-            reqs = load_requests(dep, split)[: self.n_requests if split == "dev" else None]
-            self._prompts[split] = encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
+            self._prompts[split] = self._encoded(split, 0, self.n_requests if split == "dev" else None)
         return self._prompts[split]
+
+    def _encoded(self, split: str, start: int, stop: int | None) -> list[list[int]]:
+        """Prompt ids of requests ``start:stop`` of a split under the controller's secret seed."""
+        from dataclasses import replace
+
+        from specpilot.harness.deployment import load_deployment
+        from specpilot.harness.requests import encode_requests, load_requests
+        from specpilot_engine.weights import load_tokenizer
+
+        dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
+        return encode_requests(load_requests(dep, split)[start:stop], load_tokenizer(dep.target, data_dir=self.data))
 
     # --- timing noise shared by the data directories of this machine ----------------------------------
 
@@ -147,26 +150,18 @@ class Evaluator:
         return found if fresh and isinstance(found.get("noise"), float) else None
 
     def remember_noise(self, noise: float, event_id: str) -> None:
-        path = _noise_path(self.noise_design())
+        design = self.noise_design()
+        path = _noise_path(design)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"noise": noise, "measured_at": time.time(), "event_id": event_id,
-                                   "data": str(self.data), "design": self.noise_design()}))
+                                   "data": str(self.data), "design": design}))
         tmp.rename(path)
 
     def more_dev_prompts(self, tokens: int) -> list[list[int]]:
         """Dev prompts after the timing requests, enough for about ``tokens`` output tokens (forcing
         with power: `verdict.force`); as many as the dev split holds."""
-        from dataclasses import replace
-
-        from specpilot.harness.deployment import load_deployment
-        from specpilot.harness.requests import encode_requests, load_requests
-        from specpilot_engine.weights import load_tokenizer
-
-        dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
-        count = -(-tokens // self.max_new_tokens)
-        reqs = load_requests(dep, "dev")[self.n_requests: self.n_requests + count]
-        return encode_requests(reqs, load_tokenizer(dep.target, data_dir=self.data))
+        return self._encoded("dev", self.n_requests, self.n_requests + -(-tokens // self.max_new_tokens))
 
     def reference(self, system: System) -> list[list[int]]:
         if system.key() not in self._references:

@@ -77,7 +77,7 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
     res = TrialResult([], [], [], [], [])
     first_candidate: list[list[int]] | None = None
     systems = {"A": incumbent, "B": candidate}
-    started = len(ev.workers.untimed)
+    ev.workers.untimed.clear()  # this timing's workers only (one job at a time)
     for order in stats.abba_order(trials or ev.trials):
         times: dict[str, float] = {"A": 0.0, "B": 0.0}
         for who, outs, secs, failure in _trial_runs(ev, order, systems, prompts, interleave):
@@ -106,9 +106,8 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
         res.load.append(os.getloadavg()[0])
     if interleave:
         res.carryover = stats.carryover(res.per_trial_requests())
-    starts = ev.workers.untimed[started:]
-    res.incumbent_untimed_s = [s for key, s in starts if key == incumbent.key()]
-    res.candidate_untimed_s = [s for key, s in starts if key == candidate.key()]
+    res.incumbent_untimed_s = [s for key, s in ev.workers.untimed if key == incumbent.key()]
+    res.candidate_untimed_s = [s for key, s in ev.workers.untimed if key == candidate.key()]
     if why := stats.untimed_excess(res.incumbent_untimed_s, res.candidate_untimed_s):
         res.problem = why
     return res

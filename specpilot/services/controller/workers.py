@@ -92,7 +92,8 @@ class Workers:
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
         self._starts: dict[str, int] = {}  # workers started per system key (`compile_cache_for`)
-        # (system key, untimed seconds: start-up and warm-up) of every warm worker, in start order
+        # (system key, untimed seconds: start-up and warm-up) of each warm worker since the current timing
+        # began (`timing.paired` clears it), in start order
         self.untimed: list[tuple[str, float]] = []
         self._active: dict[int, Sandbox] = {}  # sandboxes in use, killed by abort()
         self.last_sandbox: dict = {}  # describe() of the latest sandbox, recorded in PatchTested

@@ -14,10 +14,11 @@ The offline planner (``rules``) works in this order:
    predicting it nothing. A value that keeps the step's shape (a drafter, a drafter setting) is also
    predicted paired with each step shape (`shape_options`: block size, tree, tree size); where a pair
    beats the value alone by ``JOINT_MARGIN``, the pair is the candidate (``hints["joint"]``): a drafter
-   whose best chain is short is not judged at the current drafter's length. A sweep it cannot rank at all (a kernel option) offers its first value a
-   wave, the next one in a later wave.
-``devices`` directions per wave (`directions_per_wave`). A direction is a `Direction` (the master publishes it as
-``DirectionPlanned``); ``expected_patches`` tells the master how many verdicts to wait for.
+   whose best chain is short is not judged at the current drafter's length. A sweep it cannot rank at
+   all (a kernel option) offers its first value a wave, the next one in a later wave.
+``devices`` directions per wave (`directions_per_wave`), none setting an option another sets. A
+direction is a `Direction` (the master publishes it as ``DirectionPlanned``); ``expected_patches``
+tells the master how many verdicts to wait for.
 """
 
 from __future__ import annotations
