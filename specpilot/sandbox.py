@@ -124,6 +124,20 @@ class _Cgroup:
                         return True
         return False
 
+    def hit_memory_limit(self) -> bool:
+        """Whether usage ever reached the limit (v2 ``memory.events`` max, v1 ``memory.failcnt``): a process
+        that thrashes there may pass the wall limit before the kernel's OOM killer fires."""
+        for d in self.dirs:
+            try:
+                if (d / "memory.failcnt").exists():
+                    return int((d / "memory.failcnt").read_text() or 0) > 0
+                if (d / "memory.events").exists():
+                    events = dict(line.partition(" ")[::2] for line in (d / "memory.events").read_text().splitlines())
+                    return int(events.get("max") or 0) > 0
+            except (OSError, ValueError):
+                continue
+        return False
+
     def kill_all(self) -> None:
         for _ in range(20):
             pids = self.pids()
@@ -229,19 +243,30 @@ class Sandbox:
         """Run to completion; returns returncode, the last ``tail`` characters of its output, and whether
         it timed out or was OOM-killed."""
         proc = self.popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        note = ""
         try:
             out, _ = proc.communicate(timeout=timeout or self.limits.wall_s)
             timed_out = False
         except subprocess.TimeoutExpired:
+            note = self.memory_note()
             self.kill()
             out, _ = proc.communicate()
             timed_out = True
         return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-tail:], "timed_out": timed_out,
-                "oom_killed": self.oom_killed()}
+                "oom_killed": self.oom_killed(), "memory_note": note}
 
     def oom_killed(self) -> bool:
         """Whether the sandbox's cgroup killed a process for memory."""
         return self._cgroup.oom_killed()
+
+    def memory_note(self) -> str:
+        """Why a timed-out sandbox may have been slow, for its message: out of memory where the cgroup
+        killed something or usage reached the limit (reclaim at the limit can outlast the wall limit)."""
+        if self.oom_killed():
+            return "; out of memory: the cgroup killed a process"
+        if self._cgroup.hit_memory_limit():
+            return f"; out of memory: it reached its {self.limits.memory_bytes >> 20} MiB limit"
+        return ""
 
     def _signal_all(self, sig: int) -> None:
         """``sig`` to every process of the sandbox: its cgroup's (which no process can leave) and, where
@@ -339,8 +364,9 @@ class Worker:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
+            note = self.sandbox.memory_note()  # read before the kill, which may add an OOM event of its own
             self.sandbox.kill()
-            raise WorkerFailed(f"worker gave no answer within {timeout:.0f} s (killed)") from None
+            raise WorkerFailed(f"worker gave no answer within {timeout:.0f} s (killed{note})") from None
         if line is None:
             oom = " (out of memory: the cgroup killed it)" if self.sandbox.oom_killed() else ""
             raise WorkerFailed(f"worker exited{oom}: {self.stderr_tail()}")

@@ -114,7 +114,9 @@ def test_unbounded_allocation_is_contained(ctl):
         hog.append(bytearray(64 << 20))
     """
     t = patch_tested(evaluate(ctl, worker_patch(before_ready=probe)))
-    assert not t.passed and "out of memory" in t.detail
+    # On a VM with slow page faults, reclaim at the limit can outlast the wall limit before the OOM killer
+    # fires; the message says out of memory either way.
+    assert not t.passed and "out of memory" in t.detail, t.detail
 
 
 def test_infinite_loop_times_out(ctl):

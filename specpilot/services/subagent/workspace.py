@@ -361,7 +361,8 @@ class Tools:
             cmd += ["-k", str(pattern)]
         res = self.ws.run(cmd, self.test_timeout_s, tail=TEST_OUTPUT_TAIL)
         if res["timed_out"]:
-            return ToolResult(f"tests timed out after {self.test_timeout_s:.0f} s (killed)\n{res['output']}", True)
+            return ToolResult(f"tests timed out after {self.test_timeout_s:.0f} s (killed{res['memory_note']})\n"
+                              f"{res['output']}", True)
         if res["oom_killed"]:
             return ToolResult(f"tests ran out of memory (limit {self.ws.limits.memory_bytes >> 20} MiB; killed)\n"
                               f"{res['output']}", True)
