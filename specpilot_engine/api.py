@@ -149,6 +149,10 @@ def apply_model_options(model: Transformer, opts: EngineOptions) -> Transformer:
         from specpilot_engine.packed import pack_linears
 
         pack_linears(model, opts.linear_backend)
+    if opts.screened_head:  # after the backend: it wraps the head the backend built
+        from specpilot_engine.screened_head import ScreenedHead
+
+        model.lm_head = ScreenedHead(model.lm_head)
     if opts.compile:
         # dynamic=True: block sizes and cache lengths vary step to step; one graph serves them all.
         model.forward = torch.compile(model.forward, dynamic=True)

@@ -115,6 +115,10 @@ class EngineOptions:
         "default", "CPU linears: onednn (packed GEMMs for multi-row blocks), onednn_all (one-row steps too), "
         "stream (specpilot_kernels.cpu_gemm, specpilot_engine.packed)", sweep=("stream", "onednn_all", "onednn"),
         factor="kernel", devices=("cpu",), model=True, may_change_outputs=True)
+    screened_head: bool = option(
+        False, "greedy argmax of the LM head from a bf16 screen with a certified error bound, exact logits only "
+        "where one can win (specpilot_engine.screened_head); no effect off an fp32 CPU head", sweep=(True,),
+        factor="kernel", devices=("cpu",), model=True, may_change_outputs=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):
