@@ -24,8 +24,9 @@ Contract: logits [..., V] that are -inf outside C and the head's exact values on
 up to a last-bit reduction-order difference (a near-tie, which token forcing allows) otherwise. Only
 for argmax consumers (decoding); the forcer and drafter training build stock heads of their own.
 Falls back to the wrapped head (same result, no saving) when the rows are not finite, when C would
-exceed `MAX_CANDIDATES`, and always where the head's weight is not fp32 or the kernel cannot run
-here (no screening then: `active` is False). `reference_argmax_candidates` is the PyTorch reference
+exceed `MAX_CANDIDATES`, and always where the head is not a known linear (``nn.Linear``, `StreamLinear`,
+`PackedLinear`: another module's ``weight`` need not say what it computes), its weight is not fp32 or
+the kernel cannot run here (no screening then: `active` is False). `reference_argmax_candidates` is the PyTorch reference
 of steps 1-3.
 """
 
@@ -96,17 +97,21 @@ class ScreenedHead(nn.Module):
 
     def __init__(self, head: nn.Module):
         super().__init__()
+        from specpilot_engine.packed import PackedLinear, StreamLinear
         from specpilot_kernels import cpu_gemm
-        from specpilot_engine.packed import StreamLinear
 
         self.weight = head.weight
         self.out_features = head.weight.shape[0]
         object.__setattr__(self, "_head", head)  # not a child: the profiler sees one leaf named lm_head
         self.bit_exact = isinstance(head, StreamLinear)
-        self.active = head.weight.dtype == torch.float32 and head.weight.device.type == "cpu" and cpu_gemm.available()
+        # Only heads known to compute x @ weight.T: another module's weight may not say what it computes.
+        known = isinstance(head, (nn.Linear, StreamLinear, PackedLinear))
+        self.active = known and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu" \
+            and cpu_gemm.available()
         self.candidates: list[int] = []  # candidate counts of recent calls (diagnostics)
         if not self.active:
-            log.warning("screened_head: no effect here (needs an fp32 CPU head and specpilot_kernels.cpu_gemm)")
+            log.warning("screened_head: no effect on a %s head here (needs an fp32 linear CPU head and "
+                        "specpilot_kernels.cpu_gemm)", type(head).__name__)
             return
         w_hat, self.coefficients = row_constants(head.weight)
         self.amx = cpu_gemm.amx_suits(w_hat)

@@ -49,14 +49,16 @@ async def connect_as(srv: natsd.LocalServer, user: str) -> bus.Bus:
 
 
 def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
-                  extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a service as its own process, exactly as `specpilot up` does (``env``: extra variables)."""
+                  extra: list[str] | None = None, env: dict[str, str] | None = None,
+                  root: Path = REPO) -> subprocess.Popen:
+    """Start a service as its own process, exactly as `specpilot up` does (``env``: extra variables;
+    ``root``: the checkout it runs from, its stock)."""
     log = open(srv.data / f"{name}.log", "ab")  # noqa: SIM115
-    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    env = dict(os.environ, PYTHONPATH=str(root), **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", module or f"specpilot.services.{name}", "--data", str(srv.data), "--nats", srv.url,
          "--creds", str(natsd.creds_path(srv.data, name)), *(extra or [])],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+        stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
     )
 
 

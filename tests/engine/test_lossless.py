@@ -115,19 +115,6 @@ SMOL_CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def smol_reference(smollm2):
-    from specpilot.harness.deployment import load_deployment
-    from specpilot.harness.requests import encode_requests, load_requests
-
-    _, tok = smollm2
-    reqs = load_requests(load_deployment("smollm2-cpu"), "dev")
-    # 4 HumanEval + 4 chat prompts, the shortest of each, so prefill stays cheap.
-    by_set = {s: sorted((r for r in reqs if r.set == s), key=lambda r: len(r.text))[:4] for s in ("humaneval", "chat")}
-    prompts = encode_requests(by_set["humaneval"] + by_set["chat"], tok)
-    return prompts, _run(make_engine(smollm2, drafter="none"), prompts, 64)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMOL_CONFIGS)
 def test_smollm2_speculative_equals_ar(smollm2, smol_reference, name):

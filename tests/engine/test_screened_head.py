@@ -19,7 +19,7 @@ from specpilot_engine.packed import StreamLinear
 from specpilot_engine.screened_head import ScreenedHead, reference_argmax_candidates
 from specpilot_kernels import cpu_gemm
 from tests.engine.conftest import make_engine
-from tests.engine.test_lossless import _tiny_prompts, smol_reference  # noqa: F401 - a fixture
+from tests.engine.test_lossless import _tiny_prompts
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="needs specpilot_kernels.cpu_gemm (AVX2 + a compiler)")
 
@@ -94,6 +94,16 @@ def test_it_steps_aside_where_it_cannot_screen():
     assert not screened.active
     h = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(screened(h), head(h))
+    class Pruned(nn.Module):  # exposes a weight but computes something else: not screened
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(1024, 64), requires_grad=False)
+
+        def forward(self, x):
+            return F.linear(x, self.weight[:512])
+
+    pruned = Pruned()
+    assert not ScreenedHead(pruned).active and ScreenedHead(pruned)(torch.randn(2, 64)).shape == (2, 512)
     fp32 = ScreenedHead(nn.Linear(64, 1024, bias=False))
     bad = torch.randn(2, 64)
     bad[0, 0] = float("inf")

@@ -7,7 +7,11 @@ replays a scripted transcript, so tests drive the real SDKs without a network.
   calls (``finish_reason: "tool_calls"``) and ``usage``.
 
 The script is one list of ``Turn``s; each API replays it independently (the n-th request to an
-endpoint gets the n-th turn; past the end, a plain text reply). Tool-call ids are deterministic:
+endpoint gets the n-th turn; past the end, a plain text reply). Or, for conversations that run at
+once, ``by_key``: the script whose key appears in a request's first user message (the task)
+answers it, its turn chosen by how many assistant messages the request carries, so
+each conversation replays its own script whatever the interleaving. A ``Call`` whose ``args`` is a
+string is sent as such (OpenAI: raw ``arguments``, to script malformed JSON). Tool-call ids are deterministic:
 ``toolu_<turn>_<j>`` (Anthropic) and ``call_<turn>_<j>`` (OpenAI). Every request is recorded
 (path, headers, JSON body) so a test can check what the SDK sent back.
 """
@@ -23,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @dataclass(frozen=True)
 class Call:
     name: str
-    args: dict
+    args: dict | str
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ class ScriptedServer:
     """``with ScriptedServer(turns) as srv:`` — ``srv.url`` is the root (Anthropic's base URL);
     ``srv.openai_url`` ends in ``/v1``."""
 
-    def __init__(self, turns: list[Turn]):
+    def __init__(self, turns: list[Turn] = (), by_key: dict[str, list[Turn]] | None = None):
         self.turns = list(turns)
+        self.by_key = dict(by_key or {})
         self.requests: list[Recorded] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -78,8 +83,18 @@ class ScriptedServer:
             self.requests.append(Recorded(path, headers, body))
             return n
 
+    def turn(self, n: int, body: dict) -> Turn:
+        """The turn answering request ``n`` (sequential mode) or ``body``'s conversation (keyed mode)."""
+        turns = self.turns
+        if self.by_key:
+            task = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
+            head = json.dumps(task.get("content", ""))
+            turns = next((t for k, t in self.by_key.items() if k in head), [])
+            n = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
+        return turns[n] if n < len(turns) else Turn(text="I have nothing more to do.")
+
     def anthropic_reply(self, n: int, body: dict) -> dict:
-        turn = self.turns[n] if n < len(self.turns) else Turn(text="I have nothing more to do.")
+        turn = self.turn(n, body)
         content: list[dict] = [{"type": "text", "text": turn.text}] if turn.text else []
         content += [{"type": "tool_use", "id": f"toolu_{n}_{j}", "name": c.name, "input": c.args}
                     for j, c in enumerate(turn.calls)]
@@ -88,11 +103,12 @@ class ScriptedServer:
                 "usage": {"input_tokens": 100 + n, "output_tokens": 10 + n}}
 
     def openai_reply(self, n: int, body: dict) -> dict:
-        turn = self.turns[n] if n < len(self.turns) else Turn(text="I have nothing more to do.")
+        turn = self.turn(n, body)
         message: dict = {"role": "assistant", "content": turn.text or None, "refusal": None}
         if turn.calls:
             message["tool_calls"] = [{"id": f"call_{n}_{j}", "type": "function",
-                                      "function": {"name": c.name, "arguments": json.dumps(c.args)}}
+                                      "function": {"name": c.name,
+                                                   "arguments": c.args if isinstance(c.args, str) else json.dumps(c.args)}}
                                      for j, c in enumerate(turn.calls)]
         return {"id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1_700_000_000 + n,
                 "model": body.get("model", ""),
