@@ -73,11 +73,12 @@ CONFIGS: dict[str, ModelConfig] = {
         rope_theta=10000.0, tie_embeddings=True, max_seq_len=2048, eos_id=256, stop_ids=(256,),
     ),
     # The tiny body with a large vocabulary: a deployment whose step is mostly its LM head, as in small
-    # models with large vocabularies (Qwen2.5-0.5B's head is 28% of its weights). Byte tokenizer: ids
-    # past 256 decode to nothing. System tests only.
+    # models with large vocabularies (Qwen2.5-0.5B's head is 28% of its weights). Untied: a random tied
+    # head only copies its input token (its own row dominates), an untied one picks any id. Byte
+    # tokenizer: ids past 256 decode to nothing. System tests only.
     "tiny-wide": ModelConfig(
         name="tiny-wide", vocab_size=65536, dim=512, n_layers=2, n_heads=8, n_kv_heads=2, intermediate=1024,
-        rope_theta=10000.0, tie_embeddings=True, max_seq_len=2048, eos_id=256, stop_ids=(256,),
+        rope_theta=10000.0, tie_embeddings=False, max_seq_len=2048, eos_id=256, stop_ids=(256,),
     ),
     # Llama-3-8B shapes with random weights: timing on GPUs, never quality.
     "llama3-8b": ModelConfig(

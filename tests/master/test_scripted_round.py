@@ -67,7 +67,7 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
             round_id = _start_round(server, deployment="tiny-wide-cpu", rounds=1, directions=3,
                                     planner="anthropic:claude-test", coder="openai:gpt-test")
             _wait_for(server, round_id, "round.finished", timeout=1000)
-            events = _events(server, round_id)
+            events, everything = _events(server, round_id), _all_events(server)
         finally:
             _stop(procs)
         messy_replies = _tool_replies(coder, TITLES["messy"])
@@ -91,7 +91,7 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
 
     # 2. The plausible lossy patch: timed, forced, rejected by forcing.
     pruned = patches[directions[TITLES["pruned"]]]
-    forced = [p for t, _, p in _all_events(server) if t == "forcing.reported" and p["patch_id"] == pruned["patch_id"]]
+    forced = [p for t, _, p in everything if t == "forcing.reported" and p["patch_id"] == pruned["patch_id"]]
     assert forced and not forced[-1]["passed"], forced
     rejected = verdicts[pruned["patch_id"]]
     assert rejected["decision"] == "reject" and rejected["forcing_passed"] is False, rejected

@@ -58,11 +58,14 @@ class Work:
 
 
 def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, act_bytes: float = 4.0,
-              ) -> dict[str, Work]:
+              head_bytes: float | None = None) -> dict[str, Work]:
     """FLOPs and bytes per kernel class of one target forward over ``n_tokens`` new tokens.
 
     ``context`` is the number of cached positions attended to; ``weight_bytes`` per weight
-    (4 fp32, 2 bf16, 1.5 W12); activations and the KV cache use ``act_bytes``."""
+    (4 fp32, 2 bf16, 1.5 W12), ``head_bytes`` per LM-head weight (default ``weight_bytes``; less
+    where a lossless argmax reads less, `head_bytes_per_weight`); activations and the KV cache use
+    ``act_bytes``."""
+    head_bytes = weight_bytes if head_bytes is None else head_bytes
     d, kv, f, L, T = shape.dim, shape.kv_dim, shape.intermediate, shape.n_layers, n_tokens
     dims = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
@@ -71,13 +74,21 @@ def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, ac
         for name, (k, n) in dims.items()
     }
     out["lm_head"] = Work(flops=2.0 * T * d * shape.vocab_size,
-                          bytes=d * shape.vocab_size * weight_bytes + T * (d + shape.vocab_size) * act_bytes)
+                          bytes=d * shape.vocab_size * head_bytes + T * (d + shape.vocab_size) * act_bytes)
     attended = context + T
     out["attention"] = Work(flops=4.0 * T * attended * d * L,  # scores and the weighted sum, every head
                             bytes=(2.0 * attended * kv + 2.0 * T * d) * act_bytes * L)
     out["norms"] = Work(flops=4.0 * T * d * (2 * L + 1), bytes=2.0 * T * d * act_bytes * (2 * L + 1))
     out["embedding"] = Work(flops=0.0, bytes=T * d * weight_bytes)
     return out
+
+
+def head_bytes_per_weight(device: str, dtype: str) -> float:  # device: a label, "cpu (2 threads)"
+    """Bytes per LM-head weight a greedy step must read: the certified argmax head of an fp32 CPU
+    deployment (``screened_head``, `specpilot_engine.screened_head`) reads a bf16 copy and a few exact
+    rows, so its floor is bf16's; elsewhere the dtype's."""
+    weight = 2.0 if dtype == "bf16" else 4.0
+    return 2.0 if device.startswith("cpu") and dtype == "fp32" else weight
 
 
 def floors_s(work: dict[str, Work], hw: Hardware) -> dict[str, float]:
@@ -149,7 +160,7 @@ class Ceiling:
 def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float, context: int,
             t_ar_s: float, step_s: float, tau: float, n_tokens: int, profile_s: dict[str, float],
             replay: dict[int, float], draft_floor_s: float = 0.0, launches: dict[str, float] | None = None,
-            launch_s: float = 0.0) -> Ceiling:
+            launch_s: float = 0.0, head_bytes: float | None = None) -> Ceiling:
     """The ceiling and the factors of the current system.
 
     ``step_s``/``tau``/``n_tokens``: the current system's mean step time, tokens per step and
@@ -160,11 +171,12 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
         raise ValueError("t_ar_s, step_s and tau must be positive")
     options = {}
     for budget, tau_n in replay.items():
-        pass_s = draft_floor_s + sum(floors_s(step_work(shape, budget + 1, context, weight_bytes, act_bytes), hw).values())
+        work = step_work(shape, budget + 1, context, weight_bytes, act_bytes, head_bytes)
+        pass_s = draft_floor_s + sum(floors_s(work, hw).values())
         options[budget] = (tau_n * t_ar_s / pass_s, tau_n)
     budget = max(options, key=lambda b: options[b][0])
     speedup, tau_best = options[budget]
-    current_floors = floors_s(step_work(shape, n_tokens, context, weight_bytes, act_bytes), hw)
+    current_floors = floors_s(step_work(shape, n_tokens, context, weight_bytes, act_bytes, head_bytes), hw)
     kernel_s = sum(kernel_time_s(t, class_floor_s(current_floors, k), (launches or {}).get(k, 0.0) * launch_s)
                    for k, t in profile_s.items() if k in KERNEL_CLASSES)
     factors = {

@@ -396,7 +396,8 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
                              weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
                              profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
-                             launch_s=hw.launch_s)
+                             launch_s=hw.launch_s,
+                             head_bytes=costmodel.head_bytes_per_weight(prof.device, prof.dtype or "fp32"))
 
 
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,
