@@ -7,7 +7,8 @@ with a measured gain and become a memory entry; one writes a head over half the 
 forcing must reject; one sends an unknown tool, malformed JSON, a stale diff and an oversized one (each a tool
 error) and then a probe patch that tries the network, the services' secrets and data directory,
 in its tests and in the controller's workers. The ledger must show all of it, and the round must end
-with a lossless sealed final.
+with a lossless sealed final. A second round, on ``tiny-cpu`` (whose requirements the entry's hold),
+then applies the promoted code through the memory coder and times it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
             round_id = _start_round(server, deployment="tiny-wide-cpu", rounds=1, directions=3,
                                     planner="anthropic:claude-test", coder="openai:gpt-test")
             _wait_for(server, round_id, "round.finished", timeout=1000)
-            events, everything = _events(server, round_id), _all_events(server)
+            # A second deployment whose requirements hold applies the promoted code through memory.
+            second = _start_round(server, deployment="tiny-cpu", rounds=1, directions=1, planner="rules",
+                                  coder="sweep")
+            _wait_for(server, second, "round.finished", timeout=600)
+            events, everything, applied = _events(server, round_id), _all_events(server), _events(server, second)
         finally:
             _stop(procs)
         messy_replies = _tool_replies(coder, TITLES["messy"])
@@ -113,9 +118,18 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
     usage = {u["direction_id"]: u for u in by["conversation.used"] if u["purpose"] == "coder"}
     assert usage[directions[TITLES["messy"]]]["tools"][:2] == ["shell", "read_file"]
 
-    # 4. The round went on to a lossless sealed final that carries the promoted head.
+    # 4. The round went on to a lossless sealed final.
     final = by["sealed.final.reported"][0]
     assert final["lossless"] is True
+
+    # 5. On tiny-cpu the memory coder applied the entry (reproduced exactly on its stock) and it was timed.
+    memory_directions = [p for t, _, p in applied if t == "direction.planned" and p["provider"] == "memory"]
+    assert [d["memory_entry_id"] for d in memory_directions] == [entry["entry_id"]]
+    reapplied = next(p for t, _, p in applied if t == "patch.proposed")
+    assert reapplied["provider"] == "memory" and "class ScreenedHead" in reapplied["diff"]
+    assert reapplied["options"] == {"screened_head": True}
+    assert next(p for t, _, p in applied if t == "patch.tested")["passed"]
+    assert any(t == "verdict.issued" and p["patch_id"] == reapplied["patch_id"] for t, _, p in applied)
     led = ledger.Ledger(server.data, read_only=True)
     try:
         assert ledger.verify(led).ok
