@@ -6,7 +6,7 @@ The services run from a copy of this checkout without the certified exact-argmax
 with a measured gain and become a memory entry; one writes a head over half the vocabulary, which token
 forcing must reject; one sends an unknown tool, malformed JSON, a stale diff and an oversized one (each a tool
 error) and then a probe patch that tries the network, the services' secrets and data directory,
-in its tests and in the controller's workers. The ledger must show all of it, and the round must end
+in its tests and in the controller's workers; one meets a rate-limited provider. The ledger must show all of it, and the round must end
 with a lossless sealed final. A second round, on ``tiny-cpu`` (whose requirements the entry's hold),
 then applies the promoted code through the memory coder and times it.
 """
@@ -26,18 +26,20 @@ from tests.backbone.helpers import sql
 from tests.conftest import spawn_service, wait_for_services
 from tests.master.test_round_e2e import _events, _start_round, _stop, _wait_for
 from tests.subagent import trajectories
-from tests.subagent.wire import Call, ScriptedServer, Turn
+from tests.subagent.wire import Call, Fail, ScriptedServer, Turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)"),
               pytest.mark.skipif(not cpu_gemm.available(), reason="the screened head needs specpilot_kernels.cpu_gemm")]
 
 CONTROLLER_FLAGS = ["--trials", "3", "--requests", "2", "--max-new-tokens", "16", "--wall-s", "180", "--threads", "1"]
-TITLES = {"screened": "certified argmax LM head", "pruned": "frequent-token LM head", "messy": "sandbox probe"}
+TITLES = {"screened": "certified argmax LM head", "pruned": "frequent-token LM head", "messy": "sandbox probe",
+          "limited": "rate-limited agent"}
 PLAN = [Turn("", [Call("plan", {"directions": [
     {"title": TITLES["screened"], "factor": "kernel", "rationale": "the head is most of a step; greedy needs its argmax"},
     {"title": TITLES["pruned"], "factor": "kernel", "rationale": "frequent tokens have low ids"},
-    {"title": TITLES["messy"], "factor": "overhead", "rationale": "a careless agent"}]})])]
+    {"title": TITLES["messy"], "factor": "overhead", "rationale": "a careless agent"},
+    {"title": TITLES["limited"], "factor": "overhead", "rationale": "a provider that says no"}]})])]
 
 
 def _all_events(server) -> list[tuple[str, str, dict]]:
@@ -56,16 +58,17 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
     port = urlparse(server.url).port
     scripts = {TITLES["screened"]: trajectories.screened_head_turns(stock),
                TITLES["pruned"]: trajectories.pruned_head_turns(stock),
-               TITLES["messy"]: trajectories.messy_turns(stock, server.data, port)}
+               TITLES["messy"]: trajectories.messy_turns(stock, server.data, port),
+               TITLES["limited"]: Fail(429, "rate_limit_error", "rate limit reached for requests")}
     with ScriptedServer(PLAN) as planner, ScriptedServer(by_key=scripts) as coder:
         envs = {"master": {"ANTHROPIC_API_KEY": "sk-ant-test", "ANTHROPIC_BASE_URL": planner.url},
                 "subagent": {"OPENAI_API_KEY": "sk-test", "OPENAI_BASE_URL": coder.openai_url}}
-        extra = {"controller": CONTROLLER_FLAGS, "subagent": ["--test-timeout", "180", "--concurrency", "3"]}
+        extra = {"controller": CONTROLLER_FLAGS, "subagent": ["--test-timeout", "180", "--concurrency", "4"]}
         procs = {name: spawn_service(server, name, env=envs.get(name), extra=extra.get(name), root=stock)
                  for name in ("memory", "forcer", "controller", "subagent", "master")}
         try:
             wait_for_services(server, set(procs), timeout=120)
-            round_id = _start_round(server, deployment="tiny-wide-cpu", rounds=1, directions=3,
+            round_id = _start_round(server, deployment="tiny-wide-cpu", rounds=1, directions=4,
                                     planner="anthropic:claude-test", coder="openai:gpt-test")
             _wait_for(server, round_id, "round.finished", timeout=1000)
             # A second deployment whose requirements hold applies the promoted code through memory.
@@ -118,11 +121,15 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
     usage = {u["direction_id"]: u for u in by["conversation.used"] if u["purpose"] == "coder"}
     assert usage[directions[TITLES["messy"]]]["tools"][:2] == ["shell", "read_file"]
 
-    # 4. The round went on to a lossless sealed final.
+    # 4. A provider that refuses ends its direction with an event naming the cause; the round goes on.
+    (failed,) = [f for f in by["direction.failed"] if f["direction_id"] == directions[TITLES["limited"]]]
+    assert "RateLimitError" in failed["reason"] and "rate limit reached" in failed["reason"], failed
+
+    # 5. The round went on to a lossless sealed final.
     final = by["sealed.final.reported"][0]
     assert final["lossless"] is True
 
-    # 5. On tiny-cpu the memory coder applied the entry (reproduced exactly on its stock) and it was timed.
+    # 6. On tiny-cpu the memory coder applied the entry (reproduced exactly on its stock) and it was timed.
     memory_directions = [p for t, _, p in applied if t == "direction.planned" and p["provider"] == "memory"]
     assert [d["memory_entry_id"] for d in memory_directions] == [entry["entry_id"]]
     reapplied = next(p for t, _, p in applied if t == "patch.proposed")

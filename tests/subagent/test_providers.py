@@ -14,7 +14,7 @@ from specpilot.services.subagent import llm
 from specpilot.services.subagent.main import Best, Settings, produce
 from specpilot.services.subagent.workspace import Tools, Workspace, build_workspace
 from tests.subagent import scripts
-from tests.subagent.wire import Call, ScriptedServer, Turn
+from tests.subagent.wire import Call, Fail, ScriptedServer, Turn
 
 DIRECTION = schema.DirectionPlanned(direction_id="d1", title="add a demo flag", rationale="a test", factor="overhead",
                                     deployment="tiny-cpu", hints={"where": "specpilot_engine/options.py"})
@@ -152,6 +152,30 @@ def test_sdk_error_is_a_provider_error(ws):
     with ScriptedServer([]) as srv:  # /v1/messages is served; a wrong base path gets 404s
         with pytest.raises(ProviderError, match="NotFound"):
             llm.propose(ProviderSpec("anthropic", "m", srv.url + "/wrong"), DIRECTION, Tools(ws), "k")
+
+
+@pytest.mark.parametrize("kind", ["anthropic", "openai"])
+@pytest.mark.parametrize(("fail", "named"), [
+    (Fail(401, "authentication_error", "invalid x-api-key"), "AuthenticationError"),
+    (Fail(404, "not_found_error", "model: claude-nope"), "claude-nope"),
+    (Fail(429, "rate_limit_error", "rate limit reached for requests"), "RateLimitError"),
+])
+def test_a_provider_that_refuses_is_a_provider_error_naming_the_cause(ws, kind, fail, named):
+    with ScriptedServer(fail=fail) as srv:
+        url = srv.url if kind == "anthropic" else srv.openai_url
+        with pytest.raises(ProviderError, match=named) as caught:
+            llm.propose(ProviderSpec(kind, "claude-nope", url), DIRECTION, Tools(ws), "sk-wrong")
+    assert fail.message in str(caught.value)
+
+
+def test_an_unreachable_provider_is_a_provider_error(ws):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ProviderError, match="APIConnectionError|Connection"):
+        llm.propose(ProviderSpec("openai", "m", f"http://127.0.0.1:{port}/v1"), DIRECTION, Tools(ws), "k")
 
 
 def test_a_conversation_ends_at_its_token_budget_and_reports_what_it_cost(ws):

@@ -36,6 +36,16 @@ class Turn:
     calls: list[Call] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Fail:
+    """An API error reply in place of a turn: ``status`` with the provider's error body (401 a wrong key,
+    404 a model the server does not know, 429 a rate limit, 529/503 overloaded)."""
+
+    status: int
+    kind: str  # the error type, e.g. "rate_limit_error"
+    message: str
+
+
 @dataclass
 class Recorded:
     path: str
@@ -47,9 +57,12 @@ class ScriptedServer:
     """``with ScriptedServer(turns) as srv:`` — ``srv.url`` is the root (Anthropic's base URL);
     ``srv.openai_url`` ends in ``/v1``."""
 
-    def __init__(self, turns: list[Turn] = (), by_key: dict[str, list[Turn]] | None = None):
+    def __init__(self, turns: list[Turn] = (), by_key: dict[str, list[Turn] | Fail] | None = None,
+                 fail: Fail | None = None):
+        """``fail``: answer every request with that error; a ``by_key`` value may be a `Fail` too."""
         self.turns = list(turns)
         self.by_key = dict(by_key or {})
+        self.fail = fail
         self.requests: list[Recorded] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -83,13 +96,21 @@ class ScriptedServer:
             self.requests.append(Recorded(path, headers, body))
             return n
 
+    def failure(self, body: dict) -> Fail | None:
+        """The error this request gets instead of a turn, if any."""
+        if self.fail is not None:
+            return self.fail
+        task = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
+        head = json.dumps(task.get("content", ""))
+        return next((f for k, f in self.by_key.items() if isinstance(f, Fail) and k in head), None)
+
     def turn(self, n: int, body: dict) -> Turn:
         """The turn answering request ``n`` (sequential mode) or ``body``'s conversation (keyed mode)."""
         turns = self.turns
         if self.by_key:
             task = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
             head = json.dumps(task.get("content", ""))
-            turns = next((t for k, t in self.by_key.items() if k in head), [])
+            turns = next((t for k, t in self.by_key.items() if k in head and not isinstance(t, Fail)), [])
             n = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
         return turns[n] if n < len(turns) else Turn(text="I have nothing more to do.")
 
@@ -144,7 +165,11 @@ class ScriptedServer:
                     return
                 path = self.path.split("?", 1)[0]
                 headers = {k.lower(): v for k, v in self.headers.items()}
-                if path == "/v1/messages":
+                if path in ("/v1/messages", "/v1/chat/completions") and (fail := server.failure(body)):
+                    server._next(path, body, headers)
+                    self._send(fail.status, {"type": "error", "error": {"type": fail.kind, "message": fail.message,
+                                                                        "code": fail.kind}})
+                elif path == "/v1/messages":
                     self._send(200, server.anthropic_reply(server._next(path, body, headers), body))
                 elif path == "/v1/chat/completions":
                     self._send(200, server.openai_reply(server._next(path, body, headers), body))
