@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run(cmd, cwd=stock, env=env).returncode
         finally:
             subprocess.run([*cli, "down", "--data", str(data)], cwd=stock, env=env)
+            shutil.rmtree(stock, ignore_errors=True)
 
 
 if __name__ == "__main__":

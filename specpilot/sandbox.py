@@ -126,7 +126,8 @@ class _Cgroup:
 
     def hit_memory_limit(self) -> bool:
         """Whether usage ever reached the limit (v2 ``memory.events`` max, v1 ``memory.failcnt``): a process
-        that thrashes there may pass the wall limit before the kernel's OOM killer fires."""
+        thrashing there may pass the wall limit before the kernel's OOM killer fires. (Page cache
+        reclaimed at the limit counts too; a sandbox whose reads alone fill its limit is rare.)"""
         for d in self.dirs:
             try:
                 if (d / "memory.failcnt").exists():
@@ -190,8 +191,11 @@ class Sandbox:
                 "cpus": list(self.cpus) if self.cpus else "inherited"}
 
     def _env(self) -> dict[str, str]:
+        # PYTHONPATH: the harness (`specpilot`) of the checkout this process runs from, whatever the
+        # interpreter's install points at (services may run from another checkout, e.g. a stock copy);
+        # the candidate's runtime still comes first, from the working directory.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
+               "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8", "PYTHONPATH": str(REPO_ROOT.resolve())}
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         if self.compile_cache:

@@ -24,7 +24,7 @@ def test_smollm2_config_matches_gguf_metadata():
 
 
 def test_unknown_model():
-    with pytest.raises(ValueError, match="unknown model 'gpt5'; known: smollm2-135m, tiny, llama3-8b"):
+    with pytest.raises(ValueError, match="unknown model 'gpt5'; known: smollm2-135m, tiny, tiny-wide, llama3-8b"):
         get_config("gpt5")
 
 

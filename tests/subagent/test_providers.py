@@ -157,7 +157,7 @@ def test_sdk_error_is_a_provider_error(ws):
 @pytest.mark.parametrize("kind", ["anthropic", "openai"])
 @pytest.mark.parametrize(("fail", "named"), [
     (Fail(401, "authentication_error", "invalid x-api-key"), "AuthenticationError"),
-    (Fail(404, "not_found_error", "model: claude-nope"), "claude-nope"),
+    (Fail(404, "not_found_error", "model: claude-nope"), "NotFoundError"),
     (Fail(429, "rate_limit_error", "rate limit reached for requests"), "RateLimitError"),
 ])
 def test_a_provider_that_refuses_is_a_provider_error_naming_the_cause(ws, kind, fail, named):

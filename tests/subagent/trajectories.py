@@ -61,6 +61,8 @@ def stock_without_mechanism(dest: Path) -> Path:
     (dest / MECHANISM_TEST).unlink()
     (dest / OPTIONS).write_text(_without_field((REPO_ROOT / OPTIONS).read_text()))
     (dest / API).write_text(_without_hook((REPO_ROOT / API).read_text()))
+    for rel in (OPTIONS, API):  # the surgery took exactly the mechanism out
+        assert "screened_head" not in (dest / rel).read_text(), f"{rel}: the mechanism's lines moved; update trajectories"
     return dest
 
 
