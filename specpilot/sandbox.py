@@ -111,33 +111,32 @@ class _Cgroup:
                 pass
         return out
 
-    def oom_killed(self) -> bool:
+    def _counter(self, name: str, files: tuple[str, ...]) -> int:
+        """The first value found of a memory counter: a ``name value`` line of ``files`` (v2
+        ``memory.events``, v1 ``memory.oom_control``), or a file holding one number named ``name``."""
         for d in self.dirs:
-            for f in ("memory.events", "memory.oom_control"):
+            if (d / name).exists():
                 try:
-                    text = (d / f).read_text()
+                    return int((d / name).read_text() or 0)
+                except (OSError, ValueError):
+                    continue
+            for f in files:
+                try:
+                    counters = dict(line.partition(" ")[::2] for line in (d / f).read_text().splitlines())
                 except OSError:
                     continue
-                for line in text.splitlines():
-                    k, _, v = line.partition(" ")
-                    if k == "oom_kill" and int(v or 0) > 0:
-                        return True
-        return False
+                if name in counters:
+                    return int(counters[name] or 0)
+        return 0
+
+    def oom_killed(self) -> bool:
+        return self._counter("oom_kill", ("memory.events", "memory.oom_control")) > 0
 
     def hit_memory_limit(self) -> bool:
-        """Whether usage ever reached the limit (v2 ``memory.events`` max, v1 ``memory.failcnt``): a process
+        """Whether usage ever reached the limit (v1 ``memory.failcnt``, v2 ``memory.events`` max): a process
         thrashing there may pass the wall limit before the kernel's OOM killer fires. (Page cache
         reclaimed at the limit counts too; a sandbox whose reads alone fill its limit is rare.)"""
-        for d in self.dirs:
-            try:
-                if (d / "memory.failcnt").exists():
-                    return int((d / "memory.failcnt").read_text() or 0) > 0
-                if (d / "memory.events").exists():
-                    events = dict(line.partition(" ")[::2] for line in (d / "memory.events").read_text().splitlines())
-                    return int(events.get("max") or 0) > 0
-            except (OSError, ValueError):
-                continue
-        return False
+        return self._counter("memory.failcnt", ()) > 0 or self._counter("max", ("memory.events",)) > 0
 
     def kill_all(self) -> None:
         for _ in range(20):

@@ -24,12 +24,13 @@ Contract: logits [..., V] that are -inf outside C and the head's exact values on
 ``argmax`` (first index on ties) is the full head's: bit-exact with ``linear_backend = "stream"``,
 up to a last-bit reduction-order difference (a near-tie, which token forcing allows) otherwise. Only
 for argmax consumers (decoding); the forcer and drafter training build stock heads of their own.
-Falls back to the wrapped head (same result, no saving) when the rows are not finite, when C would
-exceed `MAX_CANDIDATES` (recorded as -1 in ``candidates``), and always where the head is not a known linear (``nn.Linear``, `StreamLinear`,
-`PackedLinear`, bias-free: another module's ``weight`` need not say what it computes), its weight is
-not fp32 or the kernel cannot run here (no screening then: `active` is False). The screen is built
-once from the head's weight: wrap the head after its weights are final (`api.apply_model_options`). `reference_argmax_candidates` is the PyTorch reference
-of steps 1-3.
+Falls back to the wrapped head (same result, no saving) when the rows are not finite or C would
+exceed `MAX_CANDIDATES` (recorded as -1 in ``candidates``), and always where the head is not a known
+linear (``nn.Linear``, `StreamLinear`, `PackedLinear`, bias-free: another module's ``weight`` need
+not say what it computes), its weight is not fp32 or the kernel cannot run here (no screening then:
+`active` is False). The screen is built once from the head's weight: wrap the head after its weights
+are final (`api.apply_model_options`). `reference_argmax_candidates` is the PyTorch reference of
+steps 1-3.
 """
 
 from __future__ import annotations

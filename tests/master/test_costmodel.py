@@ -237,9 +237,9 @@ def test_candidates_are_predicted_against_the_profiled_system_whatever_their_ste
 def test_the_lm_heads_floor_is_what_a_lossless_argmax_reads():
     """On an fp32 CPU deployment the certified argmax head reads a bf16 copy: the ceiling's LM-head floor
     is bf16's there (else a measured win of `screened_head` would read as a measurement fault)."""
-    assert cm.head_bytes_per_weight("cpu (2 threads)", "fp32") == 2.0
-    assert cm.head_bytes_per_weight("cuda:0 NVIDIA H200", "bf16") == 2.0
-    assert cm.head_bytes_per_weight("cuda:0 NVIDIA H200", "fp32") == 4.0
+    assert cm.head_bytes_per_weight("cpu (2 threads)", 4.0) == 2.0
+    assert cm.head_bytes_per_weight("cuda:0 NVIDIA H200", 2.0) == 2.0
+    assert cm.head_bytes_per_weight("cuda:0 NVIDIA H200", 4.0) == 4.0
     shape = cm.Shape(vocab_size=65536, dim=512, n_layers=2, n_heads=8, n_kv_heads=2, intermediate=1024)
     full = cm.step_work(shape, 1, 64, 4.0)
     screened = cm.step_work(shape, 1, 64, 4.0, head_bytes=2.0)

@@ -96,21 +96,23 @@ class ScriptedServer:
             self.requests.append(Recorded(path, headers, body))
             return n
 
-    def failure(self, body: dict) -> Fail | None:
-        """The error this request gets instead of a turn, if any."""
-        if self.fail is not None:
-            return self.fail
+    def keyed(self, body: dict) -> list[Turn] | Fail | None:
+        """The ``by_key`` value whose key appears in ``body``'s first user message (the task)."""
         task = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
         head = json.dumps(task.get("content", ""))
-        return next((f for k, f in self.by_key.items() if isinstance(f, Fail) and k in head), None)
+        return next((v for k, v in self.by_key.items() if k in head), None)
+
+    def failure(self, body: dict) -> Fail | None:
+        """The error this request gets instead of a turn, if any."""
+        script = self.keyed(body)
+        return self.fail or (script if isinstance(script, Fail) else None)
 
     def turn(self, n: int, body: dict) -> Turn:
         """The turn answering request ``n`` (sequential mode) or ``body``'s conversation (keyed mode)."""
         turns = self.turns
         if self.by_key:
-            task = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
-            head = json.dumps(task.get("content", ""))
-            turns = next((t for k, t in self.by_key.items() if k in head and not isinstance(t, Fail)), [])
+            script = self.keyed(body)
+            turns = script if isinstance(script, list) else []
             n = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
         return turns[n] if n < len(turns) else Turn(text="I have nothing more to do.")
 

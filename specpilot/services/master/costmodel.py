@@ -83,12 +83,11 @@ def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, ac
     return out
 
 
-def head_bytes_per_weight(device: str, dtype: str) -> float:  # device: a label, "cpu (2 threads)"
-    """Bytes per LM-head weight a greedy step must read: the certified argmax head of an fp32 CPU
-    deployment (``screened_head``, `specpilot_engine.screened_head`) reads a bf16 copy and a few exact
-    rows, so its floor is bf16's; elsewhere the dtype's."""
-    weight = 2.0 if dtype == "bf16" else 4.0
-    return 2.0 if device.startswith("cpu") and dtype == "fp32" else weight
+def head_bytes_per_weight(device: str, weight_bytes: float) -> float:
+    """Bytes per LM-head weight a greedy step must read on ``device`` (a label, "cpu (2 threads)"): on a
+    CPU the certified argmax head (``screened_head``, `specpilot_engine.screened_head`) reads a bf16 copy
+    and a few exact rows, so the floor is at most bf16's; elsewhere ``weight_bytes``."""
+    return min(weight_bytes, 2.0) if device.startswith("cpu") else weight_bytes
 
 
 def floors_s(work: dict[str, Work], hw: Hardware) -> dict[str, float]:

@@ -397,7 +397,7 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
                              profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
                              launch_s=hw.launch_s,
-                             head_bytes=costmodel.head_bytes_per_weight(prof.device, prof.dtype or "fp32"))
+                             head_bytes=costmodel.head_bytes_per_weight(prof.device, bytes_per))
 
 
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,
