@@ -4,4 +4,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
 .venv/bin/ruff check . || exit 1
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -1,7 +1,9 @@
 """The event bus over NATS JetStream. The only module that imports ``nats``.
 
 Contract:
-- ``connect`` retries a dead server with backoff, then raises ``BusError`` with what to do.
+- ``connect`` joins over TLS with a bundle's certificate (`specpilot.bundles`: the certificate is the
+  identity); it retries a dead server with backoff, then raises ``BusError`` with what to do, and
+  fails at once on a refused certificate or a server of another installation.
 - ``Bus.publish`` sends an event on ``sp.ev.<own service>.<tag>`` with ``Nats-Msg-Id = event_id``
   and retries (same id, so the server drops duplicates) until JetStream acknowledges it or the
   deadline passes. A returned publish is durable (the server fsyncs before acking).
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,9 +39,12 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from specpilot import schema, subjects
+from specpilot.bundles import Bundle
 from specpilot.errors import UserError
-from specpilot.natsd import Credentials
 
+# asyncio warns "returning true from eof_received() has no effect when using ssl" at every TLS close of a
+# nats-py connection: harmless, and it would bury real warnings.
+logging.getLogger("asyncio").addFilter(lambda record: not str(record.msg).startswith("returning true from eof_received"))
 log = logging.getLogger("specpilot.bus")
 
 DECODE_ATTEMPTS = 3  # deliveries of an undecodable message before it is dead-lettered
@@ -335,9 +341,12 @@ class Bus:
         return reply
 
     async def serve(self, name: str, version: str, description: str,
-                    endpoints: dict[str, Callable[[dict], Awaitable[dict]]]) -> object:
-        """Register a micro service; each endpoint takes and returns JSON objects."""
-        svc = await add_service(self.nc, ServiceConfig(name=name, version=version, description=description))
+                    endpoints: dict[str, Callable[[dict], Awaitable[dict]]],
+                    metadata: dict[str, str] | None = None) -> object:
+        """Register a micro service; each endpoint takes and returns JSON objects. ``metadata`` is in
+        every discovery reply (the version handshake)."""
+        svc = await add_service(self.nc, ServiceConfig(name=name, version=version, description=description,
+                                                       metadata=metadata or {}))
         for subject, handler in endpoints.items():
             await svc.add_endpoint(EndpointConfig(name=subject.rsplit(".", 1)[-1], subject=subject,
                                                   handler=_json_handler(handler)))
@@ -412,19 +421,28 @@ def _json_handler(handler: Callable[[dict], Awaitable[dict]]):
     return run
 
 
-async def connect(url: str, creds: Credentials | Path | str, name: str = "",
+async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
                   connect_timeout_s: float = 20.0) -> Bus:
-    """Connect as the user in ``creds``; retries with backoff, then says what to do."""
-    if not isinstance(creds, Credentials):
-        creds = Credentials.load(creds)
+    """Connect over TLS as the owner of ``bundle`` (a folder or a loaded `Bundle`); ``url`` None: the
+    bundle's own server URL. Retries with backoff while nothing answers, then says what to do; a
+    refused certificate or an untrusted server fails at once."""
+    if not isinstance(bundle, Bundle):
+        bundle = Bundle.load(bundle)
+    url = url or bundle.nats
+    if not url:
+        raise BusError(f"no server URL: pass --nats URL or give the bundle {bundle.path} a \"nats\" URL")
+    ctx = bundle.context()
     deadline = time.monotonic() + connect_timeout_s
     delay = 0.1
     last: Exception | None = None
     errors: list[str] = []
+    refusals: list[ssl.SSLError] = []  # nats-py retries a failed handshake itself and reports it here
 
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
         del errors[:-100]
+        if isinstance(exc, ssl.SSLError):
+            refusals.append(exc)
         log.debug("nats: %r", exc)
 
     while time.monotonic() < deadline:
@@ -432,22 +450,34 @@ async def connect(url: str, creds: Credentials | Path | str, name: str = "",
             # nats-py keeps retrying an initial connect forever when reconnects are unlimited,
             # so each attempt gets its own deadline.
             nc = await asyncio.wait_for(nats.connect(
-                url, user=creds.user, password=creds.password, name=name or creds.user,
-                inbox_prefix=subjects.inbox_prefix(creds.user), connect_timeout=2,
-                max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
+                url, tls=ctx, name=name or bundle.name, inbox_prefix=subjects.inbox_prefix(bundle.name),
+                connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
                 error_cb=on_error,
             ), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-            return Bus(nc, creds.user, errors)
+            return Bus(nc, bundle.name, errors)
+        except ssl.SSLError as exc:
+            refusals.append(exc)
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
             last = exc
         except nats.errors.Error as exc:
             if "authorization" in str(exc).lower():
-                raise BusError(f"NATS at {url} refused user {creds.user!r}: wrong credentials file?") from exc
+                raise BusError(f"NATS at {url} refused {bundle.name!r}: its certificate maps to no user there "
+                               "(a bundle of another installation?)") from exc
             last = exc
+        if refusals:
+            raise _tls_refusal(url, bundle, refusals[-1])
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
     raise BusError(f"no NATS server answers at {url} ({last!r}); start one with `specpilot up`, "
-                   "or pass --nats URL --creds FILE for a running server")
+                   "or pass --nats URL --bundle DIR for a running server")
+
+
+def _tls_refusal(url: str, bundle: Bundle, exc: ssl.SSLError) -> BusError:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return BusError(f"the server at {url} is not certified by this bundle's CA ({exc.verify_message}): it "
+                        f"belongs to another installation, or {bundle.ca} is not this server's")
+    return BusError(f"the server at {url} refused the TLS handshake of {bundle.name!r} ({exc.reason or exc}): is "
+                    "its certificate from this server's CA?")
 
 
 async def provision(admin: Bus) -> None:

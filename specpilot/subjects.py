@@ -64,6 +64,7 @@ RPC_EVENTS = rpc(MEMORY, "events")  # typed reads of events (specpilot.reads.Eve
 RPC_VIEW = rpc(MEMORY, "view")  # typed reads of projections (specpilot.reads.ViewQuery)
 RPC_IMPORT = rpc(MEMORY, "import")  # memory entries from another data directory (admin only)
 SERVICE_RPCS = (RPC_SQL, RPC_AUDIT, RPC_REPLAY, RPC_ENTRIES, RPC_EVENTS, RPC_VIEW)  # memory endpoints a service user may call
+RPC_SYSTEM = rpc(CONTROLLER, "system")  # the best system of a deployment as code: its diff from stock, its trees
 MICRO_DISCOVERY = "$SRV.INFO"
 MICRO_ALL = "$SRV.>"
 
@@ -87,8 +88,8 @@ def permissions(service: str) -> dict[str, dict[str, list[str]]]:
 
     A service may publish its own events, fetch from and ack its own consumer, ask memory for
     read-only queries (`SERVICE_RPCS`: not ``export``, which writes files where it is told; that is
-    the admin's), and answer micro discovery. It may not touch ``$JS.API.STREAM.*`` nor create or
-    delete consumers.
+    the admin's), and answer micro discovery; the master may also ask it (the version handshake,
+    `specpilot.handshake`), and a subagent the controller's best system (`RPC_SYSTEM`). It may not touch ``$JS.API.STREAM.*`` nor create or delete consumers.
     """
     publish = [
         event_prefix(service) + ".>",
@@ -96,6 +97,8 @@ def permissions(service: str) -> dict[str, dict[str, list[str]]]:
         js_ack(service),
         js_consumer_info(service),
         *SERVICE_RPCS,
+        *([MICRO_DISCOVERY] if service == MASTER else []),
+        *([RPC_SYSTEM] if service == SUBAGENT else []),
     ]
     subscribe = [inbox_prefix(service) + ".>", MICRO_ALL, rpc(service, ">")]
     return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}

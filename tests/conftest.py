@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from specpilot import bus, natsd, subjects
+from specpilot import bundles, bus, natsd, subjects
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,6 +22,15 @@ def own_machine_cache(tmp_path_factory, monkeypatch):
     """Each test its own machine cache (services it starts inherit it): a noise figure one test's
     controller measured must not be reused by another's (`Evaluator.noise_cached`)."""
     monkeypatch.setenv("SPECPILOT_MACHINE_CACHE", str(tmp_path_factory.mktemp("machine-cache")))
+
+
+@pytest.fixture
+def outside_tmp():
+    """A folder outside /tmp (sandboxes get a fresh /tmp, so only a path elsewhere proves a mount hides
+    it), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="specpilot-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -45,7 +56,7 @@ async def _provision(srv: natsd.LocalServer) -> None:
 
 
 async def connect_as(srv: natsd.LocalServer, user: str) -> bus.Bus:
-    return await bus.connect(srv.url, natsd.creds_path(srv.data, user), connect_timeout_s=10)
+    return await bus.connect(srv.url, bundles.bundle_path(srv.data, user), connect_timeout_s=10)
 
 
 def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
@@ -57,7 +68,7 @@ def spawn_service(srv: natsd.LocalServer, name: str, module: str | None = None,
     env = dict(os.environ, PYTHONPATH=str(root), **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", module or f"specpilot.services.{name}", "--data", str(srv.data), "--nats", srv.url,
-         "--creds", str(natsd.creds_path(srv.data, name)), *(extra or [])],
+         "--bundle", str(bundles.bundle_path(srv.data, name)), *(extra or [])],
         stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
     )
 

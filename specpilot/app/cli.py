@@ -1,7 +1,8 @@
 """specpilot: bring the services up and down, and read the ledger.
 
 Every command takes ``--data DIR`` (default: ``$SPECPILOT_DATA`` or ``~/.local/share/specpilot``) and,
-to reach a server on another host, ``--nats URL --creds FILE``. Reads (``sql``, ``audit``, ``replay``,
+to reach a server on another host, ``--bundle DIR`` (the admin's bundle from ``specpilot init``) and
+``--nats URL``. Reads (``sql``, ``audit``, ``replay``,
 ``export``) go through the memory service when it runs, and open the DuckDB file directly when it
 does not. The long commands live in modules of their own beside this one (``cmd_round``, ``cmd_time``,
 ``cmd_force``, ``cmd_bench``, ``cmd_w12``), each registering itself through ``add_commands(subparsers)``
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import msgspec
 
-from specpilot import __version__, bus, ledger, natsd, output, paths, subjects
+from specpilot import __version__, bundles, bus, ledger, natsd, output, paths, subjects
+from specpilot.bundles import Bundle
 from specpilot.errors import UserError
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 from specpilot.schema import SERVICES
@@ -46,18 +48,22 @@ def data_dir(args: argparse.Namespace) -> Path:
 
 
 def server_url(args: argparse.Namespace) -> str | None:
+    """``--nats``, else the local server of ``--data``, else the URL in ``--bundle``'s bundle."""
     if args.nats:
         return args.nats
-    server = natsd.running(data_dir(args))
-    return server.url if server else None
+    if args.bundle is None:
+        server = natsd.running(data_dir(args))
+        return server.url if server else None
+    return Bundle.load(args.bundle, expect=subjects.ADMIN).nats or None
 
 
 async def admin_bus(args: argparse.Namespace) -> bus.Bus:
     url = server_url(args)
     if url is None:
-        raise UserError(f"no NATS server is running for {data_dir(args)}: run `specpilot up` first")
-    creds = args.creds or natsd.creds_path(data_dir(args), subjects.ADMIN)
-    return await bus.connect(url, creds, name="specpilot-cli", connect_timeout_s=args.connect_timeout)
+        raise UserError(f"no NATS server is running for {data_dir(args)}: run `specpilot up` first, or pass "
+                        "--bundle DIR (the admin's bundle) for a server on another host")
+    bundle = Bundle.load(args.bundle or bundles.bundle_path(data_dir(args), subjects.ADMIN), expect=subjects.ADMIN)
+    return await bus.connect(url, bundle, name="specpilot-cli", connect_timeout_s=args.connect_timeout)
 
 
 async def call_memory(args: argparse.Namespace, subject: str, payload: dict, timeout: float = 120) -> dict | None:
@@ -88,7 +94,7 @@ def start_service(data: Path, name: str, url: str, extra: list[str] | None = Non
     log = open(data / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", f"specpilot.services.{name}", "--data", str(data), "--nats", url,
-         "--creds", str(natsd.creds_path(data, name)), *(extra or [])],
+         "--bundle", str(bundles.bundle_path(data, name)), *(extra or [])],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         cwd=paths.REPO_ROOT,
     )
@@ -155,16 +161,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     services = [] if server_url(args) is None else asyncio.run(discover(args))
-    rows = [{"name": s.get("name"), "version": s.get("version"), "id": s.get("id"),
-             "description": s.get("description", ""), "endpoints": [e.get("subject") for e in s.get("endpoints") or []]}
+    rows = [{"name": s.get("name"), "version": (s.get("metadata") or {}).get("version") or s.get("version"),
+             "host": (s.get("metadata") or {}).get("host", ""), "stock_tree": (s.get("metadata") or {}).get("stock_tree", ""),
+             "id": s.get("id"), "description": s.get("description", ""),
+             "endpoints": [e.get("subject") for e in s.get("endpoints") or []]}
             for s in services]
     if args.json:
         print(json.dumps(rows))
         return 0
     table = output.table(f"SpecPilot services ({server_url(args) or 'no server running'})",
-                         ("name", "version", "id", "endpoints"))
+                         ("name", "host", "version", "stock tree", "id", "endpoints"))
     for r in rows:
-        table.add_row(r["name"], r["version"], r["id"], ", ".join(r["endpoints"]))
+        table.add_row(r["name"], r["host"], r["version"], r["stock_tree"], r["id"], ", ".join(r["endpoints"]))
     out.print(table)
     missing = set(SERVICES) - {r["name"] for r in rows}
     if server_url(args) is None:
@@ -175,13 +183,27 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    """Render credentials and the server config without starting anything (compose, other hosts)."""
+    """Write the CA and one bundle per host without starting anything (compose, separate hosts)."""
     data = data_dir(args)
     host, _, port = args.listen.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--listen must be HOST:PORT such as 0.0.0.0:4222, got {args.listen!r}")
-    conf = natsd.render_config(data, int(port), natsd.ensure_credentials(data), host=host or "0.0.0.0")
-    out.print(f"config: {conf}\ncredentials: {data / 'creds'} (one file per service; give each host only its own)")
+    hosts = tuple(args.host or ()) + bundles.DEFAULT_HOSTS
+    where = bundles.create(data, hosts=hosts, port=int(port), renew=args.renew, listen=host or "0.0.0.0")
+    table = output.table(f"bundles in {where} (copy each host its own folder, nothing else)", ("bundle", "for"))
+    for name in (bundles.SERVER, *bundles.CLIENTS):
+        table.add_row(name, {bundles.SERVER: f"the NATS server: `specpilot server --bundle DIR` ({args.listen})",
+                             subjects.ADMIN: "the operator's CLI: --bundle DIR"}.get(
+                                 name, f"`python -m specpilot.services.{name} --bundle DIR --data OWN_DIR`"))
+    out.print(table)
+    out.print(f"clients dial {hosts[0]}:{port}; the CA's key stays in {bundles.pki_dir(data)}")
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """Run nats-server in the foreground from a server bundle (this process becomes the server)."""
+    data = data_dir(args)
+    natsd.serve(args.bundle or bundles.bundle_path(data, bundles.SERVER), args.store or data / "nats")
     return 0
 
 
@@ -308,8 +330,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         from specpilot.services.controller.systems import export_system
 
         load_deployment(args.deployment)  # an unknown deployment is an error, not an export of stock
-        res = export_system(data_dir(args), args.deployment, Path(args.system).resolve(),
-                            lambda commit: promoted_options(args, args.deployment, commit))
+        if args.nats or args.bundle:  # the controller is on another host: its best crosses over NATS
+            res = export_system_over_nats(args, Path(args.system).resolve())
+        else:
+            res = export_system(data_dir(args), args.deployment, Path(args.system).resolve(),
+                                lambda commit: promoted_options(args, args.deployment, commit))
         out.print(f"best system of {res['deployment']} ({res['commit'][:12]}, options {res['options']}) "
                   f"written to {res['dir']}")
         return 0
@@ -321,6 +346,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     for f in res["files"]:
         out.print(f)
     return 0
+
+
+def export_system_over_nats(args: argparse.Namespace, dest: Path) -> dict:
+    """``export --system`` from the controller's ``system`` RPC: its diff applied to this checkout's stock
+    and checked against its trees, then written as `export_system` writes it."""
+    import shutil
+    import tempfile
+
+    from specpilot.services.subagent.workspace import build_workspace
+
+    if dest.exists() and any(dest.iterdir()):
+        raise UserError(f"{dest} is not empty: choose a new folder")
+
+    async def ask() -> dict:
+        b = await admin_bus(args)
+        try:
+            return await b.request(subjects.RPC_SYSTEM, {"deployment": args.deployment}, timeout=60)
+        finally:
+            await b.close()
+
+    reply = asyncio.run(ask())
+    diff = reply.get("diff", "")
+    with tempfile.TemporaryDirectory(prefix="sp-export-") as tmp:
+        ws = build_workspace(paths.REPO_ROOT, [("the controller's best", diff)] if diff else [], Path(tmp) / "ws",
+                             trees=reply.get("trees") or {})
+        for root in ("specpilot_engine", "specpilot_kernels"):
+            shutil.copytree(ws / root, dest / root, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (dest / "final.patch").write_text(diff)
+    (dest / "options.json").write_text(json.dumps(reply.get("options") or {}, indent=2) + "\n")
+    return {"deployment": args.deployment, "commit": reply.get("commit") or reply.get("stock") or "stock", "dir": str(dest),
+            "options": reply.get("options") or {}}
 
 
 def promoted_options(args: argparse.Namespace, deployment: str, commit: str) -> dict:
@@ -397,8 +453,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = command("status", cmd_status, "list the services that answer NATS micro discovery")
     p.add_argument("--json", action="store_true", help="a JSON list of {name, version, ...}")
     command("down", cmd_down, "stop the services and the local NATS server")
-    p = command("init", cmd_init, "write credentials and a nats-server config for a server on another host")
+    p = command("init", cmd_init, "write a CA and one bundle per host (server, services, admin) for separate hosts")
     p.add_argument("--listen", default="0.0.0.0:4222", help="HOST:PORT the server will listen on")
+    p.add_argument("--host", action="append", metavar="NAME_OR_IP",
+                   help="a name or address clients dial the server by (repeat; the first goes in every bundle)")
+    p.add_argument("--renew", action="store_true", help="issue new certificates from the same CA")
+    p = command("server", cmd_server, "run the NATS server in the foreground from its bundle (another host)")
+    p.add_argument("--store", type=Path, default=None, help="JetStream store folder (default: DATA/nats)")
     command("provision", cmd_provision, "create the event stream and the services' consumers (admin)")
     p = command("sql", cmd_sql, "run a read-only SQL query on the ledger")
     p.add_argument("query", help='e.g. "SELECT type, count(*) FROM events GROUP BY 1"')

@@ -98,7 +98,7 @@ def controller_flags(args: argparse.Namespace) -> list[str]:
 
 def cmd_round(args: argparse.Namespace) -> int:
     data = cli.data_dir(args)
-    local = not args.nats
+    local = not args.nats and args.bundle is None  # else the services run elsewhere (their hosts, their data)
     if local:
         cli.ensure_up(args, extra_flags={"controller": controller_flags(args)}, timeout=120.0)
         if args.shipped_memory:
@@ -119,9 +119,11 @@ def cmd_round(args: argparse.Namespace) -> int:
     folder = data / "rounds" / round_id
     charts = _charts(summary, folder)
     _table(summary)
-    result = {"round_id": round_id, **summary.get("headline", {}), "ledger": str(data / "ledger.duckdb"),
+    result = {"round_id": round_id, **summary.get("headline", {}),
+              "ledger": str(data / "ledger.duckdb") if local else "the memory service's data directory (specpilot sql)",
               "final_commit": summary.get("final_commit", ""), "charts": [str(c) for c in charts],
-              "final_system": f"git branch best/{args.deployment} in {data / 'controller' / 'systems'}"}
+              "final_system": f"git branch best/{args.deployment} in "
+                              f"{data / 'controller' / 'systems' if local else 'the controller host systems repository'}"}
     out.print(f"ledger: {result['ledger']}; final system: {result['final_system']}")
     if local:  # they stay up so the next round starts at once; say so, and how to stop them
         out.print(f"the local NATS server and services keep running; stop them with: specpilot down --data {data}")

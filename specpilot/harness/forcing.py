@@ -24,7 +24,8 @@
   `Engine.generate`). An event is explained when it returns the system's token. An FP32 CPU stock's
   pick is its forced FP32 argmax (no decode: `audit`), since its tokens do not depend on the step's
   shape and an event's margin is far above rounding.
-- Stock's outputs are kept between processes under the data directory (``forcer/stock-outputs``),
+- Stock's outputs are kept between processes in the forcing service's own folder of the data directory
+  (``forcer/stock-outputs``; ``controller/stock-outputs`` for the sealed final, forced by the controller),
   keyed by the stock runtime's files, its options and the prompt: the controller forces the same dev
   prompts for every candidate.
 - `Forcer.run` audits up to ``max_audit`` events per side (a seeded uniform sample beyond that),
@@ -322,29 +323,33 @@ def _remember(memo: dict, key, value) -> None:
         del memo[next(iter(memo))]  # oldest first
 
 
-def load_forcer(deployment: str | Path, data_dir: Path | None = None, device: str | None = None) -> Forcer:
-    """A forcer over the deployment's stock engine (default options: stock)."""
+def load_forcer(deployment: str | Path, data_dir: Path | None = None, device: str | None = None,
+                owner: str = "forcer") -> Forcer:
+    """A forcer over the deployment's stock engine (default options: stock); stock's outputs are kept
+    in ``data_dir/<owner>/stock-outputs``, the folder of the service that forces (each its own)."""
     from specpilot.harness.deployment import load_engine
 
     return Forcer(load_engine(deployment, device=device, data_dir=data_dir),
-                  memo_dir=Path(data_dir) / "forcer" / "stock-outputs" if data_dir is not None else None)
+                  memo_dir=Path(data_dir) / owner / "stock-outputs" if data_dir is not None else None)
 
 
-_forcers: dict[tuple[str, str, str], Forcer] = {}
+_forcers: dict[tuple[str, str, str, str], Forcer] = {}
 _lock = threading.Lock()  # one engine, one request at a time
 
 
-def forcer_for(deployment: str | Path, data_dir: Path | None = None, device: str | None = None) -> Forcer:
+def forcer_for(deployment: str | Path, data_dir: Path | None = None, device: str | None = None,
+               owner: str = "forcer") -> Forcer:
     """The deployment's stock forcer, loaded once per process and kept."""
-    key = (str(deployment), str(data_dir or ""), str(device or ""))
+    key = (str(deployment), str(data_dir or ""), str(device or ""), owner)
     with _lock:
         if key not in _forcers:
-            _forcers[key] = load_forcer(deployment, data_dir=data_dir, device=device)
+            _forcers[key] = load_forcer(deployment, data_dir=data_dir, device=device, owner=owner)
         return _forcers[key]
 
 
 def force_outputs(deployment: str | Path, outputs: list[dict[str, Any]], data_dir: Path | None = None,
-                  device: str | None = None, max_audit: int | None = None, seed: int = 0) -> dict[str, Any]:
+                  device: str | None = None, max_audit: int | None = None, seed: int = 0,
+                  owner: str = "forcer") -> dict[str, Any]:
     """Force raw outputs (``ForcingRequested.outputs`` dicts, or text as `forcing_rules.parse_outputs` takes)
     against the deployment's stock engine: what the service and ``specpilot force`` both run.
 
@@ -353,7 +358,7 @@ def force_outputs(deployment: str | Path, outputs: list[dict[str, Any]], data_di
     """
     if not outputs:
         raise ValueError("there are no outputs to force")
-    forcer = forcer_for(deployment, data_dir, device)
+    forcer = forcer_for(deployment, data_dir, device, owner)
     with _lock:
         parsed = forcing_rules.parse_outputs(outputs, encode=lambda text, chat: forcer.engine.tokenize(text, chat=chat),
                                      vocab_size=forcer.model.cfg.vocab_size)

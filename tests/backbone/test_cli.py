@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpilot import ledger, natsd
+from specpilot import bundles, ledger, natsd
 from specpilot.schema import SERVICES
 from tests.backbone.helpers import directions, publish_all, wait_for_rows
 from tests.conftest import REPO, connect_as, spawn_service
@@ -34,9 +34,9 @@ def test_up_status_down(tmp_path):
         found = json.loads(status.stdout)
         assert sorted(s["name"] for s in found) == sorted(SERVICES)
         assert all(s["version"] for s in found)
-        # creds are private and per data directory
-        for user in (*SERVICES, "admin"):
-            assert oct(natsd.creds_path(data, user).stat().st_mode & 0o777) == "0o600"
+        # keys are private and per data directory
+        for user in (*SERVICES, "admin", "server"):
+            assert oct((bundles.bundle_path(data, user) / "key.pem").stat().st_mode & 0o777) == "0o600"
         assert oct((data / "nats" / "nats.conf").stat().st_mode & 0o777) == "0o600"
         # a second `up` finds everything running and starts nothing new
         again = run("up", data=data)
@@ -53,27 +53,29 @@ def test_up_status_down(tmp_path):
 
 def test_dead_nats_server_gets_a_clear_error(tmp_path):
     data = tmp_path / "d"
-    natsd.ensure_credentials(data)
+    bundles.create(data)
     port = natsd.free_port()
-    creds = str(natsd.creds_path(data, "admin"))
+    admin = str(bundles.bundle_path(data, "admin"))
     t0 = time.monotonic()
-    res = run("status", "--nats", f"nats://127.0.0.1:{port}", "--creds", creds, "--connect-timeout", "2", data=data)
+    res = run("status", "--nats", f"tls://127.0.0.1:{port}", "--bundle", admin, "--connect-timeout", "2", data=data)
     assert res.returncode == 2
     assert "no NATS server answers" in res.stderr and "specpilot up" in res.stderr
     assert time.monotonic() - t0 < 30
-    svc = subprocess.run([sys.executable, "-m", "specpilot.services.master", "--nats", f"nats://127.0.0.1:{port}",
-                          "--creds", str(natsd.creds_path(data, "master")), "--connect-timeout", "1"],
+    svc = subprocess.run([sys.executable, "-m", "specpilot.services.master", "--nats", f"tls://127.0.0.1:{port}",
+                          "--bundle", str(bundles.bundle_path(data, "master")), "--connect-timeout", "1"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert svc.returncode != 0 and "no NATS server answers" in svc.stderr
 
 
-def test_wrong_or_missing_credentials(tmp_path, server):
-    res = run("status", "--nats", server.url, "--creds", str(tmp_path / "nope.json"), data=tmp_path)
-    assert res.returncode == 2 and "does not exist" in res.stderr
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"user": "admin", "password": "wrong"}))
-    res = run("status", "--nats", server.url, "--creds", str(bad), "--connect-timeout", "3", data=tmp_path)
-    assert res.returncode == 2 and ("refused user" in res.stderr or "no NATS server answers" in res.stderr)
+def test_wrong_or_missing_bundle(tmp_path, server):
+    res = run("status", "--nats", server.url, "--bundle", str(tmp_path / "nope"), data=tmp_path)
+    assert res.returncode == 2 and "no bundle at" in res.stderr and "specpilot init" in res.stderr
+    # another installation's admin: its certificate is from another CA, so the server is not its server
+    other = tmp_path / "other"
+    bundles.create(other)
+    res = run("status", "--nats", server.url, "--bundle", str(bundles.bundle_path(other, "admin")),
+              "--connect-timeout", "3", data=tmp_path)
+    assert res.returncode == 2 and "not certified by this bundle's CA" in res.stderr
 
 
 def test_missing_data_directory(tmp_path):
@@ -112,13 +114,14 @@ def test_corrupted_ledger_is_reported_and_rebuilt_from_the_stream(server, tmp_pa
 
 
 def test_every_command_has_help():
-    for cmd in ([], ["up"], ["status"], ["down"], ["sql"], ["audit"], ["replay"], ["export"], ["init"], ["provision"]):
+    for cmd in ([], ["up"], ["status"], ["down"], ["sql"], ["audit"], ["replay"], ["export"], ["init"], ["provision"],
+                ["server"]):
         res = subprocess.run([*CLI, *cmd, "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert res.returncode == 0 and "usage:" in res.stdout
     for name in SERVICES:
         res = subprocess.run([sys.executable, "-m", f"specpilot.services.{name}", "--help"], capture_output=True, text=True,
                              cwd=REPO, timeout=60)
-        assert res.returncode == 0 and "--nats" in res.stdout and "--creds" in res.stdout
+        assert res.returncode == 0 and "--nats" in res.stdout and "--bundle" in res.stdout
 
 
 def test_audit_and_export(server, tmp_path):
@@ -149,22 +152,33 @@ def test_audit_and_export(server, tmp_path):
     proc.wait(timeout=20)
 
 
-def test_compose_names_every_service_with_a_real_command():
+def test_compose_gives_each_container_only_its_own_bundle_and_volume():
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())
     svcs = compose["services"]
-    assert "nats" in svcs and svcs["nats"]["command"][0] == "nats-server"
+    assert svcs["nats"]["command"][:2] == ["specpilot", "server"]
+    sources: dict[str, list[str]] = {}
+    for name, svc in svcs.items():
+        for vol in svc.get("volumes", []):
+            source, target, *mode = vol.split(":")
+            sources.setdefault(source, []).append(name)
+            if target == "/run/specpilot/bundle":
+                owner = {"nats": "server", "provision": "admin"}.get(name, name)
+                assert source == f"./specpilot-init/bundles/{owner}" and mode == ["ro"], (name, vol)
+    shared = {src: users for src, users in sources.items() if len(users) > 1}
+    assert shared == {}, f"mounted into two containers: {shared}"
+    assert not any("pki" in src for src in sources), "the CA's key must stay on the operator's host"
     for name in SERVICES:
         cmd = svcs[name]["command"]
         assert cmd[:3] == ["python", "-m", f"specpilot.services.{name}"]
-        assert cmd[cmd.index("--creds") + 1] == f"/data/creds/{name}.json"
-        assert cmd[cmd.index("--nats") + 1].startswith("nats://nats:")
+        assert cmd[cmd.index("--bundle") + 1] == "/run/specpilot/bundle"
+        assert cmd[cmd.index("--nats") + 1].startswith("tls://nats:")
         # the command really parses: the module exists and takes these flags
         help_ = subprocess.run([sys.executable, *cmd[1:3], "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert help_.returncode == 0
 
 
 @pytest.mark.parametrize("user", SERVICES)
-def test_services_start_alone_with_nats_and_creds(server, user):
+def test_services_start_alone_with_nats_and_bundle(server, user):
     proc = spawn_service(server, user)
 
     async def find():

@@ -47,7 +47,7 @@ def verdict(events) -> schema.VerdictIssued:
     return next(e for e in events if isinstance(e, schema.VerdictIssued))
 
 
-def test_escape_attempts_are_contained(ctl, tmp_path):
+def test_escape_attempts_are_contained(ctl, tmp_path, monkeypatch, outside_tmp):
     """One patch tries every escape at start-up: reach a host port (NATS), listen for the outside, read
     the ledger, credentials and the secret split seed, find secrets in its environment, write to the
     harness or outside its scratch space, and kill the controller. Any success raises ESCAPED."""
@@ -57,8 +57,13 @@ def test_escape_attempts_are_contained(ctl, tmp_path):
     port = listener.getsockname()[1]
     data = ctl.data
     (data / "ledger.duckdb").write_bytes(b"secret ledger")
-    (data / "creds").mkdir(exist_ok=True)
-    (data / "creds" / "controller.json").write_text('{"user": "controller", "password": "x"}')
+    (data / "bundles" / "controller").mkdir(parents=True, exist_ok=True)
+    (data / "bundles" / "controller" / "key.pem").write_text("secret key")
+    own_bundle = outside_tmp / "controller"  # the service's bundle, outside its data directory
+    own_bundle.mkdir(parents=True)
+    (own_bundle / "key.pem").write_text("secret key")
+    (own_bundle / "split_seed").write_text("12345")
+    monkeypatch.setenv("SPECPILOT_BUNDLE", str(own_bundle))
     ctl.evaluator("tiny-cpu").split_seed()
     harness = REPO_ROOT / "specpilot_engine" / "pwned_by_probe.py"
     probe = f"""
@@ -69,7 +74,8 @@ def test_escape_attempts_are_contained(ctl, tmp_path):
     except OSError:
         pass
     _s = socket.socket(); _s.bind(("0.0.0.0", {port})); _s.listen()
-    for p in ("{data}/ledger.duckdb", "{data}/creds/controller.json", "{data}/controller/split_seed"):
+    for p in ("{data}/ledger.duckdb", "{data}/bundles/controller/key.pem", "{data}/controller/split_seed",
+              "{own_bundle}/key.pem", "{own_bundle}/split_seed"):
         if os.path.exists(p):
             raise SystemExit("ESCAPED: can see " + p)
     if any(k.startswith("NATS") or "KEY" in k or "TOKEN" in k for k in os.environ):

@@ -17,8 +17,9 @@ import pytest
 from specpilot import ledger, subjects
 from specpilot.sandbox import bwrap_available
 from specpilot.services.master.main import RPC_ROUND
+from specpilot.services.subagent.workspace import build_workspace
 from tests.backbone.helpers import sql
-from tests.conftest import connect_as, spawn_service, wait_for_services
+from tests.conftest import REPO, connect_as, spawn_service, wait_for_services
 from tests.subagent.wire import Call, ScriptedServer, Turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
@@ -56,6 +57,17 @@ def _start_round(server, **params) -> str:
             await b.close()
 
     return asyncio.run(go())["round_id"]
+
+
+def _request(server, subject: str, payload: dict) -> dict:
+    async def go() -> dict:
+        b = await connect_as(server, subjects.ADMIN)
+        try:
+            return await b.request(subject, payload, timeout=60)
+        finally:
+            await b.close()
+
+    return asyncio.run(go())
 
 
 def _events(server, round_id: str) -> list[tuple[str, str, dict]]:
@@ -131,6 +143,7 @@ def test_a_round_tells_its_whole_story_and_replays(server):
             round_id = _start_round(server, planner="anthropic:claude-test")
             _wait_for(server, round_id, "round.finished", timeout=600)
             by = _check_story(_events(server, round_id))
+            system = _request(server, subjects.RPC_SYSTEM, {"deployment": "tiny-cpu"})
         finally:
             _stop(procs)
         sent = llm.bodies("/v1/messages")
@@ -141,6 +154,12 @@ def test_a_round_tells_its_whole_story_and_replays(server):
     assert by["direction.planned"][1]["evidence"]["tried"][0]["options"]["block_size"] == 2
     used = by["conversation.used"]
     assert [(u["purpose"], u["turns"], u["ended"]) for u in used] == [("planner", 1, "finished")] * 2
+    # the controller hands out its best as code: its diff rebuilds exactly its trees on this host's stock
+    last = by["best.advanced"][-1] if by.get("best.advanced") else None
+    assert system["commit"] == (last["commit"] if last else "") and system["options"] == (last["options"] if last else {})
+    ws = build_workspace(REPO, [("best", system["diff"])] if system["diff"] else [], dest=server.data / "ws",
+                         trees=system["trees"])
+    assert set(system["trees"]) == {"specpilot_engine", "specpilot_kernels"} and ws.is_dir()
     led = ledger.Ledger(server.data, read_only=True)
     try:
         res = ledger.verify(led)

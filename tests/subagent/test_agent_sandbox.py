@@ -37,10 +37,10 @@ def probe_diff(code: str) -> str:
 
 @pytest.fixture
 def data(tmp_path):
-    """A service data directory with what a subagent host holds: credentials and a ledger."""
+    """A service data directory with what a subagent host holds: its bundle and a ledger."""
     d = tmp_path / "data"
-    (d / "creds").mkdir(parents=True)
-    (d / "creds" / "subagent.json").write_text('{"user": "subagent", "password": "secret"}')
+    (d / "bundles" / "subagent").mkdir(parents=True)
+    (d / "bundles" / "subagent" / "key.pem").write_text("secret key")
     (d / "ledger.duckdb").write_bytes(b"secret ledger")
     return d
 
@@ -54,8 +54,12 @@ def tools_with(tmp_path, data, code: str, timeout_s: float = 120.0) -> Tools:
     return tools
 
 
-def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_path, data, monkeypatch):
+def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_path, data, monkeypatch, outside_tmp):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-secret")  # what the subagent's own process holds
+    own_bundle = outside_tmp / "subagent"  # a bundle outside the data directory
+    own_bundle.mkdir(parents=True)
+    (own_bundle / "key.pem").write_text("secret key")
+    monkeypatch.setenv("SPECPILOT_BUNDLE", str(own_bundle))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -69,7 +73,7 @@ def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_p
         raise SystemExit("ESCAPED: reached a host port")
     except OSError:
         pass
-    for _p in ("{data}/creds/subagent.json", "{data}/ledger.duckdb"):
+    for _p in ("{data}/bundles/subagent/key.pem", "{data}/ledger.duckdb", "{own_bundle}/key.pem"):
         if _os.path.exists(_p):
             raise SystemExit("ESCAPED: can see " + _p)
     if any("KEY" in _k or "TOKEN" in _k or _k.startswith("NATS") for _k in _os.environ):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from specpilot import natsd, schema
+from specpilot import bundles, natsd, schema
 from specpilot.sandbox import bwrap_available
 from tests.backbone.helpers import sql
 from tests.conftest import REPO, connect_as, spawn_service, wait_for_services
@@ -33,7 +33,7 @@ def spawn_subagent(srv: natsd.LocalServer, env: dict[str, str]) -> subprocess.Po
     log = open(srv.data / "subagent.log", "ab")  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-m", "specpilot.services.subagent", "--data", str(srv.data), "--nats", srv.url,
-         "--creds", str(natsd.creds_path(srv.data, "subagent")), "--test-timeout", "120"],
+         "--bundle", str(bundles.bundle_path(srv.data, "subagent")), "--test-timeout", "120"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
     )
 

@@ -49,6 +49,16 @@ def test_build_workspace_applies_promotions_in_order(tmp_path):
     assert not ws.path.exists()
 
 
+def test_build_workspace_checks_the_controllers_trees(tmp_path):
+    root = _fake_root(tmp_path)
+    first = scripts.diff("specpilot_engine/a.py", "x = 1\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\n")
+    made = build_workspace(root, [("p1", first)], dest=tmp_path / "a")
+    trees = {d: git(made, "rev-parse", f"HEAD:{d}").stdout.strip() for d in ("specpilot_engine", "specpilot_kernels")}
+    build_workspace(root, [("best", first)], dest=tmp_path / "b", trees=trees)  # the same best: accepted
+    with pytest.raises(WorkspaceError, match="differs from the controller's in specpilot_engine/"):
+        build_workspace(root, [], dest=tmp_path / "c", trees=trees)  # this host's stock is not that best
+
+
 def test_build_workspace_names_the_patch_that_does_not_apply(tmp_path):
     root = _fake_root(tmp_path)
     bad = scripts.diff("specpilot_engine/a.py", "x = 5\n", "x = 6\n")

@@ -143,7 +143,7 @@ for _addr in (("127.0.0.1", {port}), ("1.1.1.1", 443)):
         raise SystemExit("ESCAPED: reached " + repr(_addr))
     except OSError:
         pass
-for _p in ("{data}/creds/subagent.json", "{data}/ledger.duckdb", "{data}/creds"):
+for _p in ("{data}/bundles/subagent/key.pem", "{data}/ledger.duckdb", "{data}/bundles"):
     if _os.path.exists(_p):
         raise SystemExit("ESCAPED: can see " + _p)
 if any("KEY" in _k or _k.startswith("NATS") for _k in _os.environ):

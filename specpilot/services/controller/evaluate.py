@@ -61,6 +61,7 @@ class Evaluator:
     # Start each worker from a copy of its system's filled compile cache (`workers.Workers`): Triton's
     # kernels on GPUs, C++ extensions (linear_backend = "stream") on CPUs. None: on.
     compile_cache: bool | None = None
+    seed_file: Path | None = None  # the controller bundle's split seed (None: one of this data directory's)
 
     def __post_init__(self) -> None:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (`timing.paired`).
@@ -89,7 +90,11 @@ class Evaluator:
         return Path(self.data) / "models"
 
     def split_seed(self) -> int:
-        """The secret seed of the dev/sealed split; it lives where no sandbox can read it."""
+        """The secret seed of the dev/sealed split; it lives where no sandbox can read it: the
+        controller's bundle (``seed_file``, `specpilot.bundles`), else (``specpilot time``, no bundle)
+        a file this evaluator makes in its own folder."""
+        if self.seed_file is not None:
+            return int(Path(self.seed_file).read_text())
         path = self.root / "split_seed"
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -17,7 +17,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from specpilot import bus, schema, service
+from specpilot import bus, schema, service, subjects
 from specpilot.errors import UserError
 from specpilot.sandbox import Limits
 from specpilot.services.controller import phases, stats, verdict
@@ -46,6 +46,7 @@ class Controller:
         self.emitter = BusEmitter(b) if b is not None else LocalEmitter(self.data)
         self.reads = self.emitter.reads
         self.state = State()
+        self.restored = False  # the `system` RPC answers only from the ledger's state
         self.evaluators: dict[str, Evaluator] = {}
         self.forcing: dict[str, asyncio.Future] = {}
 
@@ -63,6 +64,7 @@ class Controller:
     async def restore(self) -> None:
         """Rebuild the state from the emitter's history: the ledger (with a bus) or the local log (without)."""
         self.state = fold(await self.emitter.history())
+        self.restored = True
         log.info("state restored: %d deployment(s) registered, best of %s", len(self.state.registered),
                  sorted(self.state.best) or "none (stock)")
 
@@ -162,6 +164,26 @@ class Controller:
         self.forcing[request_id] = asyncio.get_running_loop().create_future()
         return self.forcing[request_id]
 
+    def system(self, req: dict) -> dict:
+        """The ``system`` RPC: the deployment's best as code, for hosts that build on it (subagents):
+        its diff from stock and the git tree id of each runtime root (a host that applies the diff to
+        its own stock checks that it gets the same trees); ``commit`` is "" while the best is stock.
+        Read-only; before the deployment is registered the best is stock and there is nothing to send."""
+        if not self.restored:
+            raise RuntimeError("the controller is still reading the ledger; try again")
+        dep = str(req.get("deployment") or _default_deployment())
+        if dep not in self.state.registered:
+            return {"deployment": dep, "commit": "", "options": {}, "diff": "", "trees": {}}
+        systems = self.evaluator(dep).systems
+        stock = systems.git("rev-parse", "stock")
+        best = self.state.best.get(dep)
+        commit = systems.resolve(best.commit) if best else stock
+        if commit is None:
+            raise UserError(f"the ledger's best system of {dep} ({best.commit[:12]}) is not in this controller's "
+                            "systems repository")
+        return {"deployment": dep, "commit": commit if best else "", "stock": stock,
+                "options": self.state.best_options(dep), "diff": systems.diff(stock, commit), "trees": systems.trees(commit)}
+
     def best_system(self, ev: Evaluator, dep: str) -> System:
         """The deployment's best as the ledger says (stock when nothing was promoted); the git branch
         ``best/<dep>`` follows it."""
@@ -211,12 +233,20 @@ def make(cfg: service.ServiceConfig):
     a = cfg.args
     kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
           "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave,
-          "pin_cpus": a.pin_cpus}
+          "pin_cpus": a.pin_cpus, "seed_file": cfg.bundle.split_seed}
+
+    holder: dict[str, Controller] = {}
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
-        await Controller(cfg.data, b, device=a.device, evaluator_kw=kw).run(stop)
+        holder["c"] = Controller(cfg.data, b, device=a.device, evaluator_kw=kw)
+        await holder["c"].run(stop)
 
-    return body, {}
+    async def system_endpoint(req: dict) -> dict:
+        if "c" not in holder:
+            raise RuntimeError("the controller is still starting; try again")
+        return await asyncio.to_thread(holder["c"].system, req)
+
+    return body, {subjects.RPC_SYSTEM: system_endpoint}
 
 
 def main(argv: list[str] | None = None) -> None:

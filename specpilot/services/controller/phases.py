@@ -224,7 +224,7 @@ async def final(ctl: Service, event: schema.SealedFinalRequested) -> None:
         prompts = ev.prompts("sealed")[: event.requests or None]
         forcing = await asyncio.to_thread(
             force_outputs, dep, [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs["final"], strict=True)],
-            ev.data)
+            ev.data, owner="controller")
     results["forcing"] = {"passed": bool(forcing["passed"]), "reason": forcing.get("reason", ""),
                           "stats": forcing.get("stats", {}), "identical_to_ar": identical}
     results["final_options"] = best.options

@@ -147,6 +147,10 @@ class Systems:
     def diff(self, base: str, commit: str) -> str:
         return self.git("diff", base, commit)
 
+    def trees(self, commit: str) -> dict[str, str]:
+        """The git tree id of each runtime root at ``commit``: equal ids, equal files (and modes)."""
+        return {root: self.git("rev-parse", f"{commit}:{root}") for root in SYSTEM_DIRS}
+
 
 def export_system(data: Path, deployment: str, dest: Path, options_of) -> dict:
     """Write the best system of ``deployment`` for use outside SpecPilot: its tree (``specpilot_engine/``,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specpilot import bus, evidence, schema, service, subjects
+from specpilot import bus, evidence, handshake, schema, service, subjects
 from specpilot.llm import Usage
 from specpilot.reads import Reads
 from specpilot.services.master import costmodel, planner, plots
@@ -75,6 +75,10 @@ class Master:
         if unknown:
             raise ValueError(f"unknown round parameters: {sorted(unknown)}")
         check_providers(str(params["planner"]), str(params["coder"]))
+        # Services of another checkout would plan, patch, time or force against another stock.
+        if differ := handshake.mismatches(handshake.identity(), await self.bus.discover()):
+            raise ValueError(f"refusing to plan: {'; '.join(differ)}. Install the master's SpecPilot checkout on "
+                             "every host and restart those services")
         for started in await self.unfinished():
             if started.deployment == params["deployment"]:
                 self._spawn(started)

@@ -4,10 +4,12 @@ Several subagent processes bound to the durable pull consumer ``subagent`` form 
 works on up to ``concurrency`` ``DirectionPlanned`` at once (`Settings.concurrency`, default 2: a wave
 plans 2 directions on a CPU; other master events are acked and ignored) and, for each:
 
-1. rebuilds the current best system of the direction's deployment from the ledger (through memory's
-   read-only SQL endpoint): every ``best.advanced`` of that deployment in ledger order, each one's
-   ``patch.proposed`` diff applied on this host's stock (``workspace.build_workspace``). ``base_commit``
-   is the latest ``BestAdvanced.commit`` ("" while stock); the best's options are its ``options``;
+1. builds the current best system of the direction's deployment on this host's stock
+   (``workspace.build_workspace``) from the controller's ``system`` RPC: the best's diff from stock,
+   checked against the controller's git tree ids of the runtime, so the workspace is the controller's
+   best exactly. When no controller answers, from the ledger instead (memory's read endpoints): every
+   ``best.advanced`` of that deployment in ledger order, each one's ``patch.proposed`` diff applied in
+   turn. ``base_commit`` is the best's commit ("" while stock); the best's options are its ``options``;
 2. runs the provider the direction names (``providers.parse_provider``: sweep, memory, anthropic,
    openai, openai-compatible) in a worker thread, telling the server every ``HEARTBEAT_S`` that the
    direction is in progress;
@@ -35,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot import bus, providers, schema, service
+from specpilot import bus, providers, schema, service, subjects
 from specpilot.errors import UserError
 from specpilot.llm import Usage
 from specpilot.paths import REPO_ROOT
@@ -59,6 +61,7 @@ class Best:
     promotions: list[tuple[str, str]] = field(default_factory=list)  # (patch_id, diff) in ledger order
     commit: str = ""  # the latest BestAdvanced.commit; "" while stock
     options: dict = field(default_factory=dict)
+    trees: dict[str, str] = field(default_factory=dict)  # the controller's git tree id per runtime root (or none)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,21 @@ class Settings:
     concurrency: int = 2  # directions worked on at once by this process
 
 
-async def current_best(reads: Reads, deployment: str) -> Best:
+async def current_best(b: bus.Bus, reads: Reads, deployment: str) -> Best:
+    """The controller's best system of ``deployment`` (`subjects.RPC_SYSTEM`); the ledger's account of
+    it (`best_from_ledger`) when no controller answers."""
+    try:
+        system = await b.request(subjects.RPC_SYSTEM, {"deployment": deployment}, timeout=READ_TIMEOUT_S)
+    except bus.BusError as exc:
+        log.warning("no best system from the controller (%s): rebuilding it from the ledger's promotions", exc)
+        return await best_from_ledger(reads, deployment)
+    diff = str(system.get("diff", ""))
+    return Best(promotions=[(f"the controller's best {system.get('commit', '')[:12]}", diff)] if diff else [],
+                commit=str(system.get("commit", "")), options=dict(system.get("options") or {}),
+                trees=dict(system.get("trees") or {}))
+
+
+async def best_from_ledger(reads: Reads, deployment: str) -> Best:
     """Promotions of ``deployment`` and the diffs of their patches, from the ledger."""
     promotions: list[tuple[str, str]] = []
     commit, options = "", {}
@@ -102,7 +119,8 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
     if settings.work_dir is not None:
         Path(settings.work_dir).mkdir(parents=True, exist_ok=True)
         dest = Path(settings.work_dir) / f"{direction.direction_id}-{direction.event_id[-12:]}"
-    ws = Workspace(build_workspace(settings.source, best.promotions, dest), hide=(settings.data,) if settings.data else ())
+    ws = Workspace(build_workspace(settings.source, best.promotions, dest, trees=best.trees),
+                   hide=(settings.data,) if settings.data else ())
     try:
         if spec.kind == providers.SWEEP:
             return offline.sweep(direction.hints, offline.workspace_validator(ws))
@@ -225,7 +243,7 @@ class Subagent:
         log.info("direction %s (%s, %s): %s", d.direction_id, provider, d.deployment, d.title)
         usage = Usage()
         try:
-            best = await current_best(Reads.over(self.bus, timeout=READ_TIMEOUT_S, retry=False), d.deployment)
+            best = await current_best(self.bus, Reads.over(self.bus, timeout=READ_TIMEOUT_S, retry=False), d.deployment)
             work = _in_daemon_thread(produce, d, best, self.settings, self.env, usage)
             while True:
                 done, _ = await asyncio.wait({work}, timeout=HEARTBEAT_S)

@@ -126,11 +126,13 @@ def commit_all(cwd: Path, message: str) -> str:
     return git(cwd, "rev-parse", "HEAD").stdout.strip()
 
 
-def build_workspace(root: Path, promotions: list[tuple[str, str]], dest: Path | None = None) -> Path:
+def build_workspace(root: Path, promotions: list[tuple[str, str]], dest: Path | None = None,
+                    trees: dict[str, str] | None = None) -> Path:
     """A git repository holding stock from ``root`` with each promoted ``(patch_id, diff)`` applied in order.
 
     ``dest`` (a directory that must not exist yet) defaults to a fresh temporary directory; the caller
-    removes it."""
+    removes it. ``trees``: the git tree id each runtime root must end with (the controller's best);
+    a mismatch raises `WorkspaceError` (this host's stock is not the controller's)."""
     root = Path(root)
     if dest is None:
         dest = Path(tempfile.mkdtemp(prefix="sp-subagent-")) / "ws"
@@ -154,6 +156,11 @@ def build_workspace(root: Path, promotions: list[tuple[str, str]], dest: Path | 
         except WorkspaceError as exc:
             raise WorkspaceError(f"cannot rebuild the current best: promoted patch {patch_id}: {exc}") from exc
         commit_all(dest, f"promoted {patch_id}")
+    for sub, want in (trees or {}).items():
+        got = git(dest, "rev-parse", f"HEAD:{sub}").stdout.strip()
+        if got != want:
+            raise WorkspaceError(f"the best system rebuilt here differs from the controller's in {sub}/ (tree {got[:12]}, "
+                                 f"the controller's {want[:12]}): does this host run the same SpecPilot checkout?")
     return dest
 
 
