@@ -99,6 +99,8 @@ class Bundle:
         if expect is not None and bundle.name != expect:
             raise BundleError(f"the bundle at {path} belongs to {bundle.name!r}, not {expect!r}: give each service "
                               f"its own bundle (DIR/bundles/{expect})")
+        if not bundle.key.exists():
+            raise BundleError(f"{bundle.key} is missing: copy this host's whole bundle folder made by `specpilot init`")
         tls.check(bundle.cert, bundle.ca)
         if bundle.name != SERVER and tls.subject_name(bundle.cert) != bundle.name:
             raise BundleError(f"the certificate in {path} is {tls.subject_name(bundle.cert)!r}'s, not {bundle.name!r}'s")

@@ -62,6 +62,11 @@ def test_bad_bundles_are_refused_before_anything_starts(tmp_path):
         Bundle.load(bundles.bundle_path(data, "forcer"), expect="master")
     with pytest.raises(BundleError, match="no bundle at"):
         Bundle.load(tmp_path / "missing")
+    keyless = tmp_path / "keyless"
+    shutil.copytree(bundles.bundle_path(data, "forcer"), keyless)
+    (keyless / "key.pem").unlink()
+    with pytest.raises(BundleError, match="key.pem is missing"):
+        Bundle.load(keyless)
     # an expired certificate, and one issued by another installation's CA
     expired = tmp_path / "expired"
     shutil.copytree(bundles.bundle_path(data, "master"), expired)

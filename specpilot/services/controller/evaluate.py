@@ -141,7 +141,8 @@ class Evaluator:
                 "deployment": self.deployment,
                 "deployment_sha256": hashlib.sha256(deployment_path(self.deployment).read_bytes()).hexdigest()[:16],
                 "requests": self.n_requests, "trials": self.trials, "max_new_tokens": self.max_new_tokens,
-                "interleave": self.interleave, "specpilot": __version__}
+                "interleave": self.interleave, "specpilot": __version__,
+                "analysis": "crossover"}  # noise of the crossover fit (`stats`, "Position"), not the plain one
 
     def noise_cached(self, max_age_s: float = NOISE_FRESH_S) -> dict | None:
         """A noise figure this machine measured for the same design within ``max_age_s`` (any data

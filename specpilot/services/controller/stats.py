@@ -9,6 +9,14 @@ Contract (docs/DESIGN.md §5, steps 4-5):
   a gain of 0.0488 is a 5% speedup, ``exp(gain)`` is the speedup factor). `paired_gain` gives its
   standard error and a one-sided 95% *lower* bound from a Student t-interval (and the one-sided 95%
   upper bound; together the two are a 90% two-sided interval).
+- **Position** (the crossover analysis). Given the trials' order, `paired_gain` fits
+  ``log r = gain + position * s`` with ``s = +1`` where the incumbent went first and ``-1`` where the
+  candidate did (least squares, ``n - 2`` degrees of freedom): whatever running first costs a system
+  (measured on this 2-core machine: 2% of a trial, which doubled the spread of ``log r``) then no
+  longer counts as noise. ABBA orders are balanced and orthogonal to a linear drift, so the gain is
+  still ``mean(log r)``; only its standard error shrinks. Without the order, or with fewer than 4
+  trials or one order only, it is the plain paired t-interval. The noise of stock-versus-stock runs
+  is computed the same way.
 - **Noise.** ``noise`` is the standard deviation of the *gain estimate* of one experiment of this
   design when the candidate is the incumbent (stock versus stock), in log-gain units. It is
   measured per deployment and device by `noise_from_stock_runs` from one or more stock-versus-stock
@@ -194,6 +202,7 @@ class GainEstimate:
     n: int  # trials
     per_trial_log_r: tuple[float, ...]
     confidence: float = CONFIDENCE
+    position: float = 0.0  # what going first costs the incumbent over the candidate (log units; crossover fit)
 
     @property
     def speedup(self) -> float:
@@ -216,18 +225,38 @@ def log_ratios(incumbent_s: Sequence[float], candidate_s: Sequence[float]) -> np
     return np.log(a) - np.log(b)
 
 
+def position_signs(order: Sequence[str] | None, n: int) -> np.ndarray | None:
+    """``+1`` for each trial the incumbent ran first ("AB..."), ``-1`` for the candidate's; None when
+    the crossover fit cannot be made (no order, fewer than 4 trials, or only one order)."""
+    if not order or len(order) != n or n < 4:
+        return None
+    signs = np.array([1.0 if str(o)[:1] == "A" else -1.0 for o in order])
+    return signs if abs(signs.sum()) < n else None
+
+
+def _fit(lr: np.ndarray, signs: np.ndarray | None) -> tuple[float, float, np.ndarray, int, float]:
+    """(gain, the variance factor of the gain, residuals, degrees of freedom, position) of one run."""
+    n = lr.size
+    if signs is None:
+        return float(lr.mean()), 1.0 / n, lr - lr.mean(), n - 1, 0.0
+    x = np.column_stack([np.ones(n), signs])
+    beta, *_ = np.linalg.lstsq(x, lr, rcond=None)
+    return float(beta[0]), float(np.linalg.inv(x.T @ x)[0, 0]), lr - x @ beta, n - 2, float(beta[1])
+
+
 def paired_gain(incumbent_s: Sequence[float], candidate_s: Sequence[float],
-                confidence: float = CONFIDENCE) -> GainEstimate:
-    """The gain of the candidate over the incumbent from paired trial times (seconds, same order)."""
+                confidence: float = CONFIDENCE, order: Sequence[str] | None = None) -> GainEstimate:
+    """The gain of the candidate over the incumbent from paired trial times (seconds, same order);
+    with ``order`` (the trials' "AB"/"BA"), the crossover fit (module docstring, "Position")."""
     lr = log_ratios(incumbent_s, candidate_s)
     n = lr.size
     if n < 2:
         raise ValueError(f"a paired gain needs at least 2 trials, got {n}")
-    gain = float(lr.mean())
-    se = float(lr.std(ddof=1) / math.sqrt(n))
-    half = _t_quantile(confidence, n - 1) * se
+    gain, factor, resid, dof, position = _fit(lr, position_signs(order, n))
+    se = math.sqrt(float(resid @ resid) / dof * factor)
+    half = _t_quantile(confidence, dof) * se
     return GainEstimate(gain=gain, lower_bound=gain - half, upper_bound=gain + half, std_err=se, n=n,
-                        per_trial_log_r=tuple(float(x) for x in lr), confidence=confidence)
+                        per_trial_log_r=tuple(float(x) for x in lr), confidence=confidence, position=position)
 
 
 @dataclass(frozen=True)
@@ -241,12 +270,13 @@ class NoiseEstimate:
 
 
 def noise_from_stock_runs(runs: Sequence[tuple[Sequence[float], Sequence[float]]],
-                          n_trials: int | None = None) -> NoiseEstimate:
+                          n_trials: int | None = None, orders: Sequence[Sequence[str] | None] | None = None,
+                          ) -> NoiseEstimate:
     """Noise of the gain estimate, from stock-versus-stock runs ``[(incumbent_s, candidate_s), ...]``.
 
     ``n_trials`` is the size of the experiments the noise will be used for (default: the runs' own
     size, which must then be the same for every run). The between-run term assumes runs of that
-    same design.
+    same design. ``orders`` (each run's trial orders, or None) fits each run as `paired_gain` does.
     """
     if not runs:
         raise ValueError("noise needs at least one stock-versus-stock run")
@@ -260,12 +290,14 @@ def noise_from_stock_runs(runs: Sequence[tuple[Sequence[float], Sequence[float]]
         n_trials = sizes.pop()
     if n_trials < 2:
         raise ValueError(f"n_trials must be >= 2, got {n_trials}")
-    # Pooled variance: each run around its own mean (a run's offset is the between-run term's job).
-    ss = sum(float(((lr - lr.mean()) ** 2).sum()) for lr in lrs)
-    dof = sum(lr.size - 1 for lr in lrs)
+    # Pooled variance: each run around its own fit (a run's offset is the between-run term's job).
+    fits = [_fit(lr, position_signs(order, lr.size))
+            for lr, order in zip(lrs, orders if orders is not None else [None] * len(lrs), strict=True)]
+    ss = sum(float(resid @ resid) for _, _, resid, _, _ in fits)
+    dof = sum(d for _, _, _, d, _ in fits)
     per_trial_sd = math.sqrt(ss / dof)
     within = per_trial_sd / math.sqrt(n_trials)
-    between = math.sqrt(float(np.mean([lr.mean() ** 2 for lr in lrs]))) if len(lrs) >= 2 else 0.0
+    between = math.sqrt(float(np.mean([gain ** 2 for gain, *_ in fits]))) if len(lrs) >= 2 else 0.0
     return NoiseEstimate(noise=max(within, between), within=within, between=between,
                          per_trial_sd=per_trial_sd, n_runs=len(lrs), n_trials=n_trials)
 

@@ -68,7 +68,7 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
             wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
         if trial.problem:
             break
-        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s)
+        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s, order=trial.order)
         # The candidate may slow the other system (work it leaves queued on the device while
         # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
         # a worker that exits before the other starts, cannot (stats.retime_reason).
@@ -127,7 +127,7 @@ async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema
         wall_s = time.monotonic() - t0
         if trial.problem:
             raise RuntimeError(f"noise measurement failed: {trial.problem}")
-        value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)]).noise
+        value = stats.noise_from_stock_runs([(trial.incumbent_s, trial.candidate_s)], orders=[trial.order]).noise
         measured = await ctl.emit(schema.TimingMeasured(
             kind="noise", device=ctl.device, incumbent_commit=best.commit, candidate_commit=best.commit, noise=value,
             requests=ev.n_requests, interleaved=ev.interleave, wall_s=wall_s, **trial.event_fields()), cause)
