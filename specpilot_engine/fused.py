@@ -175,6 +175,9 @@ def fuse_model(model: Transformer, gemv: bool = False) -> Transformer:
     The q/k/v and gate/up weights move into concatenated copies; the stock modules are dropped.
     ``gemv``: the blocks' linears are `GemvLinear`s (``fused_gemv``, see the module doc).
     """
+    if model.cfg.attn_bias or model.cfg.qk_norm:
+        raise ValueError(f"fused_kernels does not cover {model.cfg.name}: its kernels have no q/k/v bias and no q/k "
+                         "norm (Qwen2/Qwen3 checkpoints); leave it off")
     if isinstance(model.norm, FinalNorm):
         if gemv != model.norm.gemv:
             raise ValueError(f"the model is already fused with another fused_gemv setting ({model.norm.gemv})")

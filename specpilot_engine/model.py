@@ -54,10 +54,26 @@ class ModelConfig:
     eos_id: int | None = None
     stop_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
     family: str = "llama"  # the architecture (decoder blocks, norms, rotary embedding) this config runs
+    head_size: int = 0  # per-head width when a checkpoint sets it (Qwen3); 0: dim // n_heads
+    attn_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotary embedding (Qwen3)
+    rope_scaling: RopeScaling | None = None  # Llama 3.x's frequency-dependent RoPE scaling
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x's ``rope_scaling`` of type ``llama3``: wavelengths longer than the original context over
+    ``low_freq_factor`` are slowed by ``factor``, those shorter than it over ``high_freq_factor`` kept,
+    and the band between interpolated (`rope_tables`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
 
 
 CONFIGS: dict[str, ModelConfig] = {
@@ -89,10 +105,15 @@ CONFIGS: dict[str, ModelConfig] = {
 
 
 def get_config(name: str) -> ModelConfig:
+    """A named configuration, or ``hf:<folder>``: a Hugging Face checkpoint's (`specpilot_engine.checkpoint`)."""
+    if name.startswith("hf:"):
+        from specpilot_engine.checkpoint import read_config
+
+        return read_config(name[3:], name=name)
     try:
         return CONFIGS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}") from None
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}, or hf:<checkpoint folder>") from None
 
 
 class RMSNorm(nn.Module):
@@ -109,10 +130,25 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def scaled_inv_freq(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.x's ``llama3`` RoPE scaling of the inverse frequencies (as transformers computes it)."""
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, between, scaled)
+
+
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """cos and sin of every position, [max_seq_len, head_dim], fp32 (the "rotate half" layout)."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if cfg.rope_scaling is not None:
+        inv_freq = scaled_inv_freq(inv_freq, cfg.rope_scaling)
     t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -238,17 +274,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_heads, self.n_kv, self.hd = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = SDPA()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
                 mask: Tensor | None, causal: bool) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(start, StaticStep):
@@ -418,6 +459,8 @@ def init_random(model: Transformer, seed: int = 0) -> Transformer:
                 p.fill_(1.0)
             elif name == "embed.weight":
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # biases
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             else:  # linears: variance-preserving
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
     return model

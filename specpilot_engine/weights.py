@@ -240,11 +240,27 @@ def cached_smollm2(data_dir: Path | None = None) -> tuple[dict[str, torch.Tensor
     return state, tok_path.read_text(), cfg
 
 
+def export_smollm2(dest: Path, data_dir: Path | None = None) -> Path:
+    """SmolLM2 from its GGUF as a Hugging Face checkpoint folder (the GGUF's own chat template), which
+    loads as the target ``hf:<dest>`` (`specpilot_engine.checkpoint`)."""
+    import gguf
+
+    from specpilot_engine.checkpoint import export_checkpoint
+
+    state, tok_json, cfg = cached_smollm2(data_dir)
+    template = gguf.GGUFReader(str(smollm2_gguf_path())).fields["tokenizer.chat_template"].contents()
+    return export_checkpoint(state, cfg, tok_json, template, dest, eos_token="<|im_end|>", bos_token="<|im_start|>")
+
+
 def load_tokenizer(name: str, data_dir: Path | None = None) -> Tokenizer:
     """The tokenizer of a model, without loading the model (converts SmolLM2 on first use)."""
-    get_config(name)
+    cfg = get_config(name)
     if name == "smollm2-135m":
         return BPETokenizer(cached_smollm2(data_dir)[1], CONFIGS[name].eos_id)
+    if name.startswith("hf:"):
+        from specpilot_engine.checkpoint import CheckpointTokenizer
+
+        return CheckpointTokenizer(name[3:], cfg.eos_id)
     return ByteTokenizer()
 
 
@@ -253,6 +269,11 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     """A ready (eval, RoPE tables built) model in ``dtype`` on ``device``, and its tokenizer."""
     cfg = get_config(name)
     torch_dtype = DTYPES[dtype]
+    if name.startswith("hf:"):
+        from specpilot_engine.checkpoint import CheckpointTokenizer, load_checkpoint
+
+        tokenizer = CheckpointTokenizer(name[3:], cfg.eos_id)  # a missing tokenizer fails before the weights load
+        return load_checkpoint(name[3:], dtype=torch_dtype, device=device, name=name).eval(), tokenizer
     if name != "smollm2-135m":
         return build_random(cfg, device=device, dtype=torch_dtype, seed=seed), ByteTokenizer()
     state, tok_json, cfg = cached_smollm2(data_dir)

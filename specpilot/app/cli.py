@@ -470,7 +470,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = command("replay", cmd_replay, "verify the hash chain and rebuild projections from the log")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rebuild", action="store_true",
-                   help="rebuild a corrupted ledger from the stream (stop the memory service first)")
+                   help="rebuild a corrupted ledger from the stream (on the memory service's host; stop it first)")
     p = command("export", cmd_export, "export the ledger as Parquet files, or the final system as files + patch")
     p.add_argument("--parquet", metavar="DIR", help="write the ledger's tables as Parquet files into DIR")
     p.add_argument("--system", metavar="DIR", help="write the best system's files, final.patch and options.json")
@@ -478,7 +478,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     # Only the module of the command being run is imported (and registers its real parser, with every
     # command it owns); the rest are listed by name so `specpilot --help` shows them.
-    command("migrate", cmd_migrate, "bring a data directory made by an earlier SpecPilot to this version")
+    command("migrate", cmd_migrate, "bring a data directory made by an earlier SpecPilot to this version (on the "
+                                    "controller's host)")
 
     wanted = next((a for a in (argv or []) if not a.startswith("-")), None)
     if wanted in PLUGGED_COMMANDS:

@@ -185,8 +185,10 @@ def add_commands(subparsers) -> None:
                               description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="memory_command", required=True, metavar="ACTION")
     for name, func, help_ in (("list", cmd_list, "every entry with its status, requirements and options"),
-                              ("export", cmd_export, "write the accepted entries, their evidence and stocks into DIR"),
-                              ("import", cmd_import, "propose the entries of an export DIR here (validated, never trusted)")):
+                              ("export", cmd_export, "write the accepted entries, their evidence and stocks into DIR "
+                                                     "(on the memory service's host: it reads its snapshot store)"),
+                              ("import", cmd_import, "propose the entries of an export DIR here, validated, never "
+                                                     "trusted (on the memory service's host: it fills its snapshot store)")):
         q = sub.add_parser(name, help=help_, description=help_)
         add_connection_flags(q)
         if name != "list":

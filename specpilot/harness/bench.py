@@ -327,6 +327,43 @@ def peer(model, dep, opts: EngineOptions, prompts, max_new, reference: list[list
     except ImportError as exc:  # not installed, or broken (see pyproject.toml's pin)
         return {"skipped": f"transformers cannot be imported ({exc}); pip install -e '.[dev]'"}
     cfg = model.cfg
+    if cfg.name.startswith("hf:"):  # a checkpoint on disk: transformers reads it itself
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(cfg.name[3:], dtype=model.dtype, local_files_only=True)
+    else:
+        hf = _llama_from_ours(model, LlamaConfig, LlamaForCausalLM)
+    hf = hf.to(model.device).eval()
+    k = opts.block_size
+    out: dict = {"prompt_lookup_num_tokens": k}
+    for label, extra in (("greedy", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": k})):
+        toks, secs = 0, 0.0
+        with torch.no_grad():  # warm-up
+            ids = torch.tensor([prompts[0]], device=model.device)
+            hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), **extra)
+        outputs = []
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            _sync(model.device)
+            t = time.perf_counter()
+            with torch.no_grad():
+                g = hf.generate(ids, max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(ids),
+                                **extra)
+            _sync(model.device)
+            secs += time.perf_counter() - t
+            toks += g.shape[1] - len(p)
+            outputs.append(g[0, len(p):].tolist())
+        out[f"{label}_tok_s"] = toks / secs
+        if reference is not None:
+            out[f"{label}_matches_engine"] = sum(a == b for a, b in zip(outputs, reference, strict=True)) / len(prompts)
+    out["speedup"] = out["prompt_lookup_tok_s"] / out["greedy_tok_s"]
+    return out
+
+
+
+def _llama_from_ours(model, LlamaConfig, LlamaForCausalLM):  # noqa: N803 - transformers' class names
+    """transformers' Llama over our model's own tensors (no copy): the GGUF targets' peer."""
+    cfg = model.cfg
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -359,32 +396,7 @@ def peer(model, dep, opts: EngineOptions, prompts, max_new, reference: list[list
     leftover = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if leftover:
         raise RuntimeError(f"transformers model has unloaded tensors: {leftover[:5]}")
-    hf = hf.to(model.device).eval()
-    k = opts.block_size
-    out: dict = {"prompt_lookup_num_tokens": k}
-    for label, extra in (("greedy", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": k})):
-        toks, secs = 0, 0.0
-        with torch.no_grad():  # warm-up
-            ids = torch.tensor([prompts[0]], device=model.device)
-            hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), **extra)
-        outputs = []
-        for p in prompts:
-            ids = torch.tensor([p], device=model.device)
-            _sync(model.device)
-            t = time.perf_counter()
-            with torch.no_grad():
-                g = hf.generate(ids, max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(ids),
-                                **extra)
-            _sync(model.device)
-            secs += time.perf_counter() - t
-            toks += g.shape[1] - len(p)
-            outputs.append(g[0, len(p):].tolist())
-        out[f"{label}_tok_s"] = toks / secs
-        if reference is not None:
-            out[f"{label}_matches_engine"] = sum(a == b for a, b in zip(outputs, reference, strict=True)) / len(prompts)
-    out["speedup"] = out["prompt_lookup_tok_s"] / out["greedy_tok_s"]
-    return out
-
+    return hf
 
 def _plots(result: dict, out: Path) -> list[str]:
     import matplotlib

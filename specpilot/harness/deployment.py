@@ -38,7 +38,7 @@ TIMING_DEFAULTS = {"trials": 6, "requests": 3, "max_new_tokens": 64, "threads": 
 @dataclass(frozen=True)
 class Deployment:
     name: str
-    target: str  # a model in specpilot_engine.model.CONFIGS
+    target: str  # a model in specpilot_engine.model.CONFIGS, or hf:<checkpoint folder> (relative: to this file)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "fp32"  # the deployment's stock dtype ("fp32" | "bf16")
     mode: str = "batch1"  # serving mode: one request at a time, greedy
@@ -54,10 +54,15 @@ class Deployment:
     path: str = ""
 
     def __post_init__(self) -> None:
-        from specpilot_engine.model import CONFIGS  # imports torch: only when a deployment is built
+        from specpilot_engine.model import get_config  # imports torch: only when a deployment is built
 
-        if self.target not in CONFIGS:
-            raise ValueError(f"deployment {self.name!r}: unknown target {self.target!r}; known: {', '.join(CONFIGS)}")
+        if self.target.startswith("hf:") and not Path(self.target[3:]).is_absolute() and self.path:
+            # a checkpoint folder relative to the deployment's own file
+            object.__setattr__(self, "target", f"hf:{(Path(self.path).parent / self.target[3:]).resolve()}")
+        try:
+            get_config(self.target)
+        except ValueError as exc:
+            raise ValueError(f"deployment {self.name!r}: {exc}") from None
         if self.mode != "batch1":
             raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
         if not 0.0 < self.sealed_fraction < 1.0:
@@ -154,7 +159,7 @@ def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMEN
     dep: Deployment | None
     if isinstance(deployment_or_model, Deployment):
         dep = deployment_or_model
-    elif isinstance(deployment_or_model, str) and deployment_or_model in CONFIGS \
+    elif isinstance(deployment_or_model, str) and (deployment_or_model in CONFIGS or deployment_or_model.startswith("hf:")) \
             and not deployment_path(deployment_or_model).is_file():
         dep = None
     else:

@@ -168,6 +168,7 @@ def test_a_round_tells_its_whole_story_and_replays(server):
     assert res.ok and res.projections_match
 
 
+@pytest.mark.long  # the same kills run in CI across hosts: tests/backbone/test_separate_hosts.py
 def test_a_round_survives_sigkilled_master_and_controller(server):
     procs = _start(server)
     try:

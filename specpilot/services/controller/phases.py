@@ -163,7 +163,7 @@ async def round_started(ctl: Service, event: schema.RoundStarted) -> None:
 def profile(ev: Evaluator, system: System, device: str) -> schema.ProfileMeasured:
     """``system`` measured on the dev requests as the cost model reads it (`measure`)."""
     from specpilot.harness.deployment import load_deployment
-    from specpilot_engine.model import CONFIGS
+    from specpilot_engine.model import get_config
     from specpilot_engine.options import EngineOptions
 
     deployment = load_deployment(ev.deployment)
@@ -176,7 +176,7 @@ def profile(ev: Evaluator, system: System, device: str) -> schema.ProfileMeasure
         device=device, system_commit=system.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
         block_size=opts.block_size, t_ar_s=m["t_ar_s"], n_tokens=opts.step_tokens,
         verified_tokens=m["verified_tokens"], context=m["context"],
-        dtype=opts.dtype, shape=shape_of(CONFIGS[deployment.target]), replay_depths=m["replay_depths"],
+        dtype=opts.dtype, shape=shape_of(get_config(deployment.target)), replay_depths=m["replay_depths"],
         chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
         chain_cost=m.get("chain_cost", {}), options=dict(system.options))
 
