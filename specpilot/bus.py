@@ -436,12 +436,12 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
     delay = 0.1
     last: Exception | None = None
     errors: list[str] = []
-    refusals: list[ssl.SSLError] = []  # nats-py retries a failed handshake itself and reports it here
+    refusals: list[ssl.SSLError] = []  # certificate failures; nats-py retries them itself and reports them here
 
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
         del errors[:-100]
-        if isinstance(exc, ssl.SSLError):
+        if _certificate_failure(exc):
             refusals.append(exc)
         log.debug("nats: %r", exc)
 
@@ -455,8 +455,10 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
                 error_cb=on_error,
             ), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
             return Bus(nc, bundle.name, errors)
-        except ssl.SSLError as exc:
-            refusals.append(exc)
+        except ssl.SSLError as exc:  # a handshake cut short (a server starting or dying) is worth a retry
+            if _certificate_failure(exc):
+                refusals.append(exc)
+            last = exc
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
             last = exc
         except nats.errors.Error as exc:
@@ -470,6 +472,14 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
         delay = min(delay * 2, 2.0)
     raise BusError(f"no NATS server answers at {url} ({last!r}); start one with `specpilot up`, "
                    "or pass --nats URL --bundle DIR for a running server")
+
+
+def _certificate_failure(exc: BaseException) -> bool:
+    """A TLS failure no retry mends: the server's certificate is not trusted, or the server refused
+    ours (a TLS alert about a certificate)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(exc, ssl.SSLError) and "ALERT" in str(exc.reason or exc).upper()
 
 
 def _tls_refusal(url: str, bundle: Bundle, exc: ssl.SSLError) -> BusError:

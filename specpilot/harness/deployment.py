@@ -54,15 +54,21 @@ class Deployment:
     path: str = ""
 
     def __post_init__(self) -> None:
-        from specpilot_engine.model import get_config  # imports torch: only when a deployment is built
+        # imports torch: only when a deployment is built
+        from specpilot_engine.model import CONFIGS, get_config
 
-        if self.target.startswith("hf:") and not Path(self.target[3:]).is_absolute() and self.path:
-            # a checkpoint folder relative to the deployment's own file
-            object.__setattr__(self, "target", f"hf:{(Path(self.path).parent / self.target[3:]).resolve()}")
-        try:
-            get_config(self.target)
-        except ValueError as exc:
-            raise ValueError(f"deployment {self.name!r}: {exc}") from None
+        if not self.target.startswith("hf:"):
+            if self.target not in CONFIGS:
+                raise ValueError(f"deployment {self.name!r}: unknown target {self.target!r}; known: {', '.join(CONFIGS)}, "
+                                 "or hf:<checkpoint folder>")
+        else:
+            if not Path(self.target[3:]).is_absolute() and self.path:
+                # a checkpoint folder relative to the deployment's own file
+                object.__setattr__(self, "target", f"hf:{(Path(self.path).parent / self.target[3:]).resolve()}")
+            try:
+                get_config(self.target)
+            except ValueError as exc:
+                raise ValueError(f"deployment {self.name!r}: {exc}") from None
         if self.mode != "batch1":
             raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
         if not 0.0 < self.sealed_fraction < 1.0:

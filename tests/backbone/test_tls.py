@@ -15,7 +15,7 @@ import nats
 import pytest
 from cryptography import x509
 
-from specpilot import bundles, handshake, subjects, tls
+from specpilot import bundles, bus, handshake, subjects, tls
 from specpilot.bundles import Bundle, BundleError
 from specpilot.schema import SERVICES
 from tests.conftest import REPO, connect_as, spawn_service, wait_for_services
@@ -120,6 +120,13 @@ def test_the_server_lets_in_only_certificates_of_its_ca(server, tmp_path):
     ctx = ssl.create_default_context(cafile=str(own.ca))
     ctx.load_cert_chain(str(stranger / "cert.pem"), str(stranger / "key.pem"))
     assert _refused(server.url, ctx)
+    # the same through our own client: refused at once, and said so
+    mixed = tmp_path / "mixed"
+    shutil.copytree(bundles.bundle_path(server.data, "admin"), mixed)
+    for name in ("cert.pem", "key.pem"):
+        shutil.copyfile(bundles.bundle_path(other, "admin") / name, mixed / name)
+    with pytest.raises(bus.BusError, match="refused the TLS handshake of 'admin'"):
+        asyncio.run(bus.connect(server.url, Bundle(path=mixed, name="admin", nats="", version=""), connect_timeout_s=20))
     # a certificate of this CA whose subject maps to no user
     nobody = tmp_path / "nobody"
     tls.issue(bundles.pki_dir(server.data), nobody, "mallory")
