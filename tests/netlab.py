@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 VIEW = Path("/tmp/host")  # where a host process finds its own folder
+REPO = Path(__file__).resolve().parent.parent
 
 
 def available() -> str:
@@ -96,21 +97,19 @@ class Lab:
         """``argv`` as host ``name`` runs it: its network, its own folder, nobody else's files."""
         view = ["bwrap", "--bind", "/", "/", "--dev-bind", "/dev", "/dev", "--tmpfs", "/tmp"]
         # the interpreter, its environment and the checkout may live under /tmp (a CI clone)
-        repo = Path(__file__).resolve().parent.parent
-        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), repo}):
+        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO}):
             if str(keep).startswith("/tmp/"):
                 view += ["--ro-bind", str(keep), str(keep)]
         view += ["--bind", str(self.folder(name) / "data"), str(VIEW / "data")]
         if (self.folder(name) / "bundle").exists():
             view += ["--ro-bind", str(self.folder(name) / "bundle"), str(VIEW / "bundle")]
-        view += ["--die-with-parent", "--chdir", str(repo)]
+        view += ["--die-with-parent", "--chdir", str(REPO)]
         return ["nsenter", f"--net=/var/run/netns/{self.ns(name)}", *view, *argv]
 
     @staticmethod
     def env(extra: dict[str, str] | None = None) -> dict[str, str]:
         """A host process's environment: its home and caches inside its own fresh /tmp."""
-        repo = Path(__file__).resolve().parent.parent
-        return dict(os.environ, PYTHONPATH=str(repo), HOME=str(VIEW / "home"), XDG_CACHE_HOME=str(VIEW / "home" / ".cache"),
+        return dict(os.environ, PYTHONPATH=str(REPO), HOME=str(VIEW / "home"), XDG_CACHE_HOME=str(VIEW / "home" / ".cache"),
                     SPECPILOT_MACHINE_CACHE=str(VIEW / "home" / "machine-cache"), COLUMNS="200", **(extra or {}))
 
     def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

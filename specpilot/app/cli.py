@@ -160,22 +160,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    services = [] if server_url(args) is None else asyncio.run(discover(args))
-    rows = [{"name": s.get("name"), "version": (s.get("metadata") or {}).get("version") or s.get("version"),
-             "host": (s.get("metadata") or {}).get("host", ""), "stock_tree": (s.get("metadata") or {}).get("stock_tree", ""),
-             "id": s.get("id"), "description": s.get("description", ""),
-             "endpoints": [e.get("subject") for e in s.get("endpoints") or []]}
-            for s in services]
+    url = server_url(args)  # once: with --bundle it loads and checks the bundle
+    services = [] if url is None else asyncio.run(discover(args))
+    rows = []
+    for s in services:
+        meta = s.get("metadata") or {}  # the version handshake's announcement (specpilot.handshake)
+        rows.append({"name": s.get("name"), "version": meta.get("version") or s.get("version"),
+                     "host": meta.get("host", ""), "stock_tree": meta.get("stock_tree", ""), "id": s.get("id"),
+                     "description": s.get("description", ""),
+                     "endpoints": [e.get("subject") for e in s.get("endpoints") or []]})
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = output.table(f"SpecPilot services ({server_url(args) or 'no server running'})",
+    table = output.table(f"SpecPilot services ({url or 'no server running'})",
                          ("name", "host", "version", "stock tree", "id", "endpoints"))
     for r in rows:
         table.add_row(r["name"], r["host"], r["version"], r["stock_tree"], r["id"], ", ".join(r["endpoints"]))
     out.print(table)
     missing = set(SERVICES) - {r["name"] for r in rows}
-    if server_url(args) is None:
+    if url is None:
         console.print(f"no NATS server is running for {data_dir(args)}: start everything with `specpilot up`")
     elif missing:
         console.print(f"[yellow]not answering[/yellow]: {', '.join(sorted(missing))}")
