@@ -172,6 +172,9 @@ class Sandbox:
     src: Path
     models: Path
     hide: list[Path] = field(default_factory=list)
+    # Paths outside the checkout the system reads (a checkpoint folder, a drafter's weights, the
+    # deployment's file: `Deployment.external_paths`), shown read-only where /tmp's tmpfs would hide them.
+    visible: list[Path] = field(default_factory=list)
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
@@ -209,7 +212,8 @@ class Sandbox:
         args = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
         # The interpreter, its environment and the project (editable install) may live under /tmp
         # (a CI clone, say): show them again, read-only, before hiding the data directory.
-        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve()}):
+        for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve(),
+                            *(Path(v).resolve() for v in self.visible if Path(v).exists())}):
             if str(keep).startswith("/tmp/"):
                 args += ["--ro-bind", str(keep), str(keep)]
         # The host's own bundle (its certificate's key; the controller's split seed) wherever it lies;
@@ -220,6 +224,10 @@ class Sandbox:
             if not any(h.is_relative_to(outer) for outer in hidden):
                 hidden.append(h)
                 args += ["--tmpfs", str(h)]
+        for v in self.visible:  # a hidden path inside a visible one stays hidden (its tmpfs comes after)
+            if any(Path(v).resolve().is_relative_to(h) for h in hidden):
+                raise ValueError(f"{v} lies inside {next(h for h in hidden if Path(v).resolve().is_relative_to(h))}, "
+                                 "which sandboxes hide (a data directory or a bundle): move it elsewhere")
         args += ["--ro-bind", str(Path(self.src).resolve()), SANDBOX_SRC]
         if Path(self.models).exists():
             args += ["--ro-bind", str(Path(self.models).resolve()), f"{SANDBOX_DATA}/models"]

@@ -17,6 +17,7 @@ Contract:
 
 - `export_checkpoint(...)` writes a model of this engine (a Llama) as such a folder: SmolLM2 from its GGUF
   becomes a checkpoint that loads through this path with the same logits (`weights.export_smollm2`).
+- `drafter_file(target, kind)`: a drafter trained for a checkpoint lives beside it (``<folder>/specpilot/``).
 - `CheckpointTokenizer(folder)` is its tokenizer: ``tokenizer.json`` (the `tokenizers` library, no special
   tokens added on encode) and the checkpoint's own chat template (``chat_template.jinja`` or
   ``tokenizer_config.json``'s ``chat_template``) rendered by Jinja in a sandboxed environment, as
@@ -60,6 +61,12 @@ class CheckpointError(ValueError):
     pass
 
 
+def drafter_file(target: str, kind: str) -> Path | None:
+    """Where ``specpilot drafter train`` puts, and the engine looks for, a ``kind`` drafter trained for the
+    checkpoint target ``hf:<folder>``: beside its weights, in ``<folder>/specpilot/`` (None: not a checkpoint)."""
+    return Path(target[len(PREFIX):]) / "specpilot" / f"{kind}_drafter.pt" if target.startswith(PREFIX) else None
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -99,6 +106,8 @@ def read_config(folder: Path | str, name: str | None = None) -> ModelConfig:
     """The `ModelConfig` of the checkpoint in ``folder`` (module docstring), named ``name`` (default
     ``hf:<folder>``, the form a deployment's ``target`` takes)."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint folder {folder}")
     where = folder / "config.json"
     config = _json(where)
     archs = config.get("architectures") or []

@@ -357,10 +357,10 @@ def export_system_over_nats(args: argparse.Namespace, dest: Path) -> dict:
     import shutil
     import tempfile
 
+    from specpilot.services.controller.systems import export_destination, write_export
     from specpilot.services.subagent.workspace import build_workspace
 
-    if dest.exists() and any(dest.iterdir()):
-        raise UserError(f"{dest} is not empty: choose a new folder")
+    dest = export_destination(dest)
 
     async def ask() -> dict:
         b = await admin_bus(args)
@@ -376,8 +376,7 @@ def export_system_over_nats(args: argparse.Namespace, dest: Path) -> dict:
                              trees=reply.get("trees") or {})
         for root in ("specpilot_engine", "specpilot_kernels"):
             shutil.copytree(ws / root, dest / root, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (dest / "final.patch").write_text(diff)
-    (dest / "options.json").write_text(json.dumps(reply.get("options") or {}, indent=2) + "\n")
+    write_export(dest, diff, reply.get("options") or {})
     return {"deployment": args.deployment, "commit": reply.get("commit") or reply.get("stock") or "stock", "dir": str(dest),
             "options": reply.get("options") or {}}
 
@@ -420,7 +419,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
     "round": ("specpilot.app.cmd_round", "run a round: measure, plan, patch, time, promote, sealed final"),
     "bench": ("specpilot.app.cmd_bench", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
-    "drafter": ("specpilot.app.cmd_bench", "train the parallel drafter"),
+    "drafter": ("specpilot.app.cmd_bench", "train a drafter (parallel or EAGLE) for a deployment's target"),
+    "model": ("specpilot.app.cmd_model", "check a checkpoint before a deployment uses it; export SmolLM2 as one"),
     "w12": ("specpilot.app.cmd_w12", "pack a model's weights in the lossless 12-bit W12 format and report"),
     "force": ("specpilot.app.cmd_force", "token-force a system's outputs through the stock target"),
     "time": ("specpilot.app.cmd_time", "evaluate a patch like the controller does (policy, tests, timing, verdict)"),

@@ -38,11 +38,8 @@ def add_commands(subparsers) -> None:
 
     d = subparsers.add_parser("drafter", help="drafter tools")
     dsub = d.add_subparsers(dest="drafter_command", required=True)
-    t = dsub.add_parser("train", help="train the parallel drafter (self-distillation on the target)")
-    try:
-        from specpilot.harness import train
+    t = dsub.add_parser("train", help="train a drafter for the deployment's target (self-distillation on it)")
+    from specpilot.harness import train
 
-        train.add_arguments(t)
-    except ImportError:  # the trainer is optional until it exists
-        pass
+    train.add_arguments(t)
     t.set_defaults(func=_drafter_train)

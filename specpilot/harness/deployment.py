@@ -68,7 +68,12 @@ class Deployment:
             try:
                 get_config(self.target)
             except ValueError as exc:
-                raise ValueError(f"deployment {self.name!r}: {exc}") from None
+                hint = " (a relative folder is relative to the deployment's file)" if "no checkpoint folder" in str(exc) else ""
+                raise ValueError(f"deployment {self.name!r}: {exc}{hint}") from None
+        weights = self.extra_options.get("drafter_weights")
+        if isinstance(weights, str) and weights and not Path(weights).is_absolute() and self.path:
+            # a drafter's weights file relative to the deployment's own file, like the checkpoint
+            self.extra_options["drafter_weights"] = str((Path(self.path).parent / weights).resolve())
         if self.mode != "batch1":
             raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
         if not 0.0 < self.sealed_fraction < 1.0:
@@ -87,6 +92,19 @@ class Deployment:
         for k, v in self.timing.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"deployment {self.name!r}: [timing] {k} must be a positive integer, got {v!r}")
+
+    def external_paths(self) -> list[Path]:
+        """What a worker of this deployment reads outside the checkout: this file when it lies outside
+        ``deployments/``, the checkpoint folder of an ``hf:`` target, a ``drafter_weights`` file. A
+        sandbox shows them read-only (`specpilot.sandbox.Sandbox.visible`)."""
+        paths = []
+        if self.path and Path(self.path).resolve().parent != DEPLOYMENTS_DIR.resolve():
+            paths.append(Path(self.path).resolve())
+        if self.target.startswith("hf:"):
+            paths.append(Path(self.target[3:]))
+        if weights := self.extra_options.get("drafter_weights"):
+            paths.append(Path(str(weights)))
+        return paths
 
     def timing_settings(self) -> dict[str, int]:
         """How the controller times this deployment in a round: `TIMING_DEFAULTS` with ``[timing]``."""

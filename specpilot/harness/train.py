@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import sysconfig
@@ -64,7 +65,9 @@ KINDS = {"parallel": DEFAULT_WEIGHTS, "eagle": eagle.DEFAULT_WEIGHTS}  # kind ->
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kind", choices=sorted(KINDS), default="parallel", help="which drafter to train")
     ap.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="its target and dev requests are used")
-    ap.add_argument("--out", type=Path, default=None, help="weights file (default: the shipped file for the target)")
+    ap.add_argument("--out", type=Path, default=None, help="weights file (default: the deployment's [options] drafter_weights if its drafter is this kind, else the shipped "
+                    "file for SmolLM2, else <checkpoint>/specpilot/<kind>_drafter.pt for an hf: target, where the "
+                    "engine looks)")
     ap.add_argument("--minutes", type=positive_float, default=18.0, help="total time budget (generation + training)")
     ap.add_argument("--gen-share", type=float, default=0.6, help="share of the budget spent generating data")
     ap.add_argument("--batch", type=positive_int, default=16, help="prompts generated in lockstep")
@@ -706,7 +709,9 @@ def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new:
     from specpilot_engine.api import Engine
     from specpilot_engine.options import EngineOptions
 
-    prompts = encode_requests(load_requests(dep, "dev")[:n_requests], tokenizer)
+    # a prompt longer than the target's context leaves room for the answer by keeping its end
+    keep = model.cfg.max_seq_len - max_new
+    prompts = [p[-keep:] for p in encode_requests(load_requests(dep, "dev")[:n_requests], tokenizer)]
     out = {}
     for name, opts in ((f"{kind}_chain4", EngineOptions(drafter=kind, drafter_weights=str(weights))),
                        ("ngram_chain4", EngineOptions(drafter="ngram"))):
@@ -807,6 +812,7 @@ def _train_eagle(model, batches: list[dict], val_batches: list[dict], args, k: i
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.harness.deployment import load_deployment
+    from specpilot_engine.checkpoint import drafter_file
     from specpilot_engine.weights import load_model
 
     t_start = time.perf_counter()
@@ -816,17 +822,34 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dep = load_deployment(args.deployment)
-    out_path = args.out or KINDS[args.kind].get(dep.target)
+    # --out, else the deployment's drafter file (when it is this kind's), else the shipped file (SmolLM2)
+    # or the one beside a checkpoint: where the engine looks for it
+    own = dep.extra_options.get("drafter_weights") if dep.drafter == args.kind else None
+    out_path = args.out or own or KINDS[args.kind].get(dep.target) or drafter_file(dep.target, args.kind)
+    out_path = Path(out_path) if out_path else None
     is_eagle = args.kind == "eagle"
     k = args.k or (6 if is_eagle else 4)
     if out_path is None and not args.generate_only:
         raise UserError(f"no default weights path for target {dep.target!r}: pass --out")
+    if out_path is not None and not args.generate_only:  # before any work: a budget spent for nothing otherwise
+        try:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot write the drafter to {out_path} ({exc.strerror}): pass --out FILE and set "
+                            "[options] drafter_weights = FILE in the deployment") from None
+        if not os.access(out_path.parent, os.W_OK):
+            raise UserError(f"cannot write the drafter to {out_path.parent} (not writable): pass --out FILE and set "
+                            "[options] drafter_weights = FILE in the deployment")
     device = torch.device(args.device)
     model, tok = load_model(dep.target, dtype="fp32", device=device, data_dir=args.data_dir)
     cfg = model.cfg
 
     # The eagle drafter never sees a request of the deployment, dev or sealed: standard library only.
-    prompts = collect_prompts(dep, tok, rng, args.max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
+    max_prompt_tokens = min(args.max_prompt_tokens, cfg.max_seq_len - args.new_tokens - 1)
+    if max_prompt_tokens < 8:
+        raise UserError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in the target's context of "
+                        f"{cfg.max_seq_len} tokens: lower it")
+    prompts = collect_prompts(dep, tok, rng, max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
                               include_dev=args.dev_prompts and not is_eagle, prose=is_eagle,
                               docstrings=0 if is_eagle else args.docstrings,
                               variants=args.docstring_variants)
@@ -845,7 +868,7 @@ def run(args: argparse.Namespace) -> int:
         shard = args.data / f"batch-{gi:05d}.pt" if args.data else None
         if shard is not None and shard.is_file():
             batches.append(load_shard(shard, ps, args.new_tokens, half=not is_eagle))
-        elif time.perf_counter() > gen_deadline:
+        elif time.perf_counter() > gen_deadline and len(batches) >= 2:  # one to hold out, one to train on
             break
         else:
             b = generate_batch(model, ps, args.new_tokens, cfg.stop_ids, keep_prompt=is_eagle)

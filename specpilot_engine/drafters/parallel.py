@@ -349,14 +349,17 @@ def save_drafter(path: Path, net: ParallelDrafterNet, meta: dict) -> None:
 
 
 def load_net(model, path: Path | str | None, kind: str, default_weights: dict[str, Path], config_cls, build):
-    """A drafter net of ``kind`` for ``model`` from ``path`` (or ``default_weights[target]``).
+    """A drafter net of ``kind`` for ``model`` from ``path`` (or ``default_weights[target]``, or for a
+    checkpoint target the file beside it: `checkpoint.drafter_file`).
 
     ``build(cfg, vocab_ids)`` makes the untrained net from the file's config; its fp16 state is
     loaded and the net cast to the target's device and dtype. Shared by every trained drafter so
     the file format, the target check and the error messages stay one.
     """
+    from specpilot_engine.checkpoint import drafter_file
+
     name = model.cfg.name
-    path = Path(path) if path else default_weights.get(name)
+    path = Path(path) if path else default_weights.get(name) or drafter_file(name, kind)
     if path is None or not path.is_file():
         flag = "" if kind == "parallel" else f" --kind {kind}"
         raise FileNotFoundError(f"no {kind} drafter weights for target {name!r} (looked for {path}); "

@@ -101,8 +101,11 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
     (foreign / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*not supported; supported: LlamaForCausalLM"):
         read_config(foreign)
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(CheckpointError, match="no checkpoint folder .*nowhere"):
         read_config(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        read_config(tmp_path / "empty")
     wrong = variant("wrong-sizes")
     (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(CheckpointError, match="config.json makes it"):
@@ -162,12 +165,14 @@ def test_the_chat_template_renders_as_transformers_does(tmp_path):
         CheckpointTokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["llama3-scaled", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3-scaled", "qwen2", "qwen3"])
 def test_speculative_decoding_on_a_checkpoint_is_lossless(tmp_path, family):
     """A deployment target ``hf:<folder>`` through the engine's own loading path: every drafter and
-    verification gives AR's tokens."""
+    verification gives AR's tokens, with the stock linears and with the CPU options that swap them
+    (``linear_backend = "stream"``, which leaves Qwen2's biased q/k/v as they are, and the screened head)."""
     from specpilot_engine.api import build_engine
     from specpilot_engine.options import EngineOptions
+    from specpilot_kernels import cpu_gemm
 
     def engine(**options):
         return build_engine(target, EngineOptions(**options).resolved(dtype="fp32"))
@@ -175,14 +180,17 @@ def test_speculative_decoding_on_a_checkpoint_is_lossless(tmp_path, family):
     make_checkpoint(tmp_path, family)
     save_tokenizer(tmp_path)
     target = f"hf:{tmp_path}"
-    ar = engine(drafter="none")
-    assert ar.model.cfg.name == target
-    prompts = [ar.tokenize("def add(a, b):"), [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9], list(range(3, 60))]
-    ref = [ar.generate(p, 40).tokens for p in prompts]
-    for options in ({"drafter": "ngram", "block_size": 4}, {"drafter": "ngram", "block_size": 8, "ngram_min_match": 1},
-                    {"drafter": "ngram", "verify": "tree", "block_size": 4, "tree_nodes": 8, "ngram_min_match": 1}):
-        spec = engine(**options)
-        assert [spec.generate(p, 40).tokens for p in prompts] == ref, options
+    backends = [{}] + ([{"linear_backend": "stream", "screened_head": True}] if cpu_gemm.available() else [])
+    for backend in backends:
+        ar = engine(drafter="none", **backend)
+        assert ar.model.cfg.name == target
+        prompts = [ar.tokenize("def add(a, b):"), [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9], list(range(3, 60))]
+        ref = [ar.generate(p, 40).tokens for p in prompts]
+        for options in ({"drafter": "ngram", "block_size": 4},
+                        {"drafter": "ngram", "block_size": 8, "ngram_min_match": 1},
+                        {"drafter": "ngram", "verify": "tree", "block_size": 4, "tree_nodes": 8, "ngram_min_match": 1}):
+            spec = engine(**options, **backend)
+            assert [spec.generate(p, 40).tokens for p in prompts] == ref, (options, backend)
 
 
 def test_a_deployment_points_at_a_checkpoint_folder(tmp_path):
@@ -199,7 +207,7 @@ def test_a_deployment_points_at_a_checkpoint_folder(tmp_path):
     out = engine.generate(engine.tokenize("hello world"), 8)
     assert len(out.tokens) >= 1
     toml.write_text(toml.read_text().replace("hf:ckpt", "hf:missing"))
-    with pytest.raises(DeploymentError, match="config.json is missing"):
+    with pytest.raises(DeploymentError, match="no checkpoint folder .*missing .a relative folder is relative to the deployment's file"):
         load_deployment(toml)
 
 
@@ -240,3 +248,117 @@ def test_smollm2_exported_as_a_checkpoint_gives_the_gguf_paths_logits(tmp_path, 
             ours, _ = model(torch.tensor([ids]), torch.arange(len(ids)), model.new_cache(len(ids)), 0)
             ref, _ = gguf_model(torch.tensor([ids]), torch.arange(len(ids)), gguf_model.new_cache(len(ids)), 0)
             assert torch.equal(ours, ref)
+
+
+def _checkpoint_deployment(tmp_path, family: str, options: str = ""):
+    make_checkpoint(tmp_path / "ckpt", family)
+    save_tokenizer(tmp_path / "ckpt")
+    toml = tmp_path / "mine.toml"
+    toml.write_text('target = "hf:ckpt"\ndevice = "cpu"\ndtype = "fp32"\nmode = "batch1"\ndrafter = "parallel"\n'
+                    f'block_size = 4\nrequest_sets = ["chat"]\nmax_new_tokens = 16\n{options}')
+    return toml
+
+
+def _train(toml, kind: str) -> dict:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "specpilot.app.cli", "drafter", "train", "--kind", kind, "--deployment", str(toml),
+           "--minutes", "0.2", "--prompts", "12", "--docstrings", "100", "--batch", "8", "--new-tokens", "16", "--eval-requests", "2",
+           "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_drafters_trained_for_a_checkpoint_are_found_and_lossless(tmp_path):
+    """`specpilot drafter train --deployment` on a checkpoint target: the parallel drafter goes where the
+    deployment's ``drafter_weights`` says (relative to its file), the EAGLE one beside the checkpoint where
+    the engine looks by default; each records its data hash and figures, and AR = chain = tree with both."""
+    from specpilot.harness.deployment import load_deployment, load_engine
+    from specpilot_engine.api import build_engine
+    from specpilot_engine.options import EngineOptions
+
+    toml = _checkpoint_deployment(tmp_path, "qwen3", '[options]\ndrafter_weights = "drafters/parallel.pt"\n')
+    target = f"hf:{tmp_path / 'ckpt'}"
+    parallel, eagle = _train(toml, "parallel"), _train(toml, "eagle")
+    assert parallel["drafter"] == str(tmp_path / "drafters" / "parallel.pt")
+    assert eagle["drafter"] == str(tmp_path / "ckpt" / "specpilot" / "eagle_drafter.pt")
+    for figures in (parallel, eagle):
+        assert figures["target"] == target and len(figures["training_data_sha256"]) == 64
+        assert figures["measured_tau"]["requests"] == 2 and figures["generated_tokens"] > 0
+    blob = torch.load(eagle["drafter"], weights_only=True)
+    assert blob["meta"]["training_data_sha256"] == eagle["training_data_sha256"]
+
+    ar = build_engine(target, EngineOptions(drafter="none").resolved(dtype="fp32"))
+    prompts = [ar.tokenize("def add(a, b):"), [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9], list(range(3, 60))]
+    ref = [ar.generate(p, 40).tokens for p in prompts]
+    engines = {"parallel chain (the deployment's file)": load_engine(load_deployment(toml)),
+               "parallel tree": load_engine(load_deployment(toml), {"verify": "tree", "tree_nodes": 8}),
+               "eagle chain (beside the checkpoint)": build_engine(target, EngineOptions(drafter="eagle").resolved(dtype="fp32")),
+               "eagle tree": build_engine(target, EngineOptions(drafter="eagle", verify="tree", tree_nodes=8,
+                                                                block_size=6).resolved(dtype="fp32"))}
+    for name, engine in engines.items():
+        assert [engine.generate(p, 40).tokens for p in prompts] == ref, name
+    assert type(engines["eagle tree"].drafter).__name__ == "EagleDrafter"
+
+
+def test_a_sandbox_shows_the_deployments_files_outside_the_checkout(tmp_path):
+    """A checkpoint, a drafter file and a deployment's TOML under /tmp are invisible in a sandbox (its /tmp
+    is private) unless named: the controller's and the subagent's workers name them
+    (`Deployment.external_paths`); a named path inside a hidden one is refused."""
+    import sys
+
+    from specpilot.harness.deployment import load_deployment
+    from specpilot.sandbox import Sandbox, bwrap_available
+
+    if not bwrap_available():
+        pytest.skip("the sandbox needs bubblewrap (scripts/install.sh)")
+    toml = _checkpoint_deployment(tmp_path, "qwen2", '[options]\ndrafter_weights = "d/p.pt"\n')
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "p.pt").write_bytes(b"weights")
+    (tmp_path / "secret").write_text("no")
+    dep = load_deployment(toml)
+    paths = dep.external_paths()
+    assert paths == [toml.resolve(), tmp_path / "ckpt", tmp_path / "d" / "p.pt"]
+    assert load_deployment("tiny-cpu").external_paths() == []
+    probe = ("import sys, pathlib; print([pathlib.Path(p).exists() for p in sys.argv[1:]])")
+    looked = [str(toml), str(tmp_path / "ckpt" / "config.json"), str(tmp_path / "d" / "p.pt"), str(tmp_path / "secret")]
+    src = tmp_path / "src"
+    src.mkdir()
+    for visible, seen in (([], "[False, False, False, False]"), (paths, "[True, True, True, False]")):
+        with Sandbox(src=src, models=tmp_path / "none", visible=visible) as sbx:
+            out = sbx.run([sys.executable, "-c", probe, *looked], timeout=60)
+        assert out["returncode"] == 0 and out["output"].strip().endswith(seen), (visible, out["output"])
+    with pytest.raises(ValueError, match="which sandboxes hide"):
+        Sandbox(src=src, models=tmp_path / "none", hide=[tmp_path], visible=paths).argv(["true"])
+
+
+def test_model_check_reads_a_checkpoint_without_loading_it_and_names_what_is_wrong(tmp_path):
+    """`specpilot model check`: the facts of a checkpoint as JSON (the drafters beside it included), a
+    broken one refused with exit 2 and its reason, `export-smollm2` refusing a folder that holds files."""
+    import subprocess
+    import sys
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "specpilot.app.cli", "model", *argv], capture_output=True,
+                              text=True, timeout=120)
+
+    make_checkpoint(tmp_path / "ckpt", "qwen2")
+    save_tokenizer(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "specpilot").mkdir()
+    (tmp_path / "ckpt" / "specpilot" / "eagle_drafter.pt").write_bytes(b"")
+    out = cli("check", str(tmp_path / "ckpt"), "--json")
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["target"] == f"hf:{tmp_path / 'ckpt'}" and facts["family"] == "qwen2" and facts["qkv_bias"] is True
+    assert (facts["layers"], facts["dim"], facts["vocab"]) == (2, 64, 300) and facts["parameters"] > 0
+    assert facts["chat_template"].startswith("<|im_start|>user\nhi") and list(facts["drafters"]) == ["eagle"]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "broken")
+    (tmp_path / "broken" / "config.json").write_text(
+        (tmp_path / "ckpt" / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
+    out = cli("check", f"hf:{tmp_path / 'broken'}")
+    assert out.returncode == 2 and "config.json makes it" in out.stderr, out.stderr
+    out = cli("export-smollm2", str(tmp_path / "ckpt"))
+    assert out.returncode == 2 and "is not an empty folder" in out.stderr, out.stderr

@@ -92,7 +92,12 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
     screened = patches[directions[TITLES["screened"]]]
     assert screened["options"] == {"screened_head": True} and "class ScreenedHead" in screened["diff"]
     verdict = verdicts[screened["patch_id"]]
-    assert verdict["decision"] == "promote" and verdict["gain"] > 0.05, verdict
+    timing = next((t for t in by.get("timing.measured", []) if t["patch_id"] == screened["patch_id"]), {})
+    why = {k: verdict.get(k) for k in ("decision", "reason", "gain", "lower_bound", "bar", "outputs_identical",
+                                       "forcing_passed", "ceiling")}
+    why["timing"] = {k: timing.get(k) for k in ("incumbent_s", "candidate_s", "incumbent_untimed_s",
+                                                 "candidate_untimed_s", "load", "problem")}
+    assert verdict["decision"] == "promote" and verdict["gain"] > 0.05, json.dumps(why)  # whole: pytest cuts a dict
     assert any(a["patch_id"] == screened["patch_id"] for a in by["best.advanced"])
     entry = next(e for e in by["memory.entry.proposed"] if "class ScreenedHead" in e["delta"])
     assert entry["options"] == {"screened_head": True} and "specpilot_engine/screened_head.py" in entry["source_files"]

@@ -81,9 +81,16 @@ class Evaluator:
         self.workers = Workers(data=Path(self.data), root=self.root, systems=self.systems,
                                deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
                                limits=self.limits, threads=self.threads, python=self.python,
-                               pin_cpus=self.pin_cpus, compile_cache=self.compile_cache)
+                               pin_cpus=self.pin_cpus, compile_cache=self.compile_cache,
+                               visible=tuple(self._deployment().external_paths()))
 
     # --- set-up ----------------------------------------------------------------------------------
+
+    def _deployment(self):
+        """The deployment, parsed (imports torch: a deployment checks its target's config)."""
+        from specpilot.harness.deployment import load_deployment
+
+        return load_deployment(self.deployment)
 
     @property
     def models(self) -> Path:
@@ -121,11 +128,10 @@ class Evaluator:
         """Prompt ids of requests ``start:stop`` of a split under the controller's secret seed."""
         from dataclasses import replace
 
-        from specpilot.harness.deployment import load_deployment
         from specpilot.harness.requests import encode_requests, load_requests
         from specpilot_engine.weights import load_tokenizer
 
-        dep = replace(load_deployment(self.deployment), split_seed=self.split_seed())
+        dep = replace(self._deployment(), split_seed=self.split_seed())
         return encode_requests(load_requests(dep, split)[start:stop], load_tokenizer(dep.target, data_dir=self.data))
 
     # --- timing noise shared by the data directories of this machine ----------------------------------
@@ -177,8 +183,7 @@ class Evaluator:
     def stop_ids(self) -> set[int]:
         """The target's own stop tokens (trusted stock code)."""
         if self._stop_ids is None:
-            from specpilot.harness.deployment import load_deployment
             from specpilot_engine.model import get_config
 
-            self._stop_ids = set(get_config(load_deployment(self.deployment).target).stop_ids)
+            self._stop_ids = set(get_config(self._deployment().target).stop_ids)
         return self._stop_ids

@@ -157,22 +157,33 @@ def export_system(data: Path, deployment: str, dest: Path, options_of) -> dict:
     ``specpilot_kernels/``), ``final.patch`` (its diff against stock, apply with ``git apply`` in a
     SpecPilot checkout) and ``options.json`` (the engine option settings it runs with:
     ``options_of(commit)``, which the caller answers from the ledger)."""
-    import json
-
     root = Path(data) / "controller" / "systems"
     if not (root / ".git").exists():
         raise UserError(f"no systems under {root}: run `specpilot round` (or `specpilot time`) first")
     systems = Systems(root)
     systems.check_layout()
     best, stock = systems.best(deployment), systems.git("rev-parse", "stock")
+    dest = export_destination(dest)
+    options = options_of(best) if best != stock else {}
+    systems.checkout(best, dest)
+    write_export(dest, systems.diff(stock, best) + "\n" if best != stock else "", options)
+    return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}
+
+
+def export_destination(dest: Path | str) -> Path:
+    """``dest`` for an exported system: absent or empty, else `UserError`."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"{dest} is not empty: choose a new folder")
-    options = options_of(best) if best != stock else {}
-    systems.checkout(best, dest)
-    (dest / "final.patch").write_text(systems.diff(stock, best) + "\n" if best != stock else "")
+    return dest
+
+
+def write_export(dest: Path, diff: str, options: dict) -> None:
+    """Beside an exported system's tree: ``final.patch`` (its diff against stock) and ``options.json``."""
+    import json
+
+    (dest / "final.patch").write_text(diff)
     (dest / "options.json").write_text(json.dumps(options, indent=2) + "\n")
-    return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}
 
 
 def migrate(data: Path, source: Path = REPO_ROOT) -> list[str]:

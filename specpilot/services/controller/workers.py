@@ -88,6 +88,7 @@ class Workers:
     python: str = sys.executable
     pin_cpus: bool = False
     compile_cache: bool = True
+    visible: tuple[Path, ...] = ()  # the deployment's files outside the checkout (`Deployment.external_paths`)
 
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
@@ -110,7 +111,7 @@ class Workers:
                 compile_cache: Path | None = None) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
         device = device or self.devices[0]
-        sbx = Sandbox(src=src, models=self.data / "models", hide=[self.data], device=device,
+        sbx = Sandbox(src=src, models=self.data / "models", hide=[self.data], visible=list(self.visible), device=device,
                       limits=self.limits, threads=self.threads, cpus=self.cpus(device), compile_cache=compile_cache)
         self._active[id(sbx)] = sbx
         self.last_sandbox = sbx.describe()

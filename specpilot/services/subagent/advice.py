@@ -47,6 +47,7 @@ class Advisor:
     threads: int = 1
     limits: Limits = ADVICE_LIMITS
     _prompts: list[list[int]] | None = None
+    _visible: list[Path] = field(default_factory=list)  # the deployment's files outside the checkout
 
     def prompts(self) -> list[list[int]]:
         """The first `ADVICE_REQUESTS` requests of the deployment's public dev split, encoded by stock."""
@@ -58,18 +59,22 @@ class Advisor:
                     "dep = load_deployment(sys.argv[1]); data = Path(sys.argv[2])\n"
                     "load_engine(sys.argv[1], device='cpu', data_dir=data)  # the model cache the workers read\n"
                     "reqs = load_requests(dep, 'dev')[: int(sys.argv[3])]\n"
-                    "print(json.dumps(encode_requests(reqs, load_tokenizer(dep.target, data_dir=data))))\n")
+                    "print(json.dumps({'prompts': encode_requests(reqs, load_tokenizer(dep.target, data_dir=data)),\n"
+                    "                  'visible': [str(p) for p in dep.external_paths()]}))\n")
             res = subprocess.run([sys.executable, "-c", code, self.deployment, str(self.data), str(ADVICE_REQUESTS)],
                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
             if res.returncode != 0:
                 raise WorkerFailed(f"cannot prepare the deployment {self.deployment!r}: {res.stderr.strip()[-500:]}")
-            self._prompts = [list(map(int, p)) for p in json.loads(res.stdout.strip().splitlines()[-1])]
+            prepared = json.loads(res.stdout.strip().splitlines()[-1])
+            self._prompts = [list(map(int, p)) for p in prepared["prompts"]]
+            self._visible = [Path(p) for p in prepared["visible"]]
         return self._prompts
 
     @contextlib.contextmanager
     def _worker(self, src: Path, options: dict):
-        with Sandbox(src=src, models=Path(self.data) / "models", hide=[self.data], limits=self.limits,
-                     threads=self.threads) as sbx:
+        self.prompts()  # also finds what the deployment reads outside the checkout
+        with Sandbox(src=src, models=Path(self.data) / "models", hide=[self.data], visible=self._visible,
+                     limits=self.limits, threads=self.threads) as sbx:
             worker = Worker(sbx, sys.executable, self.deployment, options, ready_timeout_s=self.limits.wall_s)
             try:
                 yield worker
