@@ -175,6 +175,7 @@ class Sandbox:
     # Paths outside the checkout the system reads (a checkpoint folder, a drafter's weights, the
     # deployment's file: `Deployment.external_paths`), shown read-only where /tmp's tmpfs would hide them.
     visible: list[Path] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # more environment (`Deployment.sandbox_env`)
     device: str = "cpu"
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
@@ -199,6 +200,7 @@ class Sandbox:
         # the candidate's runtime still comes first, from the working directory.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8", "PYTHONPATH": str(REPO_ROOT.resolve())}
+        env.update(self.env)
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         if self.compile_cache:

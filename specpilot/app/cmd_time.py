@@ -58,7 +58,7 @@ def read_patch(args: argparse.Namespace) -> schema.PatchProposed:
         raise UserError(f"nothing to time: {args.patch} is empty and no --options were given")
     if OPTIONS_MODULE not in policy.touched_paths(diff):
         try:
-            deployment.options(options)
+            deployment.check_options(options)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     return schema.PatchProposed(direction_id="cli", patch_id=f"cli-{schema.new_event_id()[:13]}", diff=diff,

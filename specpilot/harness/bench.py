@@ -39,7 +39,7 @@ import torch
 
 from specpilot.errors import UserError, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
-from specpilot.harness.requests import encode_requests, load_requests
+from specpilot.harness.requests import encode_requests, fit_context, load_requests
 from specpilot_engine.api import MODEL_OPTIONS, Engine, apply_model_options
 from specpilot_engine.options import EngineOptions, add_option_flags, overrides_from_args
 from specpilot_engine.weights import load_model
@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
     if not requests:
         sets = sorted({r.set for r in load_requests(dep, "dev")})
         raise UserError(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
-    prompts = encode_requests(requests, tok)
+    prompts = fit_context(encode_requests(requests, tok), model.cfg.max_seq_len, max_new)
     sys_engine = Engine(model, tok, opts)
     # AR keeps the deployment's stock model and CUDA-graph setting, so they count towards the speedup too.
     ar_opts = opts.replace(drafter="none", cuda_graphs=stock.cuda_graphs, **{k: getattr(stock, k) for k in MODEL_OPTIONS})

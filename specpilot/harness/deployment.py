@@ -51,6 +51,9 @@ class Deployment:
     bench_requests: int = 8  # dev requests `specpilot bench` times by default
     extra_options: dict[str, OptionValue] = field(default_factory=dict)  # the TOML's [options] table
     timing: dict[str, int] = field(default_factory=dict)  # the TOML's [timing] table (keys of TIMING_DEFAULTS)
+    # the TOML's [server] table: the system is an external serving engine (`specpilot.harness.server`);
+    # ``target`` is then the same weights in this engine, the reference that forcing checks against
+    server: dict = field(default_factory=dict)
     path: str = ""
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class Deployment:
         if unknown:
             raise ValueError(f"deployment {self.name!r}: unknown request sets {unknown}; known: {', '.join(REQUEST_SETS)}")
         self.options()  # validates drafter, block_size, dtype and [options] now, not at first use
+        if self.server:
+            self.server_spec()  # validates the [server] table now
         bad = sorted(set(self.timing) - set(TIMING_DEFAULTS))
         if bad:
             raise ValueError(f"deployment {self.name!r}: unknown [timing] key(s) {bad}; allowed: {', '.join(TIMING_DEFAULTS)}")
@@ -95,8 +100,8 @@ class Deployment:
 
     def external_paths(self) -> list[Path]:
         """What a worker of this deployment reads outside the checkout: this file when it lies outside
-        ``deployments/``, the checkpoint folder of an ``hf:`` target, a ``drafter_weights`` file. A
-        sandbox shows them read-only (`specpilot.sandbox.Sandbox.visible`)."""
+        ``deployments/``, the checkpoint folder of an ``hf:`` target, a ``drafter_weights`` file, the
+        llama.cpp build a server deployment runs. A sandbox shows them read-only (`Sandbox.visible`)."""
         paths = []
         if self.path and Path(self.path).resolve().parent != DEPLOYMENTS_DIR.resolve():
             paths.append(Path(self.path).resolve())
@@ -104,7 +109,34 @@ class Deployment:
             paths.append(Path(self.target[3:]))
         if weights := self.extra_options.get("drafter_weights"):
             paths.append(Path(str(weights)))
+        if llama_cpp := self.sandbox_env().get("SPECPILOT_LLAMACPP"):
+            paths.append(Path(llama_cpp))
         return paths
+
+    def sandbox_env(self) -> dict[str, str]:
+        """Environment a sandboxed worker of this deployment needs: where llama.cpp is built, for a server
+        deployment that runs it (the sandbox has another home and no network to build it)."""
+        if not self.server or not any("{llama_cpp}" in part for part in self.server.get("command", [])):
+            return {}
+        from specpilot.harness.server import llama_cpp_dir
+
+        return {"SPECPILOT_LLAMACPP": str(llama_cpp_dir())}
+
+    def check_options(self, overrides: dict[str, OptionValue] | None) -> None:
+        """Refuse option settings this deployment's system does not take (`ValueError` naming them): engine
+        options, or a server deployment's ``[server.options]``."""
+        if self.server:
+            self.server_spec().settings(overrides)
+        else:
+            self.options(overrides)
+
+    def server_spec(self):
+        """The serving engine this deployment runs (`specpilot.harness.server.ServerSpec`), or None."""
+        if not self.server:
+            return None
+        from specpilot.harness.server import ServerSpec
+
+        return ServerSpec.parse(self.server, f"deployment {self.name!r}")
 
     def timing_settings(self) -> dict[str, int]:
         """How the controller times this deployment in a round: `TIMING_DEFAULTS` with ``[timing]``."""
@@ -188,6 +220,13 @@ def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMEN
         dep = None
     else:
         dep = load_deployment(deployment_or_model)
+    if dep is not None and dep.server:
+        from specpilot.harness.server import ServerEngine
+        from specpilot_engine.weights import load_tokenizer
+
+        if isinstance(options, EngineOptions):
+            raise ValueError(f"deployment {dep.name!r} runs a server: its options are the [server.options] settings")
+        return ServerEngine(dep.server_spec(), options or {}, load_tokenizer(dep.target, data_dir=data_dir))
     if dep is not None:
         return build_engine(dep.target, dep.options(options), device or dep.device, data_dir)
     opts = options if isinstance(options, EngineOptions) else options_from_dict(options or {})

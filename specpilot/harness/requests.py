@@ -126,3 +126,15 @@ def _rename_entry(code: str, rng: random.Random) -> str:
 def encode_requests(requests: list[Request], tokenizer) -> list[list[int]]:
     """Prompt ids of each request (``tokenizer`` as from `specpilot_engine.weights.load_tokenizer`)."""
     return [tokenizer.encode(tokenizer.chat_prompt(r.text) if r.chat else r.text) for r in requests]
+
+
+def fit_context(prompts: list[list[int]], context: int, max_new_tokens: int) -> list[list[int]]:
+    """Prompts that leave room for ``max_new_tokens`` in a model's ``context``: a longer one keeps its end
+    (what a server with that context would see of it); `UserError` when no room is left at all."""
+    from specpilot.errors import UserError
+
+    keep = context - max_new_tokens
+    if keep < 1:
+        raise UserError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
+                        f"{context} tokens: ask for fewer tokens")
+    return [p[-keep:] for p in prompts]

