@@ -62,6 +62,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="first requests the peer (transformers' prompt lookup) runs on; the e2e comparison "
                          "covers the same ones when this equals --limit")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--server-options", default="{}",
+                    help="server deployments: JSON of the system's [server.options] settings, e.g. "
+                         "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")
     add_option_flags(ap)
 
 
@@ -473,8 +476,47 @@ def system_and_stock_models(dep, opts: EngineOptions, device, data_dir=None):
     return apply_model_options(fresh, opts), stock_model, tok
 
 
+def run_server(args: argparse.Namespace, dep) -> int:
+    """`run` for a server deployment: the server with ``--server-options`` against its stock flags (AR,
+    when stock runs no speculative decoding), paired end to end on the dev requests; one server each."""
+    from specpilot.harness.server import ServerEngine
+    from specpilot_engine.weights import load_tokenizer
+
+    try:
+        overrides = json.loads(args.server_options)
+        spec = dep.server_spec()
+        spec.settings(overrides)
+    except ValueError as exc:
+        raise UserError(f"--server-options: {exc}") from None
+    max_new = args.max_new_tokens or dep.max_new_tokens
+    tok = load_tokenizer(dep.target, data_dir=args.data_dir)
+    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][: args.limit or dep.bench_requests]
+    prompts = encode_requests(requests, tok)
+    with ServerEngine(spec, overrides, tok) as system, ServerEngine(spec, {}, tok) as ar:
+        for e in (system, ar):
+            warm_up(e, prompts, max_new)
+        e2e = end_to_end(system, ar, prompts, max_new, args.trials)
+        argv = system.argv
+    result = {"bench": "server", "deployment": dep.name, "target": dep.target, "api": spec.api,
+              "device": f"cpu ({platform.machine()})", "options": spec.settings(overrides), "command": argv,
+              "requests": len(prompts), "request_set": args.set or "all", "max_new_tokens": max_new,
+              "date": time.strftime("%Y-%m-%d"), "e2e": e2e}
+    out = args.out
+    if out is None:
+        from specpilot.paths import default_data_dir
+
+        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    _table(result)
+    print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     dep = load_deployment(args.deployment)
+    if dep.server:
+        return run_server(args, dep)
     opts = dep.options(overrides_from_args(args))
     if args.threads:
         torch.set_num_threads(args.threads)

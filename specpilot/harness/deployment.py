@@ -136,7 +136,8 @@ class Deployment:
             return None
         from specpilot.harness.server import ServerSpec
 
-        return ServerSpec.parse(self.server, f"deployment {self.name!r}")
+        return ServerSpec.parse(self.server, f"deployment {self.name!r}",
+                                base_dir=str(Path(self.path).resolve().parent) if self.path else "")
 
     def timing_settings(self) -> dict[str, int]:
         """How the controller times this deployment in a round: `TIMING_DEFAULTS` with ``[timing]``."""

@@ -326,11 +326,20 @@ def _remember(memo: dict, key, value) -> None:
 def load_forcer(deployment: str | Path, data_dir: Path | None = None, device: str | None = None,
                 owner: str = "forcer") -> Forcer:
     """A forcer over the deployment's stock engine (default options: stock); stock's outputs are kept
-    in ``data_dir/<owner>/stock-outputs``, the folder of the service that forces (each its own)."""
-    from specpilot.harness.deployment import load_engine
+    in ``data_dir/<owner>/stock-outputs``, the folder of the service that forces (each its own).
 
-    return Forcer(load_engine(deployment, device=device, data_dir=data_dir),
-                  memo_dir=Path(data_dir) / owner / "stock-outputs" if data_dir is not None else None)
+    A server deployment (`specpilot.harness.server`) is forced against its ``target`` in this engine in
+    fp32 on the CPU, AR: the reference its weights define. Its stock's own outputs (the stock server's)
+    must come with each output as ``stock_tokens``: the reference's own would make stock look perfect."""
+    from specpilot.harness.deployment import load_deployment, load_engine
+    from specpilot_engine.model import CONFIGS
+
+    name = str(deployment)
+    if name not in CONFIGS and not name.startswith("hf:") and (dep := load_deployment(deployment)).server:
+        engine = load_engine(dep.target, {"drafter": "none"}, device="cpu", data_dir=data_dir)
+    else:
+        engine = load_engine(deployment, device=device, data_dir=data_dir)
+    return Forcer(engine, memo_dir=Path(data_dir) / owner / "stock-outputs" if data_dir is not None else None)
 
 
 _forcers: dict[tuple[str, str, str, str], Forcer] = {}
@@ -345,6 +354,29 @@ def forcer_for(deployment: str | Path, data_dir: Path | None = None, device: str
         if key not in _forcers:
             _forcers[key] = load_forcer(deployment, data_dir=data_dir, device=device, owner=owner)
         return _forcers[key]
+
+
+def _with_server_stock(deployment: str | Path, outputs: list, data_dir: Path | None) -> list:
+    """For a server deployment, stock's own tokens where an output lacks them: the stock server's (started
+    here with its default flags), not the fp32 reference's, which would make stock look perfect."""
+    import dataclasses
+
+    from specpilot.harness.deployment import load_deployment
+    from specpilot_engine.model import CONFIGS
+
+    name = str(deployment)
+    if name in CONFIGS or name.startswith("hf:") or all(o.stock_tokens is not None for o in outputs):
+        return outputs
+    dep = load_deployment(deployment)
+    if not dep.server:
+        return outputs
+    from specpilot.harness.server import ServerEngine
+    from specpilot_engine.weights import load_tokenizer
+
+    with ServerEngine(dep.server_spec(), {}, load_tokenizer(dep.target, data_dir=data_dir)) as stock:
+        return [o if o.stock_tokens is not None else
+                dataclasses.replace(o, stock_tokens=tuple(stock.generate(list(o.prompt_ids), len(o.tokens)).tokens))
+                for o in outputs]
 
 
 def force_outputs(deployment: str | Path, outputs: list[dict[str, Any]], data_dir: Path | None = None,
@@ -362,5 +394,6 @@ def force_outputs(deployment: str | Path, outputs: list[dict[str, Any]], data_di
     with _lock:
         parsed = forcing_rules.parse_outputs(outputs, encode=lambda text, chat: forcer.engine.tokenize(text, chat=chat),
                                      vocab_size=forcer.model.cfg.vocab_size)
+        parsed = _with_server_stock(deployment, parsed, data_dir)
         report = forcer.run(parsed, max_audit=forcing_rules.MAX_AUDITED if max_audit is None else max_audit, seed=seed)
     return {**report.fields(), "stats": {**report.stats, "deployment": str(deployment)}}

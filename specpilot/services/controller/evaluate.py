@@ -92,6 +92,14 @@ class Evaluator:
 
         return load_deployment(self.deployment)
 
+    def serves(self) -> bool:
+        """Whether the system under test is an external server (`specpilot.harness.server`)."""
+        return bool(self._deployment().server)
+
+    def stock_system(self) -> System:
+        """The deployment's stock system: the stock commit with no option changed."""
+        return System(self.systems.git("rev-parse", "stock"), {})
+
     @property
     def models(self) -> Path:
         return Path(self.data) / "models"

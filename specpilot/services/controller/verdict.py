@@ -165,6 +165,10 @@ async def _force_once(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, 
                       request_id: str, prompts: list[list[int]], outputs: list[list[int]],
                       ) -> schema.ForcingReported | None:
     outputs_json = [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs, strict=True)]
+    if ev.serves():  # a server's stock differs from the fp32 reference: its own outputs are the baseline
+        stock, _ = await asyncio.to_thread(ev.workers.run, ev.stock_system(), prompts)
+        for out, tokens in zip(outputs_json, stock, strict=True):
+            out["stock_tokens"] = tokens
     if ctl.bus is None:
         from specpilot.harness.forcing import force_outputs
 
