@@ -25,7 +25,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("model", help="check a checkpoint before a deployment uses it; export SmolLM2 as one")
     sub = p.add_subparsers(dest="model_command", required=True)
     c = sub.add_parser("check", help="read a checkpoint as a deployment would (no weights loaded) and report",
-                       description=__doc__.split("\n\n")[1].split("\n- ")[1])
+                       description=__doc__.split("\n\n")[1].split("\n- ")[0].removeprefix("- "))
     c.add_argument("target", help="a checkpoint folder, hf:<folder>, a deployment (name or TOML) or a built-in model")
     c.add_argument("--json", action="store_true", help="print only the JSON line")
     c.set_defaults(func=_check)
