@@ -201,6 +201,20 @@ def load_deployment(name_or_path: str | Path = DEFAULT_DEPLOYMENT) -> Deployment
         raise DeploymentError(f"{path}: {exc}") from None
 
 
+def deployment_or_none(deployment_or_model: str | Path | Deployment) -> Deployment | None:
+    """The deployment named (a name, a TOML path or the object itself), or None for a bare model name
+    (``CONFIGS`` or ``hf:<folder>``) that no deployment file shadows."""
+    from specpilot_engine.model import CONFIGS
+
+    if isinstance(deployment_or_model, Deployment):
+        return deployment_or_model
+    name = str(deployment_or_model)
+    if isinstance(deployment_or_model, str) and (name in CONFIGS or name.startswith("hf:")) \
+            and not deployment_path(name).is_file():
+        return None
+    return load_deployment(deployment_or_model)
+
+
 def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMENT,
                 options: EngineOptions | dict[str, OptionValue] | None = None,
                 device: str | None = None, data_dir: Path | None = None):
@@ -211,16 +225,8 @@ def load_engine(deployment_or_model: str | Path | Deployment = DEFAULT_DEPLOYMEN
     base is `EngineOptions()` with dtype fp32 and device cpu unless given.
     """
     from specpilot_engine.api import build_engine
-    from specpilot_engine.model import CONFIGS
 
-    dep: Deployment | None
-    if isinstance(deployment_or_model, Deployment):
-        dep = deployment_or_model
-    elif isinstance(deployment_or_model, str) and (deployment_or_model in CONFIGS or deployment_or_model.startswith("hf:")) \
-            and not deployment_path(deployment_or_model).is_file():
-        dep = None
-    else:
-        dep = load_deployment(deployment_or_model)
+    dep = deployment_or_none(deployment_or_model)
     if dep is not None and dep.server:
         from specpilot.harness.server import ServerEngine
         from specpilot_engine.weights import load_tokenizer

@@ -331,11 +331,9 @@ def load_forcer(deployment: str | Path, data_dir: Path | None = None, device: st
     A server deployment (`specpilot.harness.server`) is forced against its ``target`` in this engine in
     fp32 on the CPU, AR: the reference its weights define. Its stock's own outputs (the stock server's)
     must come with each output as ``stock_tokens``: the reference's own would make stock look perfect."""
-    from specpilot.harness.deployment import load_deployment, load_engine
-    from specpilot_engine.model import CONFIGS
+    from specpilot.harness.deployment import deployment_or_none, load_engine
 
-    name = str(deployment)
-    if name not in CONFIGS and not name.startswith("hf:") and (dep := load_deployment(deployment)).server:
+    if (dep := deployment_or_none(deployment)) is not None and dep.server:
         engine = load_engine(dep.target, {"drafter": "none"}, device="cpu", data_dir=data_dir)
     else:
         engine = load_engine(deployment, device=device, data_dir=data_dir)
@@ -361,14 +359,12 @@ def _with_server_stock(deployment: str | Path, outputs: list, data_dir: Path | N
     here with its default flags), not the fp32 reference's, which would make stock look perfect."""
     import dataclasses
 
-    from specpilot.harness.deployment import load_deployment
-    from specpilot_engine.model import CONFIGS
+    from specpilot.harness.deployment import deployment_or_none
 
-    name = str(deployment)
-    if name in CONFIGS or name.startswith("hf:") or all(o.stock_tokens is not None for o in outputs):
+    if all(o.stock_tokens is not None for o in outputs):
         return outputs
-    dep = load_deployment(deployment)
-    if not dep.server:
+    dep = deployment_or_none(deployment)
+    if dep is None or not dep.server:
         return outputs
     from specpilot.harness.server import ServerEngine
     from specpilot_engine.weights import load_tokenizer

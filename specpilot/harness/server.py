@@ -34,6 +34,7 @@ then SIGKILL), also when the worker dies (``prctl`` death signal) or is killed w
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -139,9 +140,14 @@ def smollm2_gguf() -> Path:
 
 def llama_cpp_dir() -> Path:
     """The llama.cpp build: ``$SPECPILOT_LLAMACPP``, else what ``scripts/build_llamacpp.sh`` prints (it
-    builds once per machine kind, then answers from its cache at once)."""
+    builds once per machine kind, then answers from its cache at once; asked once per process)."""
     if env := os.environ.get("SPECPILOT_LLAMACPP"):
         return Path(env)
+    return _built_llama_cpp()
+
+
+@functools.cache
+def _built_llama_cpp() -> Path:
     script = REPO_ROOT / "scripts" / "build_llamacpp.sh"
     out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:

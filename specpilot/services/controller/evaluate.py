@@ -78,11 +78,13 @@ class Evaluator:
         self._references: dict[str, list[list[int]]] = {}
         self._prompts: dict[str, list[list[int]]] = {}
         self._stop_ids: set[int] | None = None
+        dep = self._deployment()
+        self._serves = bool(dep.server)
         self.workers = Workers(data=Path(self.data), root=self.root, systems=self.systems,
                                deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
                                limits=self.limits, threads=self.threads, python=self.python,
                                pin_cpus=self.pin_cpus, compile_cache=self.compile_cache,
-                               visible=tuple(self._deployment().external_paths()), env=self._deployment().sandbox_env())
+                               visible=tuple(dep.external_paths()), env=dep.sandbox_env())
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class Evaluator:
 
     def serves(self) -> bool:
         """Whether the system under test is an external server (`specpilot.harness.server`)."""
-        return bool(self._deployment().server)
+        return self._serves
 
     def stock_system(self) -> System:
         """The deployment's stock system: the stock commit with no option changed."""
