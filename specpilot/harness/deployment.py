@@ -130,6 +130,17 @@ class Deployment:
         else:
             self.options(overrides)
 
+    def options_class(self) -> type:
+        """The class whose fields are this deployment's options, each describing itself (`OptionInfo`):
+        `EngineOptions`, or a server deployment's `ServerSpec.options_class`. The planner sweeps and
+        validates what it says."""
+        return self.server_spec().options_class if self.server else EngineOptions
+
+    def ar_options(self) -> dict[str, OptionValue]:
+        """The option settings that turn this deployment's system into plain AR decoding (the AR twin the
+        profile and the sealed final measure against): no drafter, or the ``[server] ar_options``."""
+        return dict(self.server_spec().ar_options) if self.server else {"drafter": "none"}
+
     def server_spec(self):
         """The serving engine this deployment runs (`specpilot.harness.server.ServerSpec`), or None."""
         if not self.server:

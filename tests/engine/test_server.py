@@ -91,7 +91,7 @@ def test_a_server_that_misbehaves_mid_request_says_how(tmp_path, mode, message):
 def test_server_tables_are_checked_when_the_deployment_loads(tmp_path):
     dep = load_deployment("llamacpp-smollm2-cpu")
     spec = dep.server_spec()
-    assert {"threads", "spec_type", "draft_max"} <= set(spec.options) and spec.api == "llamacpp"
+    assert {"threads", "spec_type", "mod_n_max"} <= set(spec.options) and spec.api == "llamacpp"
     assert spec.settings({"spec_type": "ngram-simple"})["spec_type"] == "ngram-simple"
     with pytest.raises(ValueError, match="unknown server option 'tree_nodes'"):
         spec.settings({"tree_nodes": 8})
@@ -102,7 +102,14 @@ def test_server_tables_are_checked_when_the_deployment_loads(tmp_path):
     for table, message in (('command = ["x"]\n', "must pass the port"),
                            ('command = ["x", "{port}"]\napi = "grpc"\n', "api must be one of"),
                            ('command = ["x", "{port}"]\nretries = 3\n', r"unknown \[server\] key\(s\) \['retries'\]"),
-                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\n', "needs a flag and a stock")):
+                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\n', "needs a flag and a stock"),
+                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\nstock = 2\nsweep = ["1"]\n',
+                            "not of the stock value's type"),
+                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\nstock = 2\nfactor = "speed"\n',
+                            "factor must be one of"),
+                           ('command = ["x", "{port}"]\n[server.options.t]\nflag = "-t"\nstock = 2\n'
+                            'requires = { u = 1 }\n', "requires/ar_options: unknown server option 'u'"),
+                           ('command = ["x", "{port}"]\nar_options = { t = 1 }\n', "unknown server option 't'")):
         (tmp_path / "s.toml").write_text(base + table)
         with pytest.raises(DeploymentError, match=message):
             load_deployment(tmp_path / "s.toml")
@@ -218,3 +225,45 @@ def test_a_real_llama_server_gives_greedy_tokens_and_stops():
         spec = server.generate(prompt, 48)
     assert spec.tokens == ar.tokens
     assert _gone(servers)
+
+
+def test_server_options_are_planned_and_checked_as_engine_options_are():
+    """A server deployment's ``[server.options]`` become an options class with `OptionInfo` fields: the
+    planner sweeps them by factor with their requirements, the AR twin and the served weights' format are
+    read from the table, and a sweep's settings are checked against the server's options (not ours)."""
+    from specpilot.services.master import planner
+    from specpilot.services.subagent.main import sweep_validator
+    from specpilot_engine import options as engine_options
+
+    dep = load_deployment("llamacpp-smollm2-cpu")
+    cls = dep.options_class()
+    assert set(cls.__dataclass_fields__) == set(dep.server_spec().options)
+    stock = cls()
+    assert stock.spec_type == "none" and dep.ar_options() == {"spec_type": "none"}
+    sweeps = engine_options.sweeps(cls)
+    assert [o for o, _, _ in sweeps["tau"]][:1] == ["spec_type"] and any(o == "threads" for o, _, _ in sweeps["overhead"])
+    assert engine_options.requirements(cls)["mod_n_max"]["spec_type"] == "ngram-mod"
+    with pytest.raises(ValueError, match="unknown engine option"):
+        engine_options.options_from_dict({"drafter": "ngram"}, stock)
+    directions = planner.plan(factors={"tau": 2.0, "kernel": 1.0, "overhead": 1.0}, facts=dep.facts(),
+                              best_options={}, known_options=set(cls.__dataclass_fields__), entries=[],
+                              history=planner.History(), options=cls, devices=1)
+    first = directions[0]
+    assert first.provider == "sweep" and first.hints["option"] == "spec_type" and "ngram-mod" in first.hints["values"]
+    check = sweep_validator(dep.name, ws=None)  # a server's options are checked without a workspace
+    assert check({"spec_type": "ngram-mod", "threads": 1}) is None
+    assert "unknown server option" in check({"drafter": "parallel"})
+    assert "takes a int" in check({"threads": "1"})
+
+
+def test_a_server_measures_its_steps_and_the_lookup_replay_on_its_output(tmp_path):
+    """`ServerEngine.measure`: tokens, the server's own step and draft counts, and the n-gram lookup's
+    matched depths on the output (the fake server counts up, so after 5, 6, 7 the lookup has nothing to
+    match: depth 0 everywhere), the fields phase 0's profile reads."""
+    with ServerEngine(_spec("ok"), {}, Tok()) as server:
+        m = server.measure([5, 6, 7], 8)
+        # after 1 2 3 | 4 the lookup finds 1 2 3 4 earlier and proposes 5 1 2 ...: the server says 5 6 ...
+        repeating = server.measure([1, 2, 3, 4, 5, 1, 2, 3], 8)
+    assert m["tokens"] == list(range(8, 16)) and m["steps"] == 4 and m["verified"] == 4 + 8
+    assert m["depths"] == m["chain_depths"] == [0] * 8 and m["profile_ms"] == {} and m["context"] == 3 + 4
+    assert repeating["depths"][:3] == repeating["chain_depths"][:3] == [0, 1, 0]

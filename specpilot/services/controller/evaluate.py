@@ -80,6 +80,7 @@ class Evaluator:
         self._stop_ids: set[int] | None = None
         dep = self._deployment()
         self._serves = bool(dep.server)
+        self._ar_options = dep.ar_options()
         self.workers = Workers(data=Path(self.data), root=self.root, systems=self.systems,
                                deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
                                limits=self.limits, threads=self.threads, python=self.python,
@@ -97,6 +98,10 @@ class Evaluator:
     def serves(self) -> bool:
         """Whether the system under test is an external server (`specpilot.harness.server`)."""
         return self._serves
+
+    def ar_system(self, system: System) -> System:
+        """``system``'s AR twin: the same code and options, decoding without speculation."""
+        return System(system.commit, {**system.options, **self._ar_options})
 
     def stock_system(self) -> System:
         """The deployment's stock system: the stock commit with no option changed."""

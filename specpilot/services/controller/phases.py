@@ -46,7 +46,7 @@ def measure(ev: Evaluator, system: System) -> dict:
         replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": ev.max_new_tokens}},
                                   timeout=ev.limits.wall_s)[0] for p in prompts]
     _, system_s = ev.workers.run(system, prompts)
-    ar_outputs, ar_s = ev.workers.run(System(system.commit, {**system.options, "drafter": "none"}), prompts)
+    ar_outputs, ar_s = ev.workers.run(ev.ar_system(system), prompts)
     n = len(prompts)
     steps = sum(int(r["steps"]) for r in replies)
     verified = sum(int(r.get("verified", 0)) for r in replies)
@@ -170,13 +170,20 @@ def profile(ev: Evaluator, system: System, device: str) -> schema.ProfileMeasure
     m = measure(ev, system)
     # A promoted patch may have added options this (stock) EngineOptions does not know; none of them
     # changes what the profile's fields mean, so they are left out here.
-    known = {f.name for f in dataclasses.fields(EngineOptions)}
-    opts = deployment.options({k: v for k, v in system.options.items() if k in known})
+    if deployment.server:
+        # A server's step is what it reported: the tokens it verified a step (drafts and the root); its
+        # weights are in the server's own format (the cost model's bytes a weight).
+        n_tokens = max(1, round(m["verified_tokens"]))
+        block_size, dtype = n_tokens - 1, deployment.server_spec().weight_dtype or deployment.dtype
+    else:
+        known = {f.name for f in dataclasses.fields(EngineOptions)}
+        opts = deployment.options({k: v for k, v in system.options.items() if k in known})
+        n_tokens, block_size, dtype = opts.step_tokens, opts.block_size, str(opts.dtype)
     return schema.ProfileMeasured(
         device=device, system_commit=system.commit, step_s=m["step_s"], classes_s=m["classes_s"], tau=m["tau"],
-        block_size=opts.block_size, t_ar_s=m["t_ar_s"], n_tokens=opts.step_tokens,
+        block_size=block_size, t_ar_s=m["t_ar_s"], n_tokens=n_tokens,
         verified_tokens=m["verified_tokens"], context=m["context"],
-        dtype=opts.dtype, shape=shape_of(get_config(deployment.target)), replay_depths=m["replay_depths"],
+        dtype=dtype, shape=shape_of(get_config(deployment.target)), replay_depths=m["replay_depths"],
         chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
         chain_cost=m.get("chain_cost", {}), options=dict(system.options))
 
@@ -216,15 +223,17 @@ async def final(ctl: Service, event: schema.SealedFinalRequested) -> None:
     ev, dep = await ctl.registered(event)
     stock_commit = ev.systems.git("rev-parse", "stock")
     best = ctl.best_system(ev, dep)
-    systems = {"final": best, "stock": System(stock_commit, {}), "ar": System(stock_commit, {"drafter": "none"})}
+    systems = {"final": best, "stock": System(stock_commit, {}), "ar": ev.ar_system(System(stock_commit, {}))}
     results, outputs = await asyncio.to_thread(sealed_final, ev, systems, event.requests, max(2, event.trials))
     identical = outputs["final"] == outputs["ar"]
     forcing: dict = {"passed": True, "reason": "the final emits AR's tokens exactly"}
     if not identical:
         prompts = ev.prompts("sealed")[: event.requests or None]
-        forcing = await asyncio.to_thread(
-            force_outputs, dep, [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs["final"], strict=True)],
-            ev.data, owner="controller")
+        forced = [{"prompt_ids": p, "tokens": t} for p, t in zip(prompts, outputs["final"], strict=True)]
+        if ev.serves():  # a server's stock differs from the fp32 reference: its own outputs are the baseline
+            for out, tokens in zip(forced, outputs["stock"], strict=True):
+                out["stock_tokens"] = tokens
+        forcing = await asyncio.to_thread(force_outputs, dep, forced, ev.data, owner="controller")
     results["forcing"] = {"passed": bool(forcing["passed"]), "reason": forcing.get("reason", ""),
                           "stats": forcing.get("stats", {}), "identical_to_ar": identical}
     results["final_options"] = best.options

@@ -83,6 +83,11 @@ def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, ac
     return out
 
 
+# Bytes a weight by format: ours, and a served model's GGUF quantisations (blocks of 32 weights with their
+# fp16 scale, and min for q4_1) (`ServerSpec.weight_dtype`).
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
 def head_bytes_per_weight(device: str, weight_bytes: float) -> float:
     """Bytes per LM-head weight a greedy step must read on ``device`` (a label, "cpu (2 threads)"): on a
     CPU the certified argmax head (``screened_head``, `specpilot_engine.screened_head`) reads a bf16 copy

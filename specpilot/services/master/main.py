@@ -249,9 +249,11 @@ class RoundDriver:
         under ``usage_id``) or, without one or when it fails, the rules'; and the evidence both planners
         and the subagents are told (`specpilot.evidence.bundle`), from the same reads of the ledger."""
         from specpilot.harness.deployment import load_deployment
-        from specpilot_engine.options import EngineOptions
 
-        facts = load_deployment(self.deployment).facts()
+        deployment = load_deployment(self.deployment)
+        facts = deployment.facts()
+        # The options the planner sweeps and checks: EngineOptions' fields, or a server's [server.options]
+        options = deployment.options_class()
         best = await self.reads.events(schema.BestAdvanced, deployment=self.deployment)
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
         history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
@@ -271,6 +273,9 @@ class RoundDriver:
         # An entry this deployment's own promotion taught is in its best system already: re-applying it
         # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
+        known = set(options.__dataclass_fields__)
+        if deployment.server:  # an entry learned on our engine sets engine options a server does not have
+            entries = [e for e in entries if set(e.get("options") or {}) <= known and not e.get("delta")]
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
         hardware = await self.round_events(schema.HardwareMeasured)
@@ -278,13 +283,12 @@ class RoundDriver:
                                hardware=hardware[-1] if hardware else None,  # type: ignore[arg-type]
                                profile=profiles[-1] if profiles else None, ceiling=ceiling,  # type: ignore[arg-type]
                                entries=entries)
-        if profiles:
+        if profiles and not deployment.server:  # the step model predicts our engine's options only
             model = step_model(profiles[-1])  # type: ignore[arg-type]
-            stock = load_deployment(self.deployment).stock_options().to_dict()
+            stock = deployment.stock_options().to_dict()
 
             def predict(option: str, value: Any, base: dict) -> float | None:
                 return costmodel.predicted_gain(model, option, value, base, stock)
-        known = set(EngineOptions.__dataclass_fields__)
         devices = planner.directions_per_wave(self.started.directions, facts.get("device_kind", "cpu"),
                                               len(self.started.devices))
         if self.started.planner not in ("", "rules"):
@@ -292,7 +296,7 @@ class RoundDriver:
             from specpilot.services.master.llm_planner import plan_with_llm
 
             # The evidence holds the deployment, best options, device, profile, ceiling, entries and attempts.
-            context = {"stock_options": EngineOptions().to_dict(), "swept": sorted(f"{o}={v}" for o, v in tried),
+            context = {"stock_options": options().to_dict(), "swept": sorted(f"{o}={v}" for o, v in tried),
                        "evidence": told}
             usage = Usage()
             try:
@@ -308,7 +312,9 @@ class RoundDriver:
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=known, entries=entries,
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
-                            coder=self.started.coder, devices=devices, predict=predict), told
+                            # a code patch changes our engine, not a server: servers are tuned by their options
+                            coder="sweep" if deployment.server else self.started.coder, devices=devices,
+                            predict=predict, options=options), told
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
         did = direction.direction_id
@@ -395,9 +401,9 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
     """The ceiling of ``prof`` on ``hw``; ``replay_tau``: the best replay per node budget
     (`costmodel.envelope` of `replays`)."""
     shape = costmodel.Shape(**prof.shape)
-    bytes_per = 2.0 if prof.dtype == "bf16" else 4.0
+    bytes_per = costmodel.WEIGHT_BYTES.get(prof.dtype, 4.0)
     return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
-                             weight_bytes=bytes_per, act_bytes=bytes_per, context=prof.context, t_ar_s=prof.t_ar_s,
+                             weight_bytes=bytes_per, act_bytes=2.0 if prof.dtype == "bf16" else 4.0, context=prof.context, t_ar_s=prof.t_ar_s,
                              step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
                              profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
                              launch_s=hw.launch_s,

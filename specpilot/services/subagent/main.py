@@ -109,6 +109,26 @@ async def best_from_ledger(reads: Reads, deployment: str) -> Best:
     return Best(promotions=promotions, commit=commit, options=options)
 
 
+def sweep_validator(deployment: str, ws: Workspace) -> offline.Validator:
+    """What checks a sweep's option settings: a server deployment's own ``[server.options]`` (no patch can
+    add one: deployments are outside the patchable roots), else the workspace's engine (a promoted patch
+    may have added options)."""
+    from specpilot.harness.deployment import deployment_or_none
+
+    dep = deployment_or_none(deployment) if deployment else None
+    if dep is None or not dep.server:
+        return offline.workspace_validator(ws)
+
+    def check(options: dict) -> str | None:
+        try:
+            dep.check_options(options)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
 def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
             env: Mapping[str, str] | None = None, usage: Usage | None = None) -> list[Proposal]:
     """The proposals of one direction (blocking: runs in a worker thread). Raises ``UserError`` on failure.
@@ -123,7 +143,7 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
                    hide=(settings.data,) if settings.data else ())
     try:
         if spec.kind == providers.SWEEP:
-            return offline.sweep(direction.hints, offline.workspace_validator(ws))
+            return offline.sweep(direction.hints, sweep_validator(direction.deployment, ws))
         if spec.kind == providers.MEMORY:
             return [offline.memory(direction.hints, ws)]
         from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
