@@ -5,6 +5,7 @@
 # without it): the first build takes minutes on 2 cores, later calls print the cached path at once.
 #
 #   bash scripts/build_llamacpp.sh          # prints the folder holding bin/llama-server
+#   bash scripts/build_llamacpp.sh --check  # prints it if built, else exits 1 (builds nothing)
 #
 # SPECPILOT_LLAMACPP_CACHE overrides the cache root (default ~/.cache/specpilot/llama.cpp).
 set -euo pipefail
@@ -20,6 +21,7 @@ if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ]; then
   echo "$dest"
   exit 0
 fi
+[ "${1:-}" = "--check" ] && exit 1
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/sp-llamacpp-XXXXXX")
 trap 'rm -rf "$work"' EXIT

@@ -185,6 +185,23 @@ class KVCache(nn.Module):
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def update_row(self, layer: int, row: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`update` of one cache row: k/v [1, kv_heads, T, hd] at its slots start..; returns that row's
+        live slots up to them, [1, kv_heads, start + T, hd]."""
+        end = start + k.shape[2]
+        self.k[layer, row, :, start:end] = k[0]
+        self.v[layer, row, :, start:end] = v[0]
+        return self.k[layer, row:row + 1, :, :end], self.v[layer, row:row + 1, :, :end]
+
+    def compact_row(self, row: int, start: int, keep: list[int]) -> None:
+        """`compact` of one cache row."""
+        if keep == list(range(len(keep))):
+            return
+        src = torch.tensor(keep, device=self.k.device) + start
+        dst = slice(start, start + len(keep))
+        self.k[:, row, :, dst] = self.k[:, row, :, src]
+        self.v[:, row, :, dst] = self.v[:, row, :, src]
+
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write k/v ([B, kv_heads, T, hd]) at the slots named by a device tensor (graph-safe)."""
         self.k[layer].index_copy_(2, slots, k)
@@ -270,6 +287,19 @@ class StaticStep:
     length: int  # cache slots attention reads: 0 .. length-1 (static per graph)
 
 
+@dataclass(frozen=True)
+class RaggedStep:
+    """What a ragged batched forward needs (see `Transformer.forward_ragged`): per batch row, its cache
+    row, the cache slot of its first new token, how many of the block's tokens are its own (the rest
+    pad the block to the widest row) and its attention mask as `Transformer._attention_mask` makes it
+    for that row alone."""
+
+    rows: tuple[int, ...]  # cache row of each batch row
+    starts: tuple[int, ...]  # first cache slot of each row's new tokens
+    lengths: tuple[int, ...]  # each row's own tokens in the block (<= T)
+    masks: tuple[tuple[Tensor | BlockMask | None, bool], ...]  # (mask, is_causal) of each row
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -294,6 +324,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(start, StaticStep):
             return self.o_proj(self._static_attention(q, k, v, cache, start))
+        if isinstance(start, RaggedStep):
+            return self.o_proj(self._ragged_attention(q, k, v, cache, start))
         k, v = cache.update(self.layer, start, k, v)
         y = self.core(q, k, v, mask, causal)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
@@ -309,6 +341,20 @@ class Attention(nn.Module):
         y = self.core(q.reshape(B, self.n_kv, G * T, hd), keys, values, step.bias, False, gqa=False)
         # [B, KV, G*T, hd] -> [B, T, KV, G, hd] -> [B, T, H*hd] (head h = kv * G + g, as enable_gqa)
         return y.view(B, self.n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+
+
+    def _ragged_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: RaggedStep) -> Tensor:
+        """Each batch row's own tokens attend over exactly its own cache row's live slots, through the
+        same SDPA call a batch-1 forward of that row makes: a row's result does not depend on its
+        batch-mates. Pad tokens write nothing and come out as zeros."""
+        B, H, T, hd = q.shape
+        y = q.new_zeros(B, T, H * hd)
+        for b, (row, start, n, (mask, causal)) in enumerate(zip(step.rows, step.starts, step.lengths, step.masks,
+                                                                strict=True)):
+            keys, values = cache.update_row(self.layer, row, start, k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+            out = self.core(q[b:b + 1, :, :n], keys, values, mask, causal)
+            y[b, :n] = out[0].transpose(0, 1).reshape(n, H * hd)
+        return y
 
 
 class MLP(nn.Module):
@@ -396,6 +442,32 @@ class Transformer(nn.Module):
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return logits, hidden
+
+    def forward_ragged(self, tokens: Tensor, positions: Tensor, cache: KVCache, starts: list[int],
+                       lengths: list[int], rows: list[int], masks: list[Tensor | None],
+                       last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """One forward over a ragged batch: tokens and positions [B, T], batch row b holding ``lengths[b]``
+        new tokens of cache row ``rows[b]`` at slots ``starts[b]``.. (the rest of its T pads the block),
+        with ``masks[b]`` as `forward`'s ``mask`` for those tokens (None: causal). Linears and norms run on
+        the whole [B, T] block; attention runs per row (`Attention._ragged_attention`). Returns (logits
+        [B, T, V], or [B, 1, V] of the block's last token with ``last_only``, and hidden [B, T, D]); a pad
+        token's outputs are meaningless."""
+        T = tokens.shape[1]
+        for start, n, row in zip(starts, lengths, rows, strict=True):
+            if not 1 <= n <= T or start + n > cache.max_len or not 0 <= row < cache.k.shape[1]:
+                raise ValueError(f"row {row}: {n} tokens at slot {start} do not fit a block of {T} in the cache "
+                                 f"({cache.k.shape[1]} rows of {cache.max_len} slots)")
+        step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths),
+                          tuple(self._attention_mask(n, start, mask) for n, start, mask in
+                                zip(lengths, starts, masks, strict=True)))
+        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # per-row positions: broadcast over heads
+        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        x = self.embed(tokens)
+        with self._sdpa_backends():
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, step, None, False)
+        hidden = self.norm(x)
+        return self.lm_head(hidden[:, -1:] if last_only else hidden), hidden
 
     def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
                        cache: KVCache, length: int) -> tuple[Tensor, Tensor]:

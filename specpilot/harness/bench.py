@@ -17,6 +17,11 @@ Figures (all greedy, batch 1, one engine process):
   profile is skipped under graphs (a replay runs no module hooks).
 - Peer: transformers' assisted generation with prompt lookup (``prompt_lookup_num_tokens``) on the
   same weights, against transformers' own greedy generation, when transformers is installed.
+- llama.cpp, side by side (SmolLM2 targets, when ``scripts/build_llamacpp.sh`` has built it here; it is
+  never built for a bench): ``llama-server`` with the stock flags of ``llamacpp-smollm2-cpu`` (AR) and
+  with ``--llamacpp-spec`` (its n-gram speculation) on the same prompts, paired as above, for each of
+  the shipped Q4_1 GGUF and BF16/F32 GGUFs made from it by ``llama-quantize --allow-requantize``
+  (cached in the data folder): tokens/s and speedup over its own AR, beside this engine's.
 
 Prints a rich table, writes ``tau.png`` and ``speedup.png`` (matplotlib) and ``bench.json`` into
 ``--out``, and prints the whole result as JSON on the last line. This module only measures; it
@@ -65,7 +70,59 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--server-options", default="{}",
                     help="server deployments: JSON of the system's [server.options] settings, e.g. "
                          "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp rows (run when it is built)")
+    ap.add_argument("--llamacpp-spec", default=json.dumps(LLAMACPP_SPEC),
+                    help="JSON of llamacpp-smollm2-cpu's [server.options]: llama.cpp's speculative system "
+                         "in the side-by-side rows")
     add_option_flags(ap)
+
+
+# llama.cpp's n-gram speculation that the round of session 25 promoted on llamacpp-smollm2-cpu (docs/FIGURES.md,
+# "Serving engines"): what the side-by-side rows run unless told otherwise.
+LLAMACPP_SPEC = {"spec_type": "ngram-map-k", "map_k_size_n": 3, "map_k_size_m": 8}
+LLAMACPP_FORMATS = ("q4_1", "bf16", "f32")  # the shipped GGUF's, then made from it
+
+
+def llamacpp_gguf(fmt: str, data_dir: Path | None) -> Path:
+    """SmolLM2's GGUF in ``fmt``: the shipped Q4_1, or made from it by ``llama-quantize --allow-requantize``
+    (cached under the data folder's ``models/llamacpp``)."""
+    import subprocess
+
+    from specpilot.harness.server import llama_cpp_dir, smollm2_gguf
+    from specpilot.paths import default_data_dir
+
+    shipped = smollm2_gguf()
+    if fmt == "q4_1":
+        return shipped
+    out = (data_dir or default_data_dir()) / "models" / "llamacpp" / f"{shipped.stem}-{fmt}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        done = subprocess.run([str(llama_cpp_dir() / "bin" / "llama-quantize"), "--allow-requantize", str(shipped),
+                               str(tmp), fmt.upper()], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize to {fmt} failed: {done.stderr[-400:]}")
+        tmp.rename(out)
+    return out
+
+
+def llamacpp_side_by_side(prompts, max_new: int, trials: int, spec_options: dict, tok, data_dir=None) -> dict:
+    """llama.cpp's server, AR against ``spec_options``, per GGUF format (`LLAMACPP_FORMATS`)."""
+    import dataclasses
+
+    from specpilot.harness.server import ServerEngine
+
+    base = load_deployment("llamacpp-smollm2-cpu").server_spec()
+    base.settings(spec_options)
+    rows = {}
+    for fmt in LLAMACPP_FORMATS:
+        gguf = str(llamacpp_gguf(fmt, data_dir))
+        spec = dataclasses.replace(base, command=tuple(c.replace("{smollm2_gguf}", gguf) for c in base.command))
+        with ServerEngine(spec, spec_options, tok) as system, ServerEngine(spec, {}, tok) as ar:
+            for e in (system, ar):
+                warm_up(e, prompts, max_new)
+            rows[fmt] = end_to_end(system, ar, prompts, max_new, trials)
+    return {"options": spec_options, "threads": base.settings()["threads"], "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,6 +514,19 @@ def _table(result: dict) -> None:
                 t.add_row(k, f"{v:.3f}", f"{100 * v / total:.1f}%")
         t.add_row("step total", f"{total:.3f}", "100%")
         console.print(t)
+    if "llamacpp" in result and "rows" in result["llamacpp"]:
+        t = Table(title=f"side by side, {e['pairs']} requests: this engine ({result['options'].get('dtype')}) and "
+                        f"llama.cpp ({result['llamacpp']['threads']} threads, {json.dumps(result['llamacpp']['options'])})")
+        for col in ("system", "AR tok/s", "system tok/s", "speedup over its AR", "identical"):
+            t.add_column(col, justify="right")
+        t.add_row("this engine", f"{e['ar_tok_s']:.1f}", f"{e['sys_tok_s']:.1f}", f"{e['speedup']:.2f}x",
+                  f"{100 * e['identical_outputs']:.0f}%")
+        for fmt, r in result["llamacpp"]["rows"].items():
+            t.add_row(f"llama.cpp {fmt}", f"{r['ar_tok_s']:.1f}", f"{r['sys_tok_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{100 * r['identical_outputs']:.0f}%")
+        console.print(t)
+    elif "llamacpp" in result:
+        console.print(f"llama.cpp: {result['llamacpp'].get('skipped') or result['llamacpp'].get('error')}")
     if "peer" in result and "speedup" in result["peer"]:
         p = result["peer"]
         console.print(f"peer (transformers prompt lookup, k={p['prompt_lookup_num_tokens']}): "
@@ -565,6 +635,17 @@ def run(args: argparse.Namespace) -> int:
             result["peer"] = peer(stock_model, dep, opts, few, max_new, reference)
         except Exception as e:  # the peer is a comparison, never a reason to lose the bench
             result["peer"] = {"error": f"{type(e).__name__}: {e}"}
+    if not args.no_llamacpp and dep.target == "smollm2-135m" and device.type == "cpu":
+        from specpilot.harness.server import llama_cpp_built
+
+        if llama_cpp_built() is None:
+            result["llamacpp"] = {"skipped": "llama.cpp is not built here: bash scripts/build_llamacpp.sh"}
+        else:
+            try:
+                spec = json.loads(args.llamacpp_spec)
+                result["llamacpp"] = llamacpp_side_by_side(prompts, max_new, args.trials, spec, tok, args.data_dir)
+            except Exception as e:  # a comparison, never a reason to lose the bench
+                result["llamacpp"] = {"error": f"{type(e).__name__}: {e}"}
     out = args.out
     if out is None:
         from specpilot.paths import default_data_dir

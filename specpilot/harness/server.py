@@ -209,6 +209,16 @@ def llama_cpp_dir() -> Path:
     return _built_llama_cpp()
 
 
+def llama_cpp_built() -> Path | None:
+    """The llama.cpp build if there is one here (``$SPECPILOT_LLAMACPP`` or the script's cache), else None:
+    never builds (`llama_cpp_dir` does)."""
+    if env := os.environ.get("SPECPILOT_LLAMACPP"):
+        return Path(env)
+    script = REPO_ROOT / "scripts" / "build_llamacpp.sh"
+    out = subprocess.run(["bash", str(script), "--check"], capture_output=True, text=True, timeout=60)
+    return Path(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
+
+
 @functools.cache
 def _built_llama_cpp() -> Path:
     script = REPO_ROOT / "scripts" / "build_llamacpp.sh"
@@ -385,21 +395,23 @@ class ServerEngine:
 @dataclass(frozen=True)
 class Completion:
     tokens: list[int]
-    steps: int  # target forwards after the prefill, as the server counts them (tokens when it does not say)
+    steps: int  # target forwards after the prefill, as the server counts them (one a token when it does not say)
     drafted: int = 0  # draft tokens the server verified (0 when it does not say)
 
     @property
     def accepted_per_step(self) -> list[int]:
-        """Tokens committed per step, spread evenly (the server reports totals only): their mean is tau."""
-        q, r = divmod(len(self.tokens), max(1, self.steps))
+        """Tokens committed per step after the prefill's, spread evenly (the server reports totals only):
+        their mean is tau."""
+        q, r = divmod(max(0, len(self.tokens) - 1), max(1, self.steps))
         return [q + (i < r) for i in range(self.steps)]
 
 
 def _steps(reply: dict, n: int) -> int:
-    """llama.cpp's timings: generated tokens minus accepted drafts is its number of target passes."""
-    timings = reply.get("timings") or {}
-    accepted = timings.get("draft_n_accepted")
-    return max(1, n - int(accepted)) if isinstance(accepted, int) else n
+    """Target passes after the prefill (whose pass gives the first token), as `GenerationResult.steps`
+    counts them: llama.cpp's timings give the accepted drafts, and each pass commits those it accepted
+    plus one. A server that does not say is taken to decode one token a pass."""
+    accepted = (reply.get("timings") or {}).get("draft_n_accepted")
+    return max(1, n - 1 - (int(accepted) if isinstance(accepted, int) else 0))
 
 
 def _drafted(reply: dict) -> int:

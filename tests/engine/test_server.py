@@ -57,7 +57,8 @@ def test_a_server_answers_greedy_tokens_and_stops_with_its_children(tmp_path):
     pidfile = tmp_path / "pids.json"
     with ServerEngine(_spec("ok", pidfile, spawn=True), {"threads": 1}, Tok()) as server:
         out = server.generate([5, 6, 7], 8)
-        assert out.tokens == list(range(8, 16)) and out.steps == 4  # 8 tokens, 4 drafts accepted
+        # 8 tokens: the prefill's, then 3 passes that accepted 4 drafts
+        assert out.tokens == list(range(8, 16)) and out.steps == 3
         assert server.argv[-2:] == ["--threads", "1"]
         pids = json.loads(pidfile.read_text())
         assert len(pids) == 2 and all(_alive(p) for p in pids)
@@ -166,7 +167,7 @@ def test_a_timing_worker_drives_a_server_and_leaves_nothing_running(tmp_path):
     proc.stdin.write(json.dumps({"prompt_ids": [10, 11], "max_new_tokens": 4}) + "\n")
     proc.stdin.write(json.dumps({"prompt_ids": [10, 11]}) + "\n")
     proc.stdin.flush()
-    assert json.loads(proc.stdout.readline()) == {"tokens": [12, 13, 14, 15], "steps": 2}
+    assert json.loads(proc.stdout.readline()) == {"tokens": [12, 13, 14, 15], "steps": 1}
     assert "error" in json.loads(proc.stdout.readline())
     pids = json.loads(pidfile.read_text())
     proc.stdin.close()
@@ -219,11 +220,13 @@ def test_a_real_llama_server_gives_greedy_tokens_and_stops():
         servers.append(server.proc.pid)
         prompt = server.tokenize("def fibonacci(n):\n")
         ar = server.generate(prompt, 48)
-        assert len(ar.tokens) == 48 and ar.steps == 48
-    with load_engine(dep, {"spec_type": "ngram-simple", "ngram_size_n": 2, "draft_max": 8}) as server:
+        assert len(ar.tokens) == 48 and ar.steps == 47
+    with load_engine(dep, {"spec_type": "ngram-simple", "simple_size_n": 2, "simple_size_m": 8}) as server:
         servers.append(server.proc.pid)
         spec = server.generate(prompt, 48)
-    assert spec.tokens == ar.tokens
+        measured = server.measure(prompt, 48)
+    assert spec.tokens == ar.tokens == measured["tokens"] and spec.steps < ar.steps  # drafts were accepted
+    assert measured["verified"] > measured["steps"] and max(measured["depths"]) > 0
     assert _gone(servers)
 
 
@@ -264,6 +267,24 @@ def test_a_server_measures_its_steps_and_the_lookup_replay_on_its_output(tmp_pat
         m = server.measure([5, 6, 7], 8)
         # after 1 2 3 | 4 the lookup finds 1 2 3 4 earlier and proposes 5 1 2 ...: the server says 5 6 ...
         repeating = server.measure([1, 2, 3, 4, 5, 1, 2, 3], 8)
-    assert m["tokens"] == list(range(8, 16)) and m["steps"] == 4 and m["verified"] == 4 + 8
+    assert m["tokens"] == list(range(8, 16)) and m["steps"] == 3 and m["verified"] == 3 + 8
     assert m["depths"] == m["chain_depths"] == [0] * 8 and m["profile_ms"] == {} and m["context"] == 3 + 4
     assert repeating["depths"][:3] == repeating["chain_depths"][:3] == [0, 1, 0]
+
+
+def test_llama_cpp_is_found_without_building_it(tmp_path, monkeypatch):
+    """`llama_cpp_built` answers from the build cache or None, and never starts a build (a bench that
+    only compares with llama.cpp must not spend ten minutes compiling it)."""
+    from specpilot.harness.server import llama_cpp_built
+
+    monkeypatch.delenv("SPECPILOT_LLAMACPP", raising=False)
+    monkeypatch.setenv("SPECPILOT_LLAMACPP_CACHE", str(tmp_path / "cache"))
+    assert llama_cpp_built() is None and not (tmp_path / "cache").exists()
+    flags = subprocess.run("grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12", shell=True,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    built = tmp_path / "cache" / f"11434.0.0-{flags}"
+    (built / "bin").mkdir(parents=True)
+    for name in ("llama-server", "llama-quantize"):
+        (built / "bin" / name).write_text("#!/bin/sh\n")
+        (built / "bin" / name).chmod(0o755)
+    assert llama_cpp_built() == built

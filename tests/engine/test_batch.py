@@ -1,0 +1,97 @@
+"""Continuous batching (`specpilot_engine.batch`), fp32 on the CPU: a request's tokens are the same whatever
+its batch-mates, its row and when it arrives (batch invariance, with the row-independent ``stream`` linears),
+they equal batch-1 decoding's, and every drafter (chain and tree) emits AR's tokens inside a batch too.
+Requests beyond the rows wait and are served; bad requests are refused by name before any work.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from specpilot_engine.api import apply_model_options
+from specpilot_engine.batch import BatchDecoder, BatchRequest
+from specpilot_engine.decode import DecodeConfig
+from specpilot_engine.drafters.ngram import NgramDrafter
+from specpilot_engine.options import EngineOptions
+from tests.engine.conftest import make_engine
+from tests.engine.test_lossless import _tiny_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_stream(tiny):
+    """The tiny model with the stream backend's linears (rows independent of the block's row count)."""
+    model, tok = copy.deepcopy(tiny)
+    return apply_model_options(model, EngineOptions(linear_backend="stream").resolved(dtype="fp32")), tok
+
+
+def _decoder(model, rows: int, drafter: str, tree: bool = False, block: int = 4, nodes: int = 8) -> BatchDecoder:
+    cfg = DecodeConfig(block_size=block, tree=tree, tree_nodes=nodes)
+    drafters = [NgramDrafter(min_match=1) if drafter == "ngram" else None for _ in range(rows)]
+    return BatchDecoder(model, drafters, cfg, rows=rows, max_len=256, stop_ids=model.cfg.stop_ids)
+
+
+def _batch_one(model_tok, prompts, max_new, **options) -> list[list[int]]:
+    engine = make_engine(model_tok, **options)
+    return [engine.generate(p, max_new).tokens for p in prompts]
+
+
+def test_a_batch_gives_each_request_its_batch_one_tokens(tiny_stream):
+    """Eight requests of different lengths over three rows, arriving at different steps: each one's tokens
+    equal batch-1 AR decoding's, with AR, an n-gram chain and an n-gram tree in the batch."""
+    prompts = _tiny_prompts(3, n=8)
+    max_new = [40, 24, 40, 8, 33, 40, 1, 17]
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, n).tokens for p, n in zip(prompts, max_new, strict=True)]
+    requests = [BatchRequest(f"r{i}", p, n, arrival_step=(0, 0, 0, 2, 5, 5, 9, 30)[i])
+                for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))]
+    model = tiny_stream[0]
+    for drafter, tree in (("none", False), ("ngram", False), ("ngram", True)):
+        result = _decoder(model, 3, drafter, tree).run(requests)
+        got = [result.generations[f"r{i}"].tokens for i in range(len(prompts))]
+        assert got == reference, (drafter, tree)
+        assert max(s.rows for s in result.steps) == 3  # the rows were full: later requests waited
+        if drafter == "ngram":
+            assert sum(s.committed for s in result.steps) > len(result.steps) * 1.0  # drafts were accepted
+        first = {r: g.joined_step for r, g in result.generations.items()}
+        assert first["r7"] >= 30 and all(g.finished_step >= g.joined_step for g in result.generations.values())
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch_mates(tiny_stream):
+    """The same request alone, among others, in another row and arriving later: bit for bit the same
+    tokens and the same accepted lengths a step (its logits do not move)."""
+    prompts = _tiny_prompts(5, n=6)
+    target = BatchRequest("t", prompts[0], 48)
+    model = tiny_stream[0]
+    alone = _decoder(model, 1, "ngram").run([target]).generations["t"]
+    crowd = [BatchRequest(f"o{i}", p, 48 - 5 * i) for i, p in enumerate(prompts[1:])]
+    late = BatchRequest("t", prompts[0], 48, arrival_step=4)  # joins a running batch, in another row
+    for rows, requests in ((4, crowd + [target]), (6, crowd[::-1] + [late])):
+        mixed = _decoder(model, rows, "ngram").run(requests).generations["t"]
+        assert mixed.tokens == alone.tokens and mixed.committed == alone.committed, rows
+
+
+def test_smollm2_batched_equals_batch_one(smollm2, smol_reference):
+    """SmolLM2 with the stream backend, eight dev prompts over four rows with the n-gram tree: each
+    request's tokens equal batch-1 AR decoding's with the same linears."""
+    model, tok = smollm2
+    stream = apply_model_options(copy.deepcopy(model), EngineOptions(linear_backend="stream").resolved(dtype="fp32"))
+    prompts, _ = smol_reference
+    prompts = prompts[:6]
+    reference = _batch_one((stream, tok), prompts, 24, drafter="none")
+    result = _decoder(stream, 4, "ngram", tree=True, nodes=8).run(
+        [BatchRequest(str(i), p, 24, arrival_step=i % 3) for i, p in enumerate(prompts)])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+
+
+def test_bad_batches_are_refused_before_any_work(tiny):
+    model = tiny[0]
+    dec = _decoder(model, 2, "none")
+    for reqs, message in (([BatchRequest("a", [], 4)], "prompt is empty"),
+                          ([BatchRequest("a", [1, 2], 0)], "max_new_tokens must be >= 1"),
+                          ([BatchRequest("a", [1] * 250, 8)], "exceed a cache row"),
+                          ([BatchRequest("a", [1], 4), BatchRequest("a", [2], 4)], "unique")):
+        with pytest.raises(ValueError, match=message):
+            dec.run(reqs)
+    with pytest.raises(ValueError, match="one drafter"):
+        BatchDecoder(model, [None], DecodeConfig(), rows=2, max_len=64)
