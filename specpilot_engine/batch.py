@@ -3,6 +3,11 @@
     batch = BatchDecoder(model, drafters, cfg, rows=8, max_len=2048, stop_ids=model.cfg.stop_ids)
     done = batch.run([BatchRequest("a", prompt_a, 128), BatchRequest("b", prompt_b, 64, arrival_step=3)])
 
+    batch.submit(BatchRequest("c", prompt_c, 32))       # online, as a server's clients do
+    while batch.busy:
+        batch.step()
+        for request_id, generation in batch.finished(): ...
+
 Each request lives in its own row of one KV cache ([layers, rows, kv_heads, max_len, head_dim]) with its
 own length. A step:
 
@@ -24,14 +29,16 @@ request's logits do not depend on its batch-mates or on when it arrived, so in f
 equal batch-1 `decode.generate`'s bit for bit (tested). Every accepted token is the target's argmax at
 its parent, so speculation stays lossless here as in batch 1.
 
-This module knows nothing about options parsing, text or timing harnesses; `BatchDecoder.run` records
-per request its tokens, committed tokens and verified tokens a step, and the step on which it joined
-and finished, and per step the batch's rows and the forward's seconds.
+This module knows nothing about options parsing, text or timing harnesses. A request's `BatchGeneration`
+records its tokens, committed and verified tokens a step, the steps on which it joined and finished, and
+the clock (``time.perf_counter``) when it was submitted, got its first token and finished; a step's
+`StepRecord` the rows in flight and the forward's seconds.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +64,9 @@ class BatchGeneration(Generation):
 
     joined_step: int = -1
     finished_step: int = -1
+    submitted_at: float = 0.0  # time.perf_counter() when it was submitted
+    first_token_at: float = 0.0  # ... when its prefill gave the first token
+    finished_at: float = 0.0  # ... when its last token was committed
 
 
 @dataclass
@@ -77,6 +87,7 @@ class _Row:
     start: int  # cache slot of the root (the last committed token)
     hidden: torch.Tensor  # the target's hidden state at the token before the root
     drafter: Drafter | None
+    slot: int  # its cache row
     tree: DraftTree | None = None
 
 
@@ -98,10 +109,20 @@ class BatchDecoder:
             raise ValueError(f"one drafter (or None) a row: {rows} rows, {len(drafters)} drafters")
         self.model, self.cfg, self.drafters, self.stops = model, cfg, list(drafters), set(stop_ids)
         self.cache = model.new_cache(max_len, batch=rows)
+        self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
+        self.active: dict[int, _Row] = {}  # cache row -> the request in it
+        self.steps = 0  # forwards run so far (the clock of arrival_step, joined_step, finished_step)
+        self._finished: list[tuple[str, BatchGeneration]] = []
+        self._ids: set[str] = set()  # ids waiting or in flight
 
     @property
     def rows(self) -> int:
         return self.cache.k.shape[1]
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is waiting or in flight."""
+        return bool(self.waiting or self.active)
 
     def _check(self, r: BatchRequest) -> None:
         if not r.prompt:
@@ -114,61 +135,89 @@ class BatchDecoder:
             raise ValueError(f"request {r.request_id!r}: prompt ({len(r.prompt)} tokens) + max_new_tokens "
                              f"({r.max_new_tokens}) + a step's drafts exceed a cache row ({self.cache.max_len} slots)")
 
+    def submit(self, request: BatchRequest) -> None:
+        """Queue ``request``; it takes a free row at the next `step` (requests beyond the rows wait, in
+        order). A bad request is refused here (`ValueError`), before any work."""
+        self._check(request)
+        if request.request_id in self._ids:
+            raise ValueError(f"request ids must be unique: {request.request_id!r} is already waiting or in flight")
+        self._ids.add(request.request_id)
+        self.waiting.append((request, time.perf_counter()))
+
+    def finished(self) -> list[tuple[str, BatchGeneration]]:
+        """The requests finished since the last call, in the order they finished."""
+        out, self._finished = self._finished, []
+        return out
+
     @torch.no_grad()
-    def _prefill(self, slot: int, r: BatchRequest, step: int) -> _Row:
+    def step(self) -> StepRecord | None:
+        """Join waiting requests into free rows (their prompts run), then one forward over every row in
+        flight; None when no row was in flight after the joins."""
+        prefills = 0
+        free = [i for i in range(self.rows) if i not in self.active]
+        while self.waiting and free:
+            request, at = self.waiting.popleft()
+            row = self._prefill(free.pop(0), request, at)
+            prefills += 1
+            if self._done(row):
+                self._finish(row)
+            else:
+                self.active[row.slot] = row
+        if not self.active:
+            return None
+        record = self._step(self.active, prefills)
+        for slot in [s for s, row in self.active.items() if self._done(row)]:
+            self._finish(self.active.pop(slot))
+        self.steps += 1
+        return record
+
+    @torch.no_grad()
+    def _prefill(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
         tokens = torch.tensor([r.prompt], dtype=torch.int64, device=self.model.device)
         positions = torch.arange(len(r.prompt), device=self.model.device).unsqueeze(0)
         t0 = time.perf_counter()
         logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [0], [len(r.prompt)], [slot], [None],
                                                    last_only=True)
         first = int(greedy_ids(logits[0, -1]))
-        gen = BatchGeneration(tokens=[first], joined_step=step)
-        gen.prefill_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        gen = BatchGeneration(tokens=[first], joined_step=self.steps, submitted_at=submitted_at, first_token_at=now)
+        gen.prefill_s = now - t0
         drafter = self.drafters[slot]
         if drafter is not None:
             drafter.reset()
-        return _Row(r, gen, [*r.prompt, first], len(r.prompt), hidden[0, -1], drafter)
+        return _Row(r, gen, [*r.prompt, first], len(r.prompt), hidden[0, -1], drafter, slot)
 
     def _done(self, row: _Row) -> bool:
         return len(row.gen.tokens) >= row.request.max_new_tokens or row.gen.tokens[-1] in self.stops
 
-    @torch.no_grad()
+    def _finish(self, row: _Row) -> None:
+        del row.gen.tokens[row.request.max_new_tokens:]
+        row.gen.finished_step, row.gen.finished_at = self.steps, time.perf_counter()
+        self._ids.discard(row.request.request_id)
+        self._finished.append((row.request.request_id, row.gen))
+
     def run(self, requests: Sequence[BatchRequest]) -> BatchResult:
-        """Serve ``requests`` to the end; each arrives before its ``arrival_step``'s forward."""
+        """Serve ``requests`` to the end, each submitted before its ``arrival_step``'s forward (when nothing
+        is in flight until the next arrival, the step clock jumps to it)."""
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
         for r in requests:
             self._check(r)
-        waiting = sorted(requests, key=lambda r: r.arrival_step)
-        active: dict[int, _Row] = {}
+        pending = deque(sorted(requests, key=lambda r: r.arrival_step))
         result = BatchResult({})
-        step = 0
-        while waiting or active:
-            prefills = 0
-            free = [i for i in range(self.rows) if i not in active]
-            while waiting and free and waiting[0].arrival_step <= step:
-                slot, r = free.pop(0), waiting.pop(0)
-                row = self._prefill(slot, r, step)
-                prefills += 1
-                if self._done(row):
-                    self._finish(row, step, result)
-                else:
-                    active[slot] = row
-            if not active:
-                if waiting:  # nothing in flight until the next arrival: time moves on
-                    step = max(step + 1, waiting[0].arrival_step)
-                continue
-            result.steps.append(self._step(active, prefills))
-            for slot in [s for s, row in active.items() if self._done(row)]:
-                self._finish(active.pop(slot), step, result)
-            step += 1
+        while pending or self.busy:
+            if not self.busy and pending:
+                self.steps = max(self.steps, pending[0].arrival_step)
+            while pending and pending[0].arrival_step <= self.steps:
+                self.submit(pending.popleft())
+            record = self.step()
+            if record is not None:
+                result.steps.append(record)
+            elif not pending:
+                self.steps += 1  # only prefills ran (requests that ended at their first token)
+            result.generations.update(self.finished())
         return result
-
-    def _finish(self, row: _Row, step: int, result: BatchResult) -> None:
-        del row.gen.tokens[row.request.max_new_tokens:]
-        row.gen.finished_step = step
-        result.generations[row.request.request_id] = row.gen
 
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         slots = sorted(active)

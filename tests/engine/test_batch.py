@@ -95,3 +95,40 @@ def test_bad_batches_are_refused_before_any_work(tiny):
             dec.run(reqs)
     with pytest.raises(ValueError, match="one drafter"):
         BatchDecoder(model, [None], DecodeConfig(), rows=2, max_len=64)
+
+
+def test_closed_loop_clients_get_every_answer_and_the_load_is_measured(tiny_stream):
+    """`specpilot.harness.loadgen.closed_loop`: three clients, seven requests: each answered once with its
+    prompt's batch-1 tokens, never more than three in flight, and the summary's figures consistent
+    (latency covers the time to first token; p99 >= p50; the step cost is keyed by rows in flight)."""
+    from specpilot.harness.loadgen import closed_loop
+
+    prompts = _tiny_prompts(11, n=4)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 20).tokens for p in prompts]
+    dec = _decoder(tiny_stream[0], 3, "ngram")
+    load = closed_loop(dec, prompts, concurrency=3, max_new_tokens=20, total=7)
+    assert sorted(r.request_id for r in load.requests) == [f"q{i}" for i in range(7)]
+    assert all(r.tokens == reference[r.prompt_index] for r in load.requests)
+    assert max(load.step_rows) == 3 and not dec.busy
+    assert all(0 < r.ttft_s <= r.latency_s for r in load.requests)
+    s = load.summary()
+    assert s["requests"] == 7 and s["output_tokens"] == sum(map(len, (r.tokens for r in load.requests)))
+    assert s["latency_p99_s"] >= s["latency_p50_s"] > 0 and s["tok_s"] > 0 and s["tau"] >= 1.0
+    assert set(s["step_s_by_rows"]) <= {"1", "2", "3"}
+    with pytest.raises(ValueError, match="concurrency >= 1"):
+        closed_loop(dec, prompts, concurrency=0, max_new_tokens=4, total=1)
+
+
+def test_online_requests_queue_beyond_the_rows_and_ids_stay_unique_in_flight(tiny):
+    dec = _decoder(tiny[0], 1, "none")
+    dec.submit(BatchRequest("a", [1, 2, 3], 4))
+    dec.submit(BatchRequest("b", [4, 5, 6], 4))
+    with pytest.raises(ValueError, match="already waiting or in flight"):
+        dec.submit(BatchRequest("a", [1], 2))
+    done = []
+    while dec.busy:
+        dec.step()
+        assert len(dec.active) <= 1
+        done += [rid for rid, _ in dec.finished()]
+    assert done == ["a", "b"]
+    dec.submit(BatchRequest("a", [1, 2, 3], 4))  # a finished id may be sent again

@@ -1,0 +1,109 @@
+"""Closed-loop load on a batched decoder: ``concurrency`` clients, each sending its next request as soon as
+its last one is answered, as a serving benchmark's clients do.
+
+`closed_loop(decoder, prompts, concurrency, max_new_tokens, total)` drives a
+`specpilot_engine.batch.BatchDecoder` online (``submit`` / ``step``): the clients take the prompts in turn
+(round robin, so every run of the same arguments sends the same requests in the same order), and the
+run ends when ``total`` requests are answered. Per request it records the wall-clock latency (submit to
+last token), the time to first token (submit to the end of its prefill) and its tokens; overall the
+output tokens per second of wall time, and per step the rows in flight and the forward's seconds (the
+step cost by batch size).
+
+Pure measurement over the decoder's public interface: nothing here changes what is decoded, and a
+request's tokens are the decoder's (batch-invariant where its linears are).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from specpilot_engine.batch import BatchDecoder, BatchRequest
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_index: int
+    tokens: list[int]
+    latency_s: float
+    ttft_s: float
+    steps: int
+    committed: int
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    wall_s: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    step_rows: list[int] = field(default_factory=list)
+    step_forward_s: list[float] = field(default_factory=list)
+    step_committed: list[int] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.requests)
+
+    def summary(self) -> dict:
+        """Throughput, latency percentiles, tau and the step cost by rows in flight (seconds a forward)."""
+        lat = sorted(r.latency_s for r in self.requests)
+        ttft = sorted(r.ttft_s for r in self.requests)
+        by_rows: dict[int, list[float]] = defaultdict(list)
+        for rows, secs in zip(self.step_rows, self.step_forward_s, strict=True):
+            by_rows[rows].append(secs)
+        steps = sum(r.steps for r in self.requests)
+        return {
+            "concurrency": self.concurrency, "requests": len(self.requests), "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 3), "tok_s": self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "latency_p50_s": _percentile(lat, 50), "latency_p99_s": _percentile(lat, 99),
+            "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+            "tau": sum(r.committed for r in self.requests) / max(1, steps),
+            "step_s_by_rows": {str(k): round(statistics.median(v), 5) for k, v in sorted(by_rows.items())},
+        }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank percentile (0 for no values)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
+    return sorted_values[rank - 1]
+
+
+def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+                total: int) -> LoadResult:
+    """``total`` requests from ``concurrency`` closed-loop clients (see the module docstring)."""
+    if concurrency < 1 or total < 1 or not prompts:
+        raise ValueError("closed_loop needs concurrency >= 1, total >= 1 and at least one prompt")
+    result = LoadResult(concurrency=concurrency, wall_s=0.0)
+    sent = 0
+    submitted: dict[str, tuple[int, float]] = {}
+
+    def send() -> None:
+        nonlocal sent
+        rid = f"q{sent}"
+        index = sent % len(prompts)
+        submitted[rid] = (index, time.perf_counter())
+        decoder.submit(BatchRequest(rid, prompts[index], max_new_tokens))
+        sent += 1
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, total)):
+        send()
+    while decoder.busy:
+        record = decoder.step()
+        if record is not None:
+            result.step_rows.append(record.rows)
+            result.step_forward_s.append(record.forward_s)
+            result.step_committed.append(record.committed)
+        for rid, gen in decoder.finished():
+            index, at = submitted.pop(rid)
+            result.requests.append(RequestRecord(rid, index, list(gen.tokens), gen.finished_at - at,
+                                                 gen.first_token_at - at, gen.steps, sum(gen.committed)))
+            if sent < total:
+                send()
+    result.wall_s = time.perf_counter() - t0
+    return result
