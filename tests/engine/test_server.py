@@ -253,6 +253,13 @@ def test_server_options_are_planned_and_checked_as_engine_options_are():
                               history=planner.History(), options=cls, devices=1)
     first = directions[0]
     assert first.provider == "sweep" and first.hints["option"] == "spec_type" and "ngram-mod" in first.hints["values"]
+    engine_entry = {"entry_id": "e1", "options": {"drafter": "parallel"}, "delta": ""}
+    coded_entry = {"entry_id": "e2", "options": {"new_knob": True}, "delta": "diff --git ..."}
+    server_entry = {"entry_id": "e3", "options": {"spec_type": "ngram-mod", "mod_n_match": 8}, "delta": ""}
+    entries = [engine_entry, coded_entry, server_entry]
+    assert planner.applicable_entries(entries, set(cls.__dataclass_fields__), server=True) == [server_entry]
+    engine_known = set(engine_options.EngineOptions.__dataclass_fields__)
+    assert planner.applicable_entries(entries, engine_known, server=False) == [engine_entry, coded_entry]
     check = sweep_validator(dep.name, ws=None)  # a server's options are checked without a workspace
     assert check({"spec_type": "ngram-mod", "threads": 1}) is None
     assert "unknown server option" in check({"drafter": "parallel"})

@@ -274,8 +274,7 @@ class RoundDriver:
         # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
         applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
         known = set(options.__dataclass_fields__)
-        if deployment.server:  # an entry learned on our engine sets engine options a server does not have
-            entries = [e for e in entries if set(e.get("options") or {}) <= known and not e.get("delta")]
+        entries = planner.applicable_entries(entries, known, server=bool(deployment.server))
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
         hardware = await self.round_events(schema.HardwareMeasured)

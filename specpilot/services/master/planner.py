@@ -72,6 +72,19 @@ class History:
     llm_directions: int = 0
 
 
+def applicable_entries(entries: list[dict[str, Any]], known_options: set[str], server: bool) -> list[dict[str, Any]]:
+    """The entries whose settings this deployment's system can take: an entry learned on a server sets
+    that server's flags, one learned on our engine sets engine options (and may carry code). A server
+    takes no code delta and only its own options; the engine takes options it knows, or unknown ones
+    that the entry's delta adds."""
+    out = []
+    for e in entries:
+        unknown = set(e.get("options") or {}) - known_options
+        if (not unknown and not e.get("delta")) if server else (not unknown or bool(e.get("delta"))):
+            out.append(e)
+    return out
+
+
 def entries_in_lineage(entries: list[dict[str, Any]], advanced_event_ids: set[str]) -> set[str]:
     """Ids of the entries learned from a promotion of this deployment (their evidence holds one of its
     ``BestAdvanced`` event ids): the deployment's best system already contains them."""
