@@ -10,7 +10,8 @@ time to first token, tau, the forward's seconds by rows in flight, and the speed
 checks that every system's tokens equal batched AR's (lossless). Prints a table, then one JSON line.
 
 Usage: ``python bench/batch_bench.py [--concurrency 8] [--requests 16] [--max-new-tokens 128]
-[--dtype fp32] [--drafters none,ngram,parallel] [--block 4] [--threads 2]``
+[--dtype fp32] [--drafters none,ngram,parallel] [--block 4] [--threads 2] [--node-budget N]
+[--adaptive-block]`` (the last two: `specpilot_engine.batch.BatchPolicy`; AR drafts nothing either way)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specpilot.harness.deployment import load_deployment
 from specpilot.harness.loadgen import closed_loop
 from specpilot.harness.requests import encode_requests, fit_context, load_requests
 from specpilot_engine.api import apply_model_options
-from specpilot_engine.batch import BatchDecoder
+from specpilot_engine.batch import BatchDecoder, BatchPolicy
 from specpilot_engine.decode import DecodeConfig
 from specpilot_engine.drafters import make_drafter
 from specpilot_engine.options import EngineOptions
@@ -43,6 +44,8 @@ def main() -> int:
     ap.add_argument("--drafters", default="none,ngram,parallel")
     ap.add_argument("--block", type=int, default=4, help="draft tokens a step (a chain)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--node-budget", type=int, default=0, help="BatchPolicy.node_budget of the speculative systems")
+    ap.add_argument("--adaptive-block", action="store_true", help="BatchPolicy.adaptive_block of the speculative systems")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,8 +60,9 @@ def main() -> int:
     for name in args.drafters.split(","):
         opts = base.replace(drafter=name)
         drafters = [make_drafter(opts, model) for _ in range(args.concurrency)]
+        policy = BatchPolicy(node_budget=args.node_budget, adaptive_block=args.adaptive_block)
         decoder = BatchDecoder(model, drafters, cfg, rows=args.concurrency, max_len=max_len,
-                               stop_ids=model.cfg.stop_ids)
+                               stop_ids=model.cfg.stop_ids, policy=policy)
         closed_loop(decoder, prompts[:2], min(2, args.concurrency), 8, 2)  # warm up kernels and caches
         load = closed_loop(decoder, prompts, args.concurrency, args.max_new_tokens, args.requests)
         outputs = {r.request_id: r.tokens for r in load.requests}

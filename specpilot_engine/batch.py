@@ -14,14 +14,15 @@ own length. A step:
 1. **Join.** Requests that have arrived take free rows, in arrival order (a request that finds no free
    row waits: the queue never drops one). Stock admits a new request's whole prompt as one forward of its
    own, before the step (`prefill`), as batch-1 decoding does.
-2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain of up to
-   ``block_size`` tokens, or a best-first tree), never past the request's ``max_new_tokens``.
+2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
+   best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
+   verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).
 3. **Verify.** One target forward over every active row's root and drafts, padded to the widest row
    (`Transformer.forward_ragged`: linears over the whole block, attention per row over exactly that
    row's live slots).
 4. **Accept.** Per row, the longest path that matches the target's argmax (`DraftTree.accept`), its
    cache row compacted to that path; a request ends at ``max_new_tokens`` or a stop token, and its row
-   is free for the next step.
+   is free for the next step, as is the row of a request `cancel`ed mid-generation (its client left).
 
 Batch invariance: with row-independent linears (``linear_backend = "stream"``; PyTorch's default CPU
 GEMM may sum a row in another order when the block has more rows) and attention computed per row, a
@@ -58,6 +59,43 @@ class BatchRequest:
     arrival_step: int = 0  # the step before which it arrives (0: at the start)
 
 
+@dataclass(frozen=True)
+class BatchPolicy:
+    """What each row drafts in a step. The defaults are stock: every request drafts ``block_size`` tokens
+    (or a tree of ``tree_nodes``). Both mechanisms only choose how many draft tokens a row verifies; the
+    target still accepts only its own argmax, so neither can change a token.
+
+    - ``node_budget`` > 0: the step's draft tokens over the whole batch, shared by expected acceptance
+      (`allocate_drafts`: the next token goes to the row whose next draft is likeliest to be accepted,
+      each row's recent acceptance rate ``a`` giving its j-th draft token the chance ``a ** j``).
+    - ``adaptive_block``: each row drafts ``1 +`` its recent mean of accepted drafts a step, at most
+      ``block_size`` (a row whose drafts keep missing verifies one draft a step, not ``block_size``).
+    Both read the last ``window`` steps of the row."""
+
+    node_budget: int = 0
+    adaptive_block: bool = False
+    window: int = 8
+
+    def __post_init__(self) -> None:
+        if self.node_budget < 0 or self.window < 1:
+            raise ValueError(f"need node_budget >= 0 and window >= 1, got {self.node_budget}, {self.window}")
+
+
+def acceptance_rate(accepted: Sequence[int], drafted: Sequence[int]) -> float:
+    """A row's recent share of draft tokens accepted, with one accepted of two as the prior (a new row)."""
+    return (sum(accepted) + 1) / (sum(drafted) + 2)
+
+
+def allocate_drafts(rates: Sequence[float], caps: Sequence[int], budget: int) -> list[int]:
+    """Draft tokens a row, ``budget`` in all, each at most its cap: greedily to the row whose next token
+    has the highest chance ``rate ** (given + 1)`` of being accepted (ties: the earlier row)."""
+    given = [0] * len(rates)
+    for _ in range(min(budget, sum(caps))):
+        best = max((r for r in range(len(rates)) if given[r] < caps[r]), key=lambda r: rates[r] ** (given[r] + 1))
+        given[best] += 1
+    return given
+
+
 @dataclass
 class BatchGeneration(Generation):
     """A request's `Generation`, with when it joined and finished (step numbers of its `BatchDecoder`)."""
@@ -89,6 +127,8 @@ class _Row:
     drafter: Drafter | None
     slot: int  # its cache row
     tree: DraftTree | None = None
+    accepted: deque[int] = field(default_factory=deque)  # accepted draft tokens of its recent steps
+    drafted: deque[int] = field(default_factory=deque)  # draft tokens of its recent steps
 
 
 @dataclass
@@ -102,12 +142,13 @@ class BatchDecoder:
     row i (a drafter keeps per-request state, so rows do not share one; None: AR)."""
 
     def __init__(self, model: Transformer, drafters: Sequence[Drafter | None], cfg: DecodeConfig, rows: int,
-                 max_len: int, stop_ids: tuple[int, ...] = ()):
+                 max_len: int, stop_ids: tuple[int, ...] = (), policy: BatchPolicy | None = None):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         if len(drafters) != rows:
             raise ValueError(f"one drafter (or None) a row: {rows} rows, {len(drafters)} drafters")
         self.model, self.cfg, self.drafters, self.stops = model, cfg, list(drafters), set(stop_ids)
+        self.policy = policy or BatchPolicy()
         self.cache = model.new_cache(max_len, batch=rows)
         self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
         self.active: dict[int, _Row] = {}  # cache row -> the request in it
@@ -143,6 +184,21 @@ class BatchDecoder:
             raise ValueError(f"request ids must be unique: {request.request_id!r} is already waiting or in flight")
         self._ids.add(request.request_id)
         self.waiting.append((request, time.perf_counter()))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request (its client went away): out of the queue, or its row freed for the next step;
+        the others are untouched. False when it is neither waiting nor in flight."""
+        for i, (request, _) in enumerate(self.waiting):
+            if request.request_id == request_id:
+                del self.waiting[i]
+                self._ids.discard(request_id)
+                return True
+        for slot, row in self.active.items():
+            if row.request.request_id == request_id:
+                del self.active[slot]
+                self._ids.discard(request_id)
+                return True
+        return False
 
     def finished(self) -> list[tuple[str, BatchGeneration]]:
         """The requests finished since the last call, in the order they finished."""
@@ -219,14 +275,31 @@ class BatchDecoder:
             result.generations.update(self.finished())
         return result
 
+    def draft_sizes(self, rows: Sequence[_Row]) -> list[int]:
+        """Draft tokens each row may verify this step (chain length, or tree nodes): `BatchPolicy`."""
+        stock = self.cfg.tree_nodes if self.cfg.tree else self.cfg.block_size
+        caps = []
+        for row in rows:
+            cap = stock
+            if self.policy.adaptive_block and row.drafted:
+                mean = sum(row.accepted) / len(row.drafted)
+                cap = min(stock, 1 + round(mean))
+            caps.append(cap)
+        if self.policy.node_budget <= 0:
+            return caps
+        rates = [acceptance_rate(row.accepted, row.drafted) for row in rows]
+        return allocate_drafts(rates, caps, self.policy.node_budget)
+
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         slots = sorted(active)
-        for slot in slots:
+        sizes = self.draft_sizes([active[s] for s in slots])
+        for slot, size in zip(slots, sizes, strict=True):
             row = active[slot]
             t0 = time.perf_counter()
-            k = min(self.cfg.block_size, row.request.max_new_tokens - len(row.gen.tokens) - 1)
+            left = row.request.max_new_tokens - len(row.gen.tokens) - 1
+            k = min(self.cfg.block_size if self.cfg.tree else size, left)
             row.tree = draft(row.drafter, row.context, row.hidden, k, self.cfg,
-                             max_nodes=self.cache.max_len - row.start - 1)
+                             max_nodes=min(size, self.cache.max_len - row.start - 1))
             row.gen.draft_s.append(time.perf_counter() - t0)
         width = max(len(active[s].tree) for s in slots)
         device = self.model.device
@@ -262,6 +335,11 @@ class BatchDecoder:
                     break
             row.gen.committed.append(len(row.gen.tokens) - before)
             row.gen.verified.append(len(row.tree))
+            row.accepted.append(len(path) - 1)
+            row.drafted.append(len(row.tree) - 1)
+            while len(row.drafted) > self.policy.window:
+                row.accepted.popleft()
+                row.drafted.popleft()
             row.gen.verify_s.append(forward_s)
             committed += len(row.gen.tokens) - before
         return StepRecord(rows=len(slots), tokens=len(slots) * width, verified=sum(len(active[s].tree) for s in slots),

@@ -132,3 +132,51 @@ def test_online_requests_queue_beyond_the_rows_and_ids_stay_unique_in_flight(tin
         done += [rid for rid, _ in dec.finished()]
     assert done == ["a", "b"]
     dec.submit(BatchRequest("a", [1, 2, 3], 4))  # a finished id may be sent again
+
+
+def test_draft_tokens_go_where_they_are_likeliest_accepted():
+    """`allocate_drafts`: a row whose drafts are accepted 90% of the time gets most of a shared budget,
+    caps hold, and the budget is never exceeded; `acceptance_rate` starts a new row at one half."""
+    from specpilot_engine.batch import acceptance_rate, allocate_drafts
+
+    assert acceptance_rate([], []) == 0.5 and acceptance_rate([4, 4], [4, 4]) == 0.9
+    assert allocate_drafts([0.9, 0.2, 0.5], [8, 8, 8], 10) == [8, 0, 2]  # 0.9 ** 8 = 0.43 > 0.5 ** 2 > 0.2
+    assert allocate_drafts([0.9, 0.9], [3, 8], 20) == [3, 8]  # caps bind before the budget
+    assert allocate_drafts([0.5, 0.5], [4, 4], 0) == [0, 0]
+
+
+@pytest.mark.parametrize("policy", [dict(node_budget=6), dict(adaptive_block=True), dict(node_budget=9, adaptive_block=True)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_batch_mechanisms_change_what_is_drafted_never_the_tokens(tiny_stream, policy, tree):
+    """A shared node budget and per-request block lengths only choose how many drafts each row verifies:
+    every request still gets batch-1 AR's tokens, and the step's drafts stay within the budget."""
+    from specpilot_engine.batch import BatchPolicy
+
+    prompts = _tiny_prompts(7, n=6)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 32).tokens for p in prompts]
+    cfg = DecodeConfig(block_size=6, tree=tree, tree_nodes=8)
+    dec = BatchDecoder(tiny_stream[0], [NgramDrafter(min_match=1) for _ in range(4)], cfg, rows=4, max_len=256,
+                       stop_ids=tiny_stream[0].cfg.stop_ids, policy=BatchPolicy(**policy))
+    result = dec.run([BatchRequest(str(i), p, 32, arrival_step=i) for i, p in enumerate(prompts)])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+    if policy.get("node_budget"):
+        assert all(s.verified - s.rows <= policy["node_budget"] for s in result.steps)
+
+
+def test_a_client_that_goes_away_frees_its_row_and_the_others_are_unaffected(tiny_stream):
+    """`cancel` mid-generation: the row is free at the next step (a waiting request takes it), the
+    cancelled request never finishes, and every other request still gets its batch-1 tokens."""
+    prompts = _tiny_prompts(13, n=4)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 24).tokens for p in prompts]
+    dec = _decoder(tiny_stream[0], 2, "ngram")
+    for i, p in enumerate(prompts):
+        dec.submit(BatchRequest(str(i), p, 24))
+    dec.step()
+    dec.step()
+    assert dec.cancel("0") and not dec.cancel("0") and dec.cancel("3")  # in flight, then waiting
+    done = {}
+    while dec.busy:
+        dec.step()
+        done.update(dec.finished())
+    assert set(done) == {"1", "2"} and [done["1"].tokens, done["2"].tokens] == reference[1:3]
+    assert done["2"].joined_step == 2  # it took the cancelled request's row at the next step

@@ -255,7 +255,7 @@ def test_server_options_are_planned_and_checked_as_engine_options_are():
     assert first.provider == "sweep" and first.hints["option"] == "spec_type" and "ngram-mod" in first.hints["values"]
     engine_entry = {"entry_id": "e1", "options": {"drafter": "parallel"}, "delta": ""}
     coded_entry = {"entry_id": "e2", "options": {"new_knob": True}, "delta": "diff --git ..."}
-    server_entry = {"entry_id": "e3", "options": {"spec_type": "ngram-mod", "mod_n_match": 8}, "delta": ""}
+    server_entry = {"entry_id": "e3", "options": {"spec_type": "ngram-mod", "mod_n_match": 8}, "delta": "\n"}
     entries = [engine_entry, coded_entry, server_entry]
     assert planner.applicable_entries(entries, set(cls.__dataclass_fields__), server=True) == [server_entry]
     engine_known = set(engine_options.EngineOptions.__dataclass_fields__)
@@ -295,3 +295,27 @@ def test_llama_cpp_is_found_without_building_it(tmp_path, monkeypatch):
         (built / "bin" / name).write_text("#!/bin/sh\n")
         (built / "bin" / name).chmod(0o755)
     assert llama_cpp_built() == built
+
+
+@pytest.mark.slow
+def test_phase_zero_profiles_a_server_through_its_own_measure(tmp_path):
+    """Phase 0 on a server deployment (the fake server, sandboxed workers): the worker's ``measure`` is the
+    server's own (steps and drafts from its timings), the AR twin is ``[server] ar_options``, and the
+    profile carries the server's weight format and its step shape as it reported it."""
+    from specpilot.services.controller.evaluate import Evaluator
+    from specpilot.services.controller.phases import profile
+    from specpilot.services.controller.workers import System
+
+    toml = tmp_path / "fake-server.toml"
+    command = [sys.executable, str(FAKE), "--port", "{port}"]
+    toml.write_text('target = "tiny"\nrequest_sets = ["chat"]\nmax_new_tokens = 8\n[server]\n'
+                    f'command = {json.dumps(command)}\nar_options = {{ threads = "1" }}\nweight_dtype = "q4_1"\n'
+                    '[server.options.threads]\nflag = "--threads"\nstock = "2"\nsweep = ["1"]\n')
+    ev = Evaluator(tmp_path / "data", str(toml), n_requests=2, max_new_tokens=8, trials=2, threads=1)
+    stock = System(ev.prepare())
+    assert ev.ar_system(stock).options == {"threads": "1"}
+    prof = profile(ev, stock, "cpu")
+    # 8 tokens a request: the prefill's, then 3 passes that accepted 4 of 8 drafts (the fake's timings)
+    assert prof.tau == pytest.approx((16 - 2) / 6) and prof.verified_tokens == pytest.approx(22 / 6)
+    assert prof.n_tokens == 4 and prof.block_size == 3 and prof.dtype == "q4_1" and prof.classes_s == {}
+    assert [len(d) for d in prof.replay_depths] == [8, 8] and prof.t_ar_s > 0 and prof.step_s > 0

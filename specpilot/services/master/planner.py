@@ -80,7 +80,8 @@ def applicable_entries(entries: list[dict[str, Any]], known_options: set[str], s
     out = []
     for e in entries:
         unknown = set(e.get("options") or {}) - known_options
-        if (not unknown and not e.get("delta")) if server else (not unknown or bool(e.get("delta"))):
+        code = bool((e.get("delta") or "").strip())  # an options-only entry's delta is empty (or a newline)
+        if (not unknown and not code) if server else (not unknown or code):
             out.append(e)
     return out
 
