@@ -296,8 +296,9 @@ class RaggedStep:
 
     rows: tuple[int, ...]  # cache row of each batch row
     starts: tuple[int, ...]  # first cache slot of each row's new tokens
-    lengths: tuple[int, ...]  # each row's own tokens in the block (<= T)
+    lengths: tuple[int, ...]  # each row's own tokens
     masks: tuple[tuple[Tensor | BlockMask | None, bool], ...]  # (mask, is_causal) of each row
+    offsets: tuple[int, ...]  # where each row's tokens begin in the packed block (the rows back to back)
 
 
 class Attention(nn.Module):
@@ -344,16 +345,16 @@ class Attention(nn.Module):
 
 
     def _ragged_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: RaggedStep) -> Tensor:
-        """Each batch row's own tokens attend over exactly its own cache row's live slots, through the
-        same SDPA call a batch-1 forward of that row makes: a row's result does not depend on its
-        batch-mates. Pad tokens write nothing and come out as zeros."""
-        B, H, T, hd = q.shape
-        y = q.new_zeros(B, T, H * hd)
-        for b, (row, start, n, (mask, causal)) in enumerate(zip(step.rows, step.starts, step.lengths, step.masks,
-                                                                strict=True)):
-            keys, values = cache.update_row(self.layer, row, start, k[b:b + 1, :, :n], v[b:b + 1, :, :n])
-            out = self.core(q[b:b + 1, :, :n], keys, values, mask, causal)
-            y[b, :n] = out[0].transpose(0, 1).reshape(n, H * hd)
+        """Over a packed block (q [1, H, N, hd], the rows' tokens back to back): each row's tokens attend
+        over exactly its own cache row's live slots, through the same SDPA call a batch-1 forward of that
+        row makes, so a row's result does not depend on its batch-mates."""
+        _, H, N, hd = q.shape
+        y = q.new_empty(1, N, H * hd)
+        for row, start, n, (mask, causal), o in zip(step.rows, step.starts, step.lengths, step.masks, step.offsets,
+                                                    strict=True):
+            keys, values = cache.update_row(self.layer, row, start, k[:, :, o:o + n], v[:, :, o:o + n])
+            out = self.core(q[:, :, o:o + n], keys, values, mask, causal)
+            y[0, o:o + n] = out[0].transpose(0, 1).reshape(n, H * hd)
         return y
 
 
@@ -448,26 +449,37 @@ class Transformer(nn.Module):
                        last_only: bool = False) -> tuple[Tensor, Tensor]:
         """One forward over a ragged batch: tokens and positions [B, T], batch row b holding ``lengths[b]``
         new tokens of cache row ``rows[b]`` at slots ``starts[b]``.. (the rest of its T pads the block),
-        with ``masks[b]`` as `forward`'s ``mask`` for those tokens (None: causal). Linears and norms run on
-        the whole [B, T] block; attention runs per row (`Attention._ragged_attention`). Returns (logits
-        [B, T, V], or [B, 1, V] of the block's last token with ``last_only``, and hidden [B, T, D]); a pad
-        token's outputs are meaningless."""
-        T = tokens.shape[1]
+        with ``masks[b]`` as `forward`'s ``mask`` for those tokens (None: causal). The rows' own tokens are
+        packed back to back (no padding reaches a kernel): linears and norms run once over all of them,
+        attention per row (`Attention._ragged_attention`). Returns (logits [B, T, V], or [B, 1, V] of each
+        row's last own token with ``last_only``, and hidden [B, T, D]); a pad token's outputs are zeros."""
+        B, T = tokens.shape
         for start, n, row in zip(starts, lengths, rows, strict=True):
             if not 1 <= n <= T or start + n > cache.max_len or not 0 <= row < cache.k.shape[1]:
                 raise ValueError(f"row {row}: {n} tokens at slot {start} do not fit a block of {T} in the cache "
                                  f"({cache.k.shape[1]} rows of {cache.max_len} slots)")
+        offsets = [sum(lengths[:b]) for b in range(B)]
+        own = torch.tensor([b * T + j for b, n in enumerate(lengths) for j in range(n)], device=tokens.device)
         step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths),
                           tuple(self._attention_mask(n, start, mask) for n, start, mask in
-                                zip(lengths, starts, masks, strict=True)))
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # per-row positions: broadcast over heads
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        x = self.embed(tokens)
+                                zip(lengths, starts, masks, strict=True)), tuple(offsets))
+        packed_positions = positions.reshape(-1)[own]
+        cos = self.rope_cos[packed_positions].to(self.dtype)  # [N, hd]: one position a packed token
+        sin = self.rope_sin[packed_positions].to(self.dtype)
+        x = self.embed(tokens.reshape(-1)[own].unsqueeze(0))
         with self._sdpa_backends():
             for layer in self.layers:
                 x = layer(x, cos, sin, cache, step, None, False)
-        hidden = self.norm(x)
-        return self.lm_head(hidden[:, -1:] if last_only else hidden), hidden
+        packed = self.norm(x)[0]  # [N, D]
+        hidden = packed.new_zeros(B * T, packed.shape[-1])
+        hidden[own] = packed
+        if last_only:
+            last = torch.tensor([o + n - 1 for o, n in zip(offsets, lengths, strict=True)], device=tokens.device)
+            return self.lm_head(packed[last]).unsqueeze(1), hidden.view(B, T, -1)
+        logits = self.lm_head(packed)
+        spread = logits.new_zeros(B * T, logits.shape[-1])
+        spread[own] = logits
+        return spread.view(B, T, -1), hidden.view(B, T, -1)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
                        cache: KVCache, length: int) -> tuple[Tensor, Tensor]:
