@@ -17,9 +17,9 @@ own length. A step:
 2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
    best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
    verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).
-3. **Verify.** One target forward over every active row's root and drafts, padded to the widest row
-   (`Transformer.forward_ragged`: linears over the whole block, attention per row over exactly that
-   row's live slots).
+3. **Verify.** One target forward over every active row's root and drafts (`Transformer.forward_ragged`:
+   the rows' tokens packed back to back, linears once over all of them, attention per row over exactly
+   that row's live slots).
 4. **Accept.** Per row, the longest path that matches the target's argmax (`DraftTree.accept`), its
    cache row compacted to that path; a request ends at ``max_new_tokens`` or a stop token, and its row
    is free for the next step, as is the row of a request `cancel`ed mid-generation (its client left).
@@ -110,8 +110,7 @@ class BatchGeneration(Generation):
 @dataclass
 class StepRecord:
     rows: int  # active rows in the step's forward
-    tokens: int  # tokens in the forward, padding included (rows x widest row)
-    verified: int  # the rows' own tokens (roots and drafts)
+    verified: int  # the rows' tokens in the forward (roots and drafts)
     committed: int  # tokens the step committed over all rows
     forward_s: float
     prefills: int = 0  # requests admitted (their prompts run) before this step
@@ -342,5 +341,5 @@ class BatchDecoder:
                 row.drafted.popleft()
             row.gen.verify_s.append(forward_s)
             committed += len(row.gen.tokens) - before
-        return StepRecord(rows=len(slots), tokens=len(slots) * width, verified=sum(len(active[s].tree) for s in slots),
+        return StepRecord(rows=len(slots), verified=sum(len(active[s].tree) for s in slots),
                           committed=committed, forward_s=forward_s, prefills=prefills)

@@ -290,9 +290,9 @@ class StaticStep:
 @dataclass(frozen=True)
 class RaggedStep:
     """What a ragged batched forward needs (see `Transformer.forward_ragged`): per batch row, its cache
-    row, the cache slot of its first new token, how many of the block's tokens are its own (the rest
-    pad the block to the widest row) and its attention mask as `Transformer._attention_mask` makes it
-    for that row alone."""
+    row, the cache slot of its first new token, how many tokens are its own, its attention mask as
+    `Transformer._attention_mask` makes it for that row alone, and where its tokens begin in the packed
+    block."""
 
     rows: tuple[int, ...]  # cache row of each batch row
     starts: tuple[int, ...]  # first cache slot of each row's new tokens
