@@ -126,8 +126,8 @@ class _Row:
     drafter: Drafter | None
     slot: int  # its cache row
     tree: DraftTree | None = None
-    accepted: deque[int] = field(default_factory=deque)  # accepted draft tokens of its recent steps
-    drafted: deque[int] = field(default_factory=deque)  # draft tokens of its recent steps
+    accepted: deque[int] = field(default_factory=deque)  # accepted draft tokens of its recent steps (bounded)
+    drafted: deque[int] = field(default_factory=deque)  # draft tokens of its recent steps (bounded)
 
 
 @dataclass
@@ -228,19 +228,21 @@ class BatchDecoder:
 
     @torch.no_grad()
     def _prefill(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
-        tokens = torch.tensor([r.prompt], dtype=torch.int64, device=self.model.device)
-        positions = torch.arange(len(r.prompt), device=self.model.device).unsqueeze(0)
+        tokens = torch.tensor(r.prompt, dtype=torch.int64, device=self.model.device)
+        positions = torch.arange(len(r.prompt), device=self.model.device)
         t0 = time.perf_counter()
         logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [0], [len(r.prompt)], [slot], [None],
                                                    last_only=True)
-        first = int(greedy_ids(logits[0, -1]))
+        first = int(greedy_ids(logits[0]))
         now = time.perf_counter()
         gen = BatchGeneration(tokens=[first], joined_step=self.steps, submitted_at=submitted_at, first_token_at=now)
         gen.prefill_s = now - t0
         drafter = self.drafters[slot]
         if drafter is not None:
             drafter.reset()
-        return _Row(r, gen, [*r.prompt, first], len(r.prompt), hidden[0, -1], drafter, slot)
+        window = self.policy.window
+        return _Row(r, gen, [*r.prompt, first], len(r.prompt), hidden[-1], drafter, slot,
+                    accepted=deque(maxlen=window), drafted=deque(maxlen=window))
 
     def _done(self, row: _Row) -> bool:
         return len(row.gen.tokens) >= row.request.max_new_tokens or row.gen.tokens[-1] in self.stops
@@ -266,11 +268,8 @@ class BatchDecoder:
                 self.steps = max(self.steps, pending[0].arrival_step)
             while pending and pending[0].arrival_step <= self.steps:
                 self.submit(pending.popleft())
-            record = self.step()
-            if record is not None:
+            if (record := self.step()) is not None:
                 result.steps.append(record)
-            elif not pending:
-                self.steps += 1  # only prefills ran (requests that ended at their first token)
             result.generations.update(self.finished())
         return result
 
@@ -300,31 +299,25 @@ class BatchDecoder:
             row.tree = draft(row.drafter, row.context, row.hidden, k, self.cfg,
                              max_nodes=min(size, self.cache.max_len - row.start - 1))
             row.gen.draft_s.append(time.perf_counter() - t0)
-        width = max(len(active[s].tree) for s in slots)
         device = self.model.device
-        tokens = torch.zeros((len(slots), width), dtype=torch.int64, device=device)
-        positions = torch.zeros((len(slots), width), dtype=torch.int64, device=device)
-        masks = []
-        for b, slot in enumerate(slots):
-            row = active[slot]
-            n = len(row.tree)
-            tokens[b, :n] = torch.tensor(row.tree.tokens, device=device)
-            pos = row.tree.positions(row.start, device)
-            positions[b, :n] = pos
-            positions[b, n:] = pos[-1]  # pads: any position in range; their outputs are dropped
-            masks.append(None if row.tree.is_chain else row.tree.attention_mask(device))
+        trees = [active[s].tree for s in slots]
+        lengths = [len(tree) for tree in trees]
+        offsets = [sum(lengths[:b]) for b in range(len(slots))]
+        tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.int64, device=device)
+        positions = torch.cat([tree.positions(active[s].start, device) for s, tree in zip(slots, trees, strict=True)])
+        masks = [None if tree.is_chain else tree.attention_mask(device) for tree in trees]
         t0 = time.perf_counter()
         logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [active[s].start for s in slots],
-                                                   [len(active[s].tree) for s in slots], slots, masks)
+                                                   lengths, slots, masks)
         argmax = greedy_ids(logits).tolist()  # the step's one device sync
         forward_s = time.perf_counter() - t0
         committed = 0
         for b, slot in enumerate(slots):
             row = active[slot]
-            path, bonus = row.tree.accept(argmax[b][: len(row.tree)])
+            path, bonus = row.tree.accept(argmax[offsets[b]: offsets[b] + lengths[b]])
             self.cache.compact_row(slot, row.start, path)
             new = [row.tree.tokens[i] for i in path[1:]] + [bonus]
-            row.hidden = hidden[b, path[-1]]
+            row.hidden = hidden[offsets[b] + path[-1]]
             row.start += len(new)
             before = len(row.gen.tokens)
             for tok in new:  # commit up to and including a stop token
@@ -336,10 +329,7 @@ class BatchDecoder:
             row.gen.verified.append(len(row.tree))
             row.accepted.append(len(path) - 1)
             row.drafted.append(len(row.tree) - 1)
-            while len(row.drafted) > self.policy.window:
-                row.accepted.popleft()
-                row.drafted.popleft()
             row.gen.verify_s.append(forward_s)
             committed += len(row.gen.tokens) - before
-        return StepRecord(rows=len(slots), verified=sum(len(active[s].tree) for s in slots),
+        return StepRecord(rows=len(slots), verified=sum(lengths),
                           committed=committed, forward_s=forward_s, prefills=prefills)

@@ -447,39 +447,31 @@ class Transformer(nn.Module):
     def forward_ragged(self, tokens: Tensor, positions: Tensor, cache: KVCache, starts: list[int],
                        lengths: list[int], rows: list[int], masks: list[Tensor | None],
                        last_only: bool = False) -> tuple[Tensor, Tensor]:
-        """One forward over a ragged batch: tokens and positions [B, T], batch row b holding ``lengths[b]``
-        new tokens of cache row ``rows[b]`` at slots ``starts[b]``.. (the rest of its T pads the block),
-        with ``masks[b]`` as `forward`'s ``mask`` for those tokens (None: causal). The rows' own tokens are
-        packed back to back (no padding reaches a kernel): linears and norms run once over all of them,
-        attention per row (`Attention._ragged_attention`). Returns (logits [B, T, V], or [B, 1, V] of each
-        row's last own token with ``last_only``, and hidden [B, T, D]); a pad token's outputs are zeros."""
-        B, T = tokens.shape
+        """One forward over a ragged batch, packed: tokens and positions [N] hold the rows' new tokens back
+        to back, row b's ``lengths[b]`` tokens for cache row ``rows[b]`` at slots ``starts[b]``.., with
+        ``masks[b]`` as `forward`'s ``mask`` for them (None: causal). Linears and norms run once over all
+        N tokens, attention per row (`Attention._ragged_attention`). Returns (logits [N, V], or [B, V] of
+        each row's last token with ``last_only``, and hidden [N, D])."""
+        if sum(lengths) != tokens.shape[0]:
+            raise ValueError(f"the rows' lengths {lengths} do not add up to the {tokens.shape[0]} packed tokens")
         for start, n, row in zip(starts, lengths, rows, strict=True):
-            if not 1 <= n <= T or start + n > cache.max_len or not 0 <= row < cache.k.shape[1]:
-                raise ValueError(f"row {row}: {n} tokens at slot {start} do not fit a block of {T} in the cache "
+            if n < 1 or start + n > cache.max_len or not 0 <= row < cache.k.shape[1]:
+                raise ValueError(f"row {row}: {n} tokens at slot {start} do not fit the cache "
                                  f"({cache.k.shape[1]} rows of {cache.max_len} slots)")
-        offsets = [sum(lengths[:b]) for b in range(B)]
-        own = torch.tensor([b * T + j for b, n in enumerate(lengths) for j in range(n)], device=tokens.device)
+        offsets = [sum(lengths[:b]) for b in range(len(lengths))]
         step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths),
                           tuple(self._attention_mask(n, start, mask) for n, start, mask in
                                 zip(lengths, starts, masks, strict=True)), tuple(offsets))
-        packed_positions = positions.reshape(-1)[own]
-        cos = self.rope_cos[packed_positions].to(self.dtype)  # [N, hd]: one position a packed token
-        sin = self.rope_sin[packed_positions].to(self.dtype)
-        x = self.embed(tokens.reshape(-1)[own].unsqueeze(0))
+        cos = self.rope_cos[positions].to(self.dtype)  # [N, hd]: one position a packed token
+        sin = self.rope_sin[positions].to(self.dtype)
+        x = self.embed(tokens.unsqueeze(0))
         with self._sdpa_backends():
             for layer in self.layers:
                 x = layer(x, cos, sin, cache, step, None, False)
-        packed = self.norm(x)[0]  # [N, D]
-        hidden = packed.new_zeros(B * T, packed.shape[-1])
-        hidden[own] = packed
+        hidden = self.norm(x)[0]  # [N, D]
         if last_only:
-            last = torch.tensor([o + n - 1 for o, n in zip(offsets, lengths, strict=True)], device=tokens.device)
-            return self.lm_head(packed[last]).unsqueeze(1), hidden.view(B, T, -1)
-        logits = self.lm_head(packed)
-        spread = logits.new_zeros(B * T, logits.shape[-1])
-        spread[own] = logits
-        return spread.view(B, T, -1), hidden.view(B, T, -1)
+            return self.lm_head(hidden[[o + n - 1 for o, n in zip(offsets, lengths, strict=True)]]), hidden
+        return self.lm_head(hidden), hidden
 
     def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
                        cache: KVCache, length: int) -> tuple[Tensor, Tensor]:

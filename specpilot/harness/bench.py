@@ -77,8 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_option_flags(ap)
 
 
-# llama.cpp's n-gram speculation that the round of session 25 promoted on llamacpp-smollm2-cpu (docs/FIGURES.md,
-# "Serving engines"): what the side-by-side rows run unless told otherwise.
+# llama.cpp's n-gram speculation in the side-by-side rows unless told otherwise: ngram-map-k with a 3-token
+# lookup and 8-token drafts, from the hand-run size table (docs/FIGURES.md, "llama.cpp's n-gram sizes by
+# hand"). The round's promoted ngram-mod + mod_n_match 8 measured 0.97x of stock on sealed requests.
 LLAMACPP_SPEC = {"spec_type": "ngram-map-k", "map_k_size_n": 3, "map_k_size_m": 8}
 LLAMACPP_FORMATS = ("q4_1", "bf16", "f32")  # the shipped GGUF's, then made from it
 
