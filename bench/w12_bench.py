@@ -8,10 +8,12 @@ summary JSON line (geometric-mean speedup over torch at M = 1..16, the minimum).
 
 ``--sweep`` first times a grid of launch configurations and split-K factors (compiled in parallel
 worker processes) at M in {1, 2, 4, 8, 16} and reports the best per shape, the input for
-``pick_config``'s table; the final table then uses the best swept configuration at those M
-(column ``cfg``, marked ``*``).
+``pick_config``'s table (kinds ``fma``, ``dot``: Triton) or ``pick_mma_config``'s (kind ``mma``: the
+CUDA C++ tensor-core kernel); the final table then uses the best swept configuration at those M
+(column ``cfg``, marked ``*``). Without a sweep each case runs as ``w12_matmul`` dispatches it (the
+tensor-core kernel for bf16 at M <= 16 where it builds); the Triton kernel's own time is a column too.
 
-    PYTHONPATH=. python bench/w12_bench.py [--sweep] [--out results.jsonl]
+    PYTHONPATH=. python bench/w12_bench.py [--sweep] [--kinds mma] [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specpilot_kernels.w12 import cuda_mma  # noqa: E402
+from specpilot_kernels.w12.cuda_mma import MmaConfig, pick_mma_config  # noqa: E402
 from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
 from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
@@ -49,7 +53,9 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
-KINDS = ("fma", "dot")
+KINDS = ("fma", "dot", "mma")
+# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block); splits below.
+MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
@@ -60,6 +66,8 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
     if "dot" in kinds:
         out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
                 for bn, bj, st, w in DOT_TILES]
+    if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
+        out += [MmaConfig(rows=r, chunks=c, warps=w) for r, c, w in MMA_TILES]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -70,9 +78,12 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
     return out
 
 
-def splits_for(cfg: Config, n: int, k: int) -> list[int]:
+def splits_for(cfg: Config | MmaConfig, n: int, k: int) -> list[int]:
     """Split-K factors worth timing: each split keeps >= 2 steps, and the grid <= 8 programs an SM."""
     kh = 16 * ((k + 31) // 32)
+    if isinstance(cfg, MmaConfig):
+        tiles, steps = -(-n // (16 * cfg.rows * cfg.warps)), kh // (64 * cfg.chunks)
+        return [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
     tiles = -(-n // cfg.bn)
     out = []
     for s in (1, 2, 4, 8, 16):
@@ -181,17 +192,27 @@ class ShapeBench:
         return float((y - ref).norm() / ref.norm())
 
 
+def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
+    """The configuration ``w12_matmul`` uses without one (bf16 ``x``)."""
+    if m <= cuda_mma.MAX_ROWS and k % 8 == 0 and cuda_mma.available():
+        return pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    return pick_config(m, n, k)
+
+
 def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tuple[str, ...] = KINDS,
               sweep_ms: list[int] = SWEEP_MS) -> dict:
     """Time every swept configuration (and split) per shape and M class, and ``pick_config``'s own;
     return the best."""
-    def candidates(m: int, n: int, k: int) -> list[Config]:
+    def candidates(m: int, n: int, k: int) -> list[Config | MmaConfig]:
         cfgs = sweep_configs(m, kinds)
         own = replace(pick_config(m, n, k), split=1)
-        return cfgs if own in cfgs else [own, *cfgs]
+        return cfgs if own in cfgs or kinds == ("mma",) else [own, *cfgs]
 
-    jobs = list({(m, c.key()): (m, c) for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)}.values())
-    status = precompile(jobs, workers)
+    jobs = list({(m, c.key()): (m, c) for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)
+                 if isinstance(c, Config)}.values())
+    status = precompile(jobs, workers) if jobs else {}
+    status.update({(m, c.key()): "ok" for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)
+                   if isinstance(c, MmaConfig)})
     best: dict[tuple[int, int, int], tuple[float, Config]] = {}
     for n, k in shapes:
         sb = ShapeBench(n, k, min_bytes)
@@ -202,7 +223,7 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tup
                 if status.get((m, cfg.key())) != "ok":
                     continue
                 for s in splits_for(cfg, n, k):
-                    c = replace(cfg, split=s)
+                    c = replace(cfg, splits=s) if isinstance(cfg, MmaConfig) else replace(cfg, split=s)
                     try:
                         us = sb.w12_us(x, c, reps, min_us=1500)
                     except Exception as e:  # noqa: BLE001
@@ -216,8 +237,8 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tup
                 rec = {"bench": "w12_sweep", "shape": [n, k], "m": m, "best_us": round(rows[0][0], 2),
                        "best": asdict(rows[0][1]), "rel_err": err,
                        "top5": [[round(u, 2), c.key()] for u, c in rows[:5]],
-                       "default_us": round(next((u for u, c in rows if c == pick_config(m, n, k)), float("nan")), 2),
-                       "default": pick_config(m, n, k).key(),
+                       "default_us": round(next((u for u, c in rows if c == default_config(m, n, k)), float("nan")), 2),
+                       "default": default_config(m, n, k).key(),
                        "tried": len(rows)}
                 print(json.dumps(rec), flush=True)
                 if out:
@@ -254,6 +275,8 @@ def main(argv=None) -> int:
     print(json.dumps(env), flush=True)
     if out:
         out.write(json.dumps(env) + "\n")
+    if not cuda_mma.available():
+        print(f"# tensor-core kernel unavailable: {cuda_mma.cuda_ready()[1] or 'its build failed'}", flush=True)
     kinds = tuple(args.kinds.split(","))
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
@@ -269,10 +292,13 @@ def main(argv=None) -> int:
             cfg = tuned[1] if tuned is not None else None
             t_torch = sb.torch_us(x, args.reps)
             t_w12 = sb.w12_us(x, cfg, args.reps)
-            used = cfg or pick_config(m, n, k)
+            triton_cfg = pick_config(m, n, k)
+            t_triton = t_w12 if cfg is None and default_config(m, n, k) == triton_cfg else sb.w12_us(x, triton_cfg, args.reps)
+            used = cfg or default_config(m, n, k)
             rec = {"bench": "w12_gemv", "device": dev.name, "shape": [n, k], "m": m, "us": round(t_w12, 2),
                    "tb_s": round(sb.w12_bytes / t_w12 / 1e6, 3), "torch_us": round(t_torch, 2),
                    "torch_tb_s": round(sb.bf16_bytes / t_torch / 1e6, 3), "vs_torch": round(t_torch / t_w12, 3),
+                   "triton_us": round(t_triton, 2), "triton_vs_torch": round(t_torch / t_triton, 3),
                    "config": used.key(), "tuned": tuned is not None, "copies": sb.copies,
                    "escapes": sb.escapes, "rel_err": sb.check(x, cfg)}
             results.append(rec)
@@ -288,6 +314,9 @@ def main(argv=None) -> int:
                "geomean_speedup_m1_16": round(math.exp(statistics.mean(math.log(v) for v in small)), 3) if small else None,
                "min_speedup_m1_16": min(small) if small else None,
                "min_case": min((r for r in results if r["m"] <= 16), key=lambda r: r["vs_torch"], default={}).get("shape"),
+               "triton_geomean_m1_16": round(math.exp(statistics.mean(math.log(r["triton_vs_torch"]) for r in results
+                                                                      if r["m"] <= 16)), 3) if small else None,
+               "tensor_core_kernel": cuda_mma.available(),
                "geomean_speedup_all": round(math.exp(statistics.mean(math.log(r["vs_torch"]) for r in results)), 3),
                "max_rel_err": max(r["rel_err"] for r in results), "copy_tb_s": env["copy_tb_s"],
                "swept": bool(best)}
@@ -303,11 +332,12 @@ def _table(results: list[dict], env: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"W12 vs torch bf16 on {env['device']} (copy {env['copy_tb_s']} TB/s)")
-    for c in ("N x K", "M", "w12 us", "w12 TB/s", "torch us", "torch TB/s", "speedup", "cfg"):
+    for c in ("N x K", "M", "w12 us", "w12 TB/s", "torch us", "torch TB/s", "speedup", "triton us", "triton x", "cfg"):
         t.add_column(c, justify="right")
     for r in results:
         t.add_row("x".join(map(str, r["shape"])), str(r["m"]), f"{r['us']:.1f}", f"{r['tb_s']:.2f}",
                   f"{r['torch_us']:.1f}", f"{r['torch_tb_s']:.2f}", f"{r['vs_torch']:.2f}",
+                  f"{r['triton_us']:.1f}", f"{r['triton_vs_torch']:.2f}",
                   r["config"] + ("*" if r["tuned"] else ""))
     Console(width=160).print(t)
 

@@ -1,7 +1,8 @@
 """W12: lossless 12-bit BF16 weights and a Triton GEMV/GEMM that decodes them in registers.
 
 ``format`` is the normative PyTorch reference (pack, decode, verify), ``kernel`` the Triton
-kernel (imported lazily: only CUDA and interpreter runs need it), ``linear`` the engine hook,
+kernel (imported lazily: only CUDA and interpreter runs need it) and the dispatch, ``cuda_mma`` the
+CUDA C++ tensor-core kernel for 1-16 rows of bf16 ``x`` (``csrc/``), ``linear`` the engine hook,
 the ``specpilot w12 pack`` command lives in `specpilot.app.cmd_w12`. README.md explains the format and the kernel.
 """
 

@@ -54,6 +54,8 @@ import triton.language as tl
 
 from specpilot_kernels.counters import arrival_counters
 
+from .cuda_mma import MmaConfig, supports, w12_mma_matmul
+from .cuda_mma import available as mma_available
 from .format import ESC_GROUP, W12Weight
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -515,9 +517,28 @@ def _esc_chunk(bm: int, bn: int) -> int:
     return max(1, min(16, 4096 // (bm * bn)))
 
 
-def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | None = None) -> torch.Tensor:
+_tensor_cores = True
+
+
+def use_tensor_core_kernel(enabled: bool | None = None) -> bool:
+    """Route bf16 calls with 1-16 rows to the CUDA C++ tensor-core kernel (``cuda_mma.py``, the default
+    where it builds) or keep them on the Triton kernels (False: for benchmarks and tests); None only
+    asks. Returns the setting."""
+    global _tensor_cores
+    if enabled is not None:
+        _tensor_cores = bool(enabled)
+    return _tensor_cores
+
+
+def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x [M, K]`` on the packed weight ``p`` (same device). Returns ``[M, N]``
-    in ``x``'s dtype."""
+    in ``x``'s dtype. Without a ``config``, bf16 calls with 1-16 rows go to the tensor-core kernel
+    where it builds (`use_tensor_core_kernel`), everything else to the Triton kernels."""
+    if isinstance(config, MmaConfig):
+        return w12_mma_matmul(x, p, config)
+    if (config is None and _tensor_cores and not INTERPRET and x.dim() == 2 and x.shape[1] == p.k
+            and supports(x, p) and x.device == p.device and mma_available()):
+        return w12_mma_matmul(x, p)
     if x.dim() != 2 or x.shape[1] != p.k:
         raise ValueError(f"x must be [M, {p.k}], got {tuple(x.shape)}")
     if x.device != p.device:

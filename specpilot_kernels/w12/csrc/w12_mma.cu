@@ -1,0 +1,277 @@
+// W12 x bf16 on tensor cores: y[M, N] = x[M, K] @ W[N, K]^T for M <= 16, W in the W12 planes
+// (format: ../format.py; the PyTorch reference is format.decode followed by a matmul).
+//
+// Layout of the work. mma.sync m16n8k16 with the *weights* as the A operand (16 rows of W by 16
+// columns) and x^T as B (16 columns by 8 rows of x; a second B for rows 8..15 when M > 8). A
+// thread (group g = lane / 4, tig = lane % 4) holds the k-slots {2tig, 2tig+1, 2tig+8, 2tig+9}
+// in both A (W rows g and g+8) and B (x row g), so which *memory* column a k-slot stands for
+// may be chosen per thread, as long as A and B agree: the sum over k does not care. Each thread
+// therefore reads 16 contiguous nib bytes, the 16 low bytes of the same columns j and the 16 of
+// kh + j (one 16-byte load each) for each of its two rows, decodes them in place (two SWAR ops
+// per four high bytes, one prmt per two bf16) and reads x's matching columns: no shuffles.
+// A chunk is 64 nib columns (4 threads x 16), i.e. 128 weights of a row, 8 mma k-steps.
+//
+// Scale. The planes hold window-relative patterns (value w * 2^-e0), so x is scaled by 2^64 (exact
+// in bf16) and each output row by 2^(e0 - 64) at the end: the result is the fp32 sum of the exact
+// products, as in the Triton kernel (valid for 2^-64 <= |x| < 2^64).
+//
+// Grid: x = blocks of warps x rows x 16 weight rows, y = K splits. With splits > 1 every block
+// stores its fp32 partial; the last block of a row tile to arrive (arrival counter) sums the
+// partials in split order, so the result never depends on arrival order, finishes the tile and
+// resets its counter to 0 (graph-capture safe). Escapes (stored as +0 in the planes) are added
+// after the row scale, in index order, as x[m, k] * w.
+#include "w12_mma.h"
+
+#include <cuda_bf16.h>
+
+namespace specpilot_w12 {
+namespace {
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+  // Weights are read once: keep them out of L1 so x's lines stay there.
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Four high bytes (sign << 7 | o >> 1) from the low (half 0) or high (half 1) nibbles of four nib bytes.
+__device__ __forceinline__ uint32_t high_bytes(uint32_t q, int half) {
+  return half == 0 ? ((q & 0x07070707u) | ((q << 4) & 0x80808080u))
+                   : (((q >> 4) & 0x07070707u) | (q & 0x80808080u));
+}
+
+__device__ __forceinline__ uint32_t scale_pair(uint32_t v) {  // two bf16 times 2^64, exact
+  __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
+  const __nv_bfloat162 s = __floats2bfloat162_rn(18446744073709551616.0f, 18446744073709551616.0f);
+  h = __hmul2(h, s);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint4 scale_x(uint4 v) {
+  return make_uint4(scale_pair(v.x), scale_pair(v.y), scale_pair(v.z), scale_pair(v.w));
+}
+
+// The finished value of output (m, n) from its scaled sum: row scale, then the row's escapes.
+__device__ __forceinline__ float finish(const MmaArgs& a, float acc, int m, int n) {
+  // 2^(e0 - 64) as 2^63 * 2^(e0 - 127): both normal floats for e0 in 1..239
+  float v = acc * 9223372036854775808.0f * __int_as_float(int(a.e0[n]) << 23);
+  const int group = n >> 4;
+  const int64_t lo = int64_t(n) * a.K, hi = lo + a.K;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x) + int64_t(m) * a.ldx;
+  for (int e = a.esc_ptr[group], end = a.esc_ptr[group + 1]; e < end; ++e) {
+    const int64_t idx = a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+    if (idx >= lo && idx < hi) {
+      const float w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+      v += __bfloat162float(x[idx - lo]) * w;
+    }
+  }
+  return v;
+}
+
+// One step: U chunks of 64 nib columns from j0, loaded together, then decoded and multiplied. MASKED
+// (the tail of a split): a thread whose 16 columns start at or past j_end loads zeros.
+template <int R, int G, int U, bool MASKED>
+__device__ __forceinline__ void step(const MmaArgs& a, float (&acc)[R][G][4], const uint8_t* const (&nib_row)[R][2],
+                                     const uint8_t* const (&low_row)[R][2], const uint8_t* const (&x_row)[G],
+                                     const bool (&x_live)[G], int j0, int j_end, int tig) {
+  uint4 wn[U][R][2], wl0[U][R][2], wl1[U][R][2], xa[U][G][2], xb[U][G][2];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = j0 + 64 * u;
+    const bool live = !MASKED || j + tig * 16 < j_end;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wn[u][r][h] = live ? load_stream(nib_row[r][h] + j) : zero;
+        wl0[u][r][h] = live ? load_stream(low_row[r][h] + j) : zero;
+        wl1[u][r][h] = live ? load_stream(low_row[r][h] + a.kh + j) : zero;
+      }
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      const bool on = live && x_live[gg];
+      const uint4* p = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(j) * 2);
+      const uint4* q = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(a.kh + j) * 2);
+      const int col = a.kh + j + tig * 16;  // columns past K (when K < 2 kh) hold zero weights: keep x out
+      xa[u][gg][0] = on ? __ldg(p) : zero;
+      xa[u][gg][1] = on ? __ldg(p + 1) : zero;
+      xb[u][gg][0] = on && col < a.K ? __ldg(q) : zero;
+      xb[u][gg][1] = on && col + 8 < a.K ? __ldg(q + 1) : zero;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint4 xs[G][2];
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) {
+        xs[gg][0] = scale_x(half == 0 ? xa[u][gg][0] : xb[u][gg][0]);
+        xs[gg][1] = scale_x(half == 0 ? xa[u][gg][1] : xb[u][gg][1]);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // nib word q: columns 4q .. 4q+3 of the thread's 16
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          uint32_t lo_pair[2], hi_pair[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t hb = high_bytes(word(wn[u][r][h], q), half);
+            const uint32_t lb = word(half == 0 ? wl0[u][r][h] : wl1[u][r][h], q);
+            lo_pair[h] = prmt(lb, hb, 0x5140);  // columns 4q, 4q+1: hi<<8 | lo
+            hi_pair[h] = prmt(lb, hb, 0x7362);  // columns 4q+2, 4q+3
+          }
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg) {
+            // x's bf16 pairs for the same columns: words 2q, 2q+1 of the thread's 16 columns
+            const uint32_t b0 = word(xs[gg][q >> 1], (2 * q) & 3);
+            const uint32_t b1 = word(xs[gg][q >> 1], (2 * q + 1) & 3);
+            mma_bf16(acc[r][gg], lo_pair[0], lo_pair[1], hi_pair[0], hi_pair[1], b0, b1);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int R, int G, int U>
+__global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  const int n_warp = (blockIdx.x * warps + warp) * R * 16;
+  const int split = blockIdx.y;
+  const int j_begin = split * a.j_per_split;
+  const int j_end = min(a.kh, j_begin + a.j_per_split);
+
+  const uint8_t* nib_row[R][2];
+  const uint8_t* low_row[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min(n_warp + r * 16 + h * 8 + g, a.N - 1);  // rows past N re-read the last (not stored)
+      nib_row[r][h] = a.nib + int64_t(n) * a.kh + tig * 16;
+      low_row[r][h] = a.low + int64_t(n) * 2 * a.kh + tig * 16;
+    }
+  const uint8_t* x_row[G];
+  bool x_live[G];
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg) {
+    const int m = gg * 8 + g;
+    x_live[gg] = m < a.M;
+    x_row[gg] = static_cast<const uint8_t*>(a.x) + (int64_t(min(m, a.M - 1)) * a.ldx + tig * 16) * 2;
+  }
+
+  float acc[R][G][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
+
+  int j0 = j_begin;
+  for (; j0 + 64 * U <= j_end; j0 += 64 * U) step<R, G, U, false>(a, acc, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+  for (; j0 < j_end; j0 += 64) step<R, G, 1, true>(a, acc, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+
+  // D fragment: acc[r][gg] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)}, n = tile row g, m = 8gg + 2tig
+  if (a.splits == 1) {
+    __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
+          if (n < a.N && m < a.M) y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, acc[r][gg][i], m, n));
+        }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
+        if (n < a.N && m < a.M) a.part[(int64_t(split) * a.M + m) * a.N + n] = acc[r][gg][i];
+      }
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (threadIdx.x == 0) last = atomicAdd(&a.counters[blockIdx.x], 1) == a.splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
+        if (n >= a.N || m >= a.M) continue;
+        float sum = 0.0f;
+        for (int s = 0; s < a.splits; ++s) sum += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
+        y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, sum, m, n));
+      }
+  if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
+}
+
+template <int R, int G, int U>
+const char* launch(const MmaArgs& a, int warps, cudaStream_t stream) {
+  const int rows_per_block = warps * R * 16;
+  const dim3 grid((a.N + rows_per_block - 1) / rows_per_block, a.splits);
+  w12_mma_kernel<R, G, U><<<grid, warps * 32, 0, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <int R, int G>
+const char* launch_u(const MmaArgs& a, int chunks, int warps, cudaStream_t stream) {
+  switch (chunks) {
+    case 1: return launch<R, G, 1>(a, warps, stream);
+    case 2: return launch<R, G, 2>(a, warps, stream);
+    case 4: return launch<R, G, 4>(a, warps, stream);
+    default: return "chunks must be 1, 2 or 4";
+  }
+}
+
+}  // namespace
+
+const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, cudaStream_t stream) {
+  if (a.M < 1 || a.M > 16) return "M must be in 1..16";
+  if (warps < 1 || warps > 8) return "warps must be in 1..8";
+  if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0)
+    return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K a multiple of 8";
+  const bool two = a.M > 8;
+  if (rows == 1) return two ? launch_u<1, 2>(a, chunks, warps, stream) : launch_u<1, 1>(a, chunks, warps, stream);
+  if (rows == 2) return two ? launch_u<2, 2>(a, chunks, warps, stream) : launch_u<2, 1>(a, chunks, warps, stream);
+  return "rows must be 1 or 2";
+}
+
+}  // namespace specpilot_w12

@@ -1,0 +1,154 @@
+"""W12 on tensor cores: the CUDA C++ kernel (``csrc/w12_mma.cu``) for 1-16 rows of bf16 ``x``.
+
+What it computes: ``y [M, N] = x [M, K] @ W.T`` in bf16 from the W12 planes (``format.py``), the
+fp32 sum of the exact products (same scale trick as the Triton kernel, ``kernel.py``), escapes added
+exactly after the row scale. The reference is ``format.decode`` and a matmul; tests compare the two.
+
+Why a second kernel. A decode step reads every weight once with 1-16 rows of ``x`` (AR and
+verification of up to 16 drafted tokens). The Triton paths reach 3-4.4 TB/s at M = 1 but fall to
+2-3 TB/s at M = 4-16 (README.md), below torch's bf16 GEMV, because Triton's ``tl.dot`` stages the
+planes through shared memory and converts layouts. Here the weights are ``mma.sync``'s A operand:
+each thread loads 16 contiguous bytes of each plane straight into registers (no shared memory, no
+shuffles; the k-order of the MMA is chosen per thread so that its bytes decode in place), and the
+MMA makes the cost of 16 rows of ``x`` the cost of one.
+
+Contract: CUDA, compute capability >= 8.0, ``x`` bf16 with 1-16 rows, ``K % 8 == 0``, rows
+contiguous and 16-byte aligned (`supports`). The launch configuration (`MmaConfig`) is a pure
+function of ``(M, N, K)`` and the device's SM count (`pick_mma_config`), so results are
+deterministic: same inputs, same device, same bits. Split-K partials are merged in split order in
+the same launch (``specpilot_kernels.counters``).
+
+Build: ``torch.utils.cpp_extension`` with the machine's ``nvcc`` (``CUDA_HOME``), once per source
+version and device capability, cached under the torch extensions directory (about a minute).
+`build` raises RuntimeError saying what is missing; `available` answers without raising.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specpilot_kernels.counters import arrival_counters
+
+from .format import W12Weight
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks loaded
+    together (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch)."""
+
+    rows: int = 1
+    chunks: int = 2
+    warps: int = 4
+    splits: int = 1
+
+    def key(self) -> str:
+        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}"
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in (*SOURCES, "w12_mma.h"):
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cuda_ready() -> tuple[bool, str]:
+    """Whether this process can build and run the kernel, and if not, why."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return False, f"compute capability {major}.x < 8.0 (mma.sync bf16)"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return False, "no CUDA toolkit (nvcc) found: set CUDA_HOME"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=1)
+def build():
+    """Build (or load the cached build of) the extension; returns ``torch.ops.specpilot_w12``."""
+    ok, why = cuda_ready()
+    if not ok:
+        raise RuntimeError(f"the W12 tensor-core kernel cannot run here: {why}")
+    from torch.utils.cpp_extension import load
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}{'a' if major == 9 else ''}"  # sm_90a: Hopper's own target
+    load(name=f"specpilot_w12_{_digest()}_sm{arch}", sources=[str(CSRC / s) for s in SOURCES],
+         extra_include_paths=[str(CSRC)], extra_cflags=["-O3"],
+         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+         is_python_module=False, verbose=False)
+    return torch.ops.specpilot_w12
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """The kernel built and loaded (False, never raising, where it cannot)."""
+    try:
+        build()
+    except Exception:  # noqa: BLE001 - any build failure means "use the Triton kernel"
+        return False
+    return True
+
+
+def supports(x: torch.Tensor, p: W12Weight) -> bool:
+    """Whether ``x`` and ``p`` meet the kernel's contract (not whether it built: `available`)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and p.k % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+
+
+# Swept on one H200 (bench/w12_bench.py --sweep --kinds mma); filled from the first sweep's results.
+TUNED_H200: dict[tuple[int, int], dict[int, MmaConfig]] = {}
+
+
+def _m_class(m: int) -> int:
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+
+
+def pick_mma_config(m: int, n: int, k: int, sms: int) -> MmaConfig:
+    """The launch for ``(M, N, K)`` on a device of ``sms`` multiprocessors: a pure function (no
+    run-time autotuning, so another process picks the same and gets the same bits). Swept shapes
+    come from ``TUNED_H200``; otherwise one 16-row tile a warp, 4 warps a block, and enough K splits
+    that about two blocks run on every multiprocessor, keeping >= 2 steps a split."""
+    tuned = TUNED_H200.get((n, k), {}).get(_m_class(m))
+    if tuned is not None:
+        return tuned
+    cfg = MmaConfig()
+    tiles = -(-n // (cfg.warps * cfg.rows * 16))
+    steps = max(1, (16 * -(-k // 32)) // (64 * cfg.chunks))
+    splits = 1
+    while tiles * splits < 2 * sms and steps // (2 * splits) >= 2:
+        splits *= 2
+    return MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=splits)
+
+
+def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` for bf16 ``x [M, K]``, 1 <= M <= 16, on the packed ``p`` (same device); bf16 ``[M, N]``."""
+    if not supports(x, p):
+        x = x.contiguous()
+        if not supports(x, p):
+            raise ValueError(f"the tensor-core W12 kernel needs bf16 CUDA x with 1-{MAX_ROWS} rows and K % 8 == 0, "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device} (K = {p.k})")
+    if x.shape[1] != p.k or x.device != p.device:
+        raise ValueError(f"x {tuple(x.shape)} on {x.device} does not fit a [{p.n}, {p.k}] weight on {p.device}")
+    cfg = config or pick_mma_config(x.shape[0], p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
+    counters = arrival_counters(x.device, tiles)
+    return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
+                       cfg.chunks, cfg.warps, cfg.splits)
+
+
+__all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",
+           "w12_mma_matmul"]

@@ -1,0 +1,159 @@
+"""The CUDA C++ tensor-core W12 kernel (``specpilot_kernels/w12/cuda_mma.py``) against the PyTorch
+reference on a GPU (``gpu`` marker): shapes with K tails and padding, every launch variant, escapes
+(NaN, inf, denormals, out-of-window), int64 escape indices, determinism, CUDA graph replay, and the
+dispatch of ``w12_matmul``. On the CPU: the configuration rule, and that the kernel file compiles for
+sm_90a with ``nvcc`` where one is installed (without spills in the decode loop's kernels)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from specpilot_kernels.w12 import decode, pack
+from specpilot_kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config
+from specpilot_kernels.w12.format import W12Weight
+
+from .test_w12_kernel import check_close, reference
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_pick_is_pure_and_splits_small_grids():
+    a = pick_mma_config(4, 4096, 4096, 132)
+    assert a == pick_mma_config(4, 4096, 4096, 132)
+    assert a.splits > 1  # 64 tiles of 64 rows: splits fill 132 multiprocessors
+    big = pick_mma_config(4, 128256, 4096, 132)
+    assert big.splits == 1  # 2004 tiles already fill the card
+    assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_kernel_compiles_for_hopper(tmp_path):
+    proc = subprocess.run(["nvcc", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
+                           str(CSRC / "w12_mma.cu"), "-o", str(tmp_path / "w12_mma.o")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
+    assert len(kernels) == 12  # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
+    assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+def _inputs(n, k, m, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    return x, w
+
+
+def _variants(n, k):
+    out = []
+    for rows in (1, 2):
+        for chunks in (1, 2, 4):
+            for warps in (1, 4, 8):
+                for splits in (1, 3, 8):
+                    out.append(MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits))
+    return out
+
+
+# (N, K): Llama shapes, SmolLM2's K = 576 (kh = 288: a 32-column tail), K = 2080 (a 16-column tail),
+# K = 1000 (planes padded past K: x must not be read there), N not a multiple of any tile
+SHAPES = [(4096, 4096), (123, 14336), (1536, 576), (576, 1536), (300, 2080), (77, 1000)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+def test_matches_reference(n, k, m):
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    x, w = _inputs(n, k, m, seed=n + k + m)
+    p = pack(w)
+    y = w12_mma_matmul(x, p)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    check_close(y, reference(x.float(), decode(p).float()), rtol=1e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_every_variant_with_escapes(m):
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    n, k = 300, 2080
+    x, w = _inputs(n, k, m, seed=m)
+    flat = w.view(torch.int16).reshape(-1)
+    flat[[7, k + 3, 2 * k + 9, 5 * k + 100]] = torch.tensor([0x7F80, 0x0001, 0x7FC3, 0xFF80], device="cuda",
+                                                            dtype=torch.int32).to(torch.int16)
+    w[10, :50] = 3e30
+    w[11, :50] = 1e-30
+    w[12] = 0
+    p = pack(w)
+    assert p.escapes >= 104
+    ref = reference(x.float(), w.float())
+    wide = W12Weight(n=p.n, k=p.k, low=p.low, nib=p.nib, e0=p.e0, esc_ptr=p.esc_ptr, esc_idx=p.esc_idx.long(),
+                     esc_val=p.esc_val)
+    for cfg in _variants(n, k):
+        y = w12_mma_matmul(x, p, cfg)
+        check_close(y, ref, rtol=1e-2)
+        assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg
+        assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, wide, cfg).view(torch.int16)), cfg
+
+
+@gpu
+@needs_cuda
+def test_deterministic_and_graph_replay():
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    x, w = _inputs(4096, 4096, 8, seed=0)
+    p = pack(w)
+    cfg = MmaConfig(rows=1, chunks=2, warps=4, splits=8)
+    ys = [w12_mma_matmul(x, p, cfg).view(torch.int16).clone() for _ in range(5)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w12_mma_matmul(x, p, cfg)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w12_mma_matmul(x, p, cfg)
+    for _ in range(3):  # the split counters are back at zero after every replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), ys[0])
+
+
+@gpu
+@needs_cuda
+def test_w12_matmul_routes_bf16_to_tensor_cores():
+    from specpilot_kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
+
+    x, w = _inputs(1536, 576, 4, seed=3)
+    p = pack(w)
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p).view(torch.int16))
+    use_tensor_core_kernel(False)
+    try:
+        y_triton = w12_matmul(x, p)
+        assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
+    finally:
+        use_tensor_core_kernel(True)
+    check_close(y_triton, reference(x.float(), w.float()), rtol=1e-2)
+    # outside the contract (fp32 x, 17 rows) w12_matmul stays on Triton and still answers
+    check_close(w12_matmul(x.float(), p), reference(x.float(), w.float()), rtol=1e-5)
+    x17 = torch.randn(17, 576, device="cuda", dtype=torch.bfloat16)
+    check_close(w12_matmul(x17, p), reference(x17.float(), w.float()), rtol=1e-2)
