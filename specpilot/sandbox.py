@@ -420,6 +420,19 @@ class Worker:
             raise WorkerFailed("worker returned something other than a list of token ids")
         return tokens, elapsed
 
+    def serve(self, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
+              timeout: float = 300.0) -> tuple[list[list[int]], float]:
+        """A closed-loop load at ``concurrency`` (a batched deployment's worker): each prompt's tokens, in
+        order, and the seconds of the whole load by the controller's clock, send to reply."""
+        reply, elapsed = self.request({"load": {"requests": prompts, "max_new_tokens": max_new_tokens,
+                                                "concurrency": concurrency}}, timeout)
+        outputs = reply.get("outputs")
+        if (not isinstance(outputs, list) or len(outputs) != len(prompts)
+                or not all(isinstance(o, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in o)
+                           for o in outputs)):
+            raise WorkerFailed(f"worker returned something other than {len(prompts)} lists of token ids")
+        return outputs, elapsed
+
     def close(self) -> None:
         try:
             self.proc.stdin.close()

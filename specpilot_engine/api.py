@@ -8,8 +8,9 @@
 Harnesses load an engine for a deployment with `specpilot.harness.deployment.load_engine` (the deployment's
 stock options with overrides), which calls `build_engine`. `build_engine` applies every option that changes the model (dtype, weight format, LM head,
 compile) and builds the drafter. `Engine.generate` is greedy; it raises ValueError on an empty
-prompt or one that does not fit the model's context. The engine is single-request (batch 1) and
-not thread-safe; it reuses one KV cache, grown when a request needs more.
+prompt or one that does not fit the model's context. `Engine.generate` serves one request at a time and
+is not thread-safe; it reuses one KV cache, grown when a request needs more. `Engine.batch_decoder` gives a
+continuous-batching decoder over the same model and options (batched deployments).
 
 ``cuda_graphs`` makes the engine replay its decode steps as CUDA graphs (`specpilot_engine.graphs`, captured
 lazily per block size and attention-length bucket, re-captured when the cache grows); on a device
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot_engine.batch import BatchDecoder, BatchPolicy
 from specpilot_engine.decode import DecodeConfig, Generation, generate
 from specpilot_engine.drafters import make_drafter
 from specpilot_engine.graphs import GraphRunner, graphs_supported
@@ -68,6 +70,7 @@ class Engine:
                                        tree_nodes=options.tree_nodes)
         self._cache = None
         self._runner = None
+        self._batch: BatchDecoder | None = None
         self.graphs = options.cuda_graphs and graphs_supported(self.device)
         if options.cuda_graphs and not self.graphs:
             _note_graphs_off_cuda(self.device)
@@ -106,6 +109,21 @@ class Engine:
                      self.cfg.stop_ids, self.graph_runner(cache))
         result = GenerationResult.from_generation(g)
         return result
+
+    def batch_decoder(self, rows: int, max_len: int) -> BatchDecoder:
+        """A continuous-batching decoder (`specpilot_engine.batch`) over this engine's model and options: one
+        drafter a row, the options' `BatchPolicy`, cache rows of at least ``max_len`` slots plus a step's
+        drafts. Kept and reused while ``rows`` and the room suffice (its cache is the big allocation)."""
+        room = _round_up(max_len + self.options.step_tokens + 1)
+        dec = self._batch
+        if dec is None or dec.rows != rows or dec.cache.max_len < room or dec.busy:
+            self._batch = None  # free the old rows first
+            policy = BatchPolicy(node_budget=self.options.batch_node_budget,
+                                 adaptive_block=self.options.batch_adaptive_block,
+                                 prefill_chunk=self.options.prefill_chunk)
+            drafters = [make_drafter(self.options, self.model) for _ in range(rows)]
+            self._batch = BatchDecoder(self.model, drafters, self.decode_cfg, rows, room, self.cfg.stop_ids, policy)
+        return self._batch
 
     def tokenize(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of ``text``; with ``chat`` wrapped in the model's chat template (one user turn)."""

@@ -13,7 +13,10 @@ own length. A step:
 
 1. **Join.** Requests that have arrived take free rows, in arrival order (a request that finds no free
    row waits: the queue never drops one). Stock admits a new request's whole prompt as one forward of its
-   own, before the step (`prefill`), as batch-1 decoding does.
+   own, before the step (`prefill`), as batch-1 decoding does. With ``BatchPolicy.prefill_chunk`` the
+   prompts of joining rows instead ride in the step's forward, at most that many prompt tokens a step
+   over all of them (first come, first served), beside the other rows' drafts; a row drafts once its
+   whole prompt has run and given its first token.
 2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
    best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
    verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).
@@ -70,15 +73,22 @@ class BatchPolicy:
       each row's recent acceptance rate ``a`` giving its j-th draft token the chance ``a ** j``).
     - ``adaptive_block``: each row drafts ``1 +`` its recent mean of accepted drafts a step, at most
       ``block_size`` (a row whose drafts keep missing verifies one draft a step, not ``block_size``).
-    Both read the last ``window`` steps of the row."""
+    Both read the last ``window`` steps of the row.
+
+    - ``prefill_chunk`` > 0: prompts are admitted in segments inside the steps' forwards, at most this
+      many prompt tokens a step (stock, 0: each prompt as one forward of its own before the step). This
+      one changes how a prompt's keys are computed (attention over several shorter query blocks), so its
+      bits may differ from a whole-prompt prefill's: forcing, not construction, says it is lossless."""
 
     node_budget: int = 0
     adaptive_block: bool = False
     window: int = 8
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
-        if self.node_budget < 0 or self.window < 1:
-            raise ValueError(f"need node_budget >= 0 and window >= 1, got {self.node_budget}, {self.window}")
+        if self.node_budget < 0 or self.window < 1 or self.prefill_chunk < 0:
+            raise ValueError(f"need node_budget >= 0, window >= 1 and prefill_chunk >= 0, got {self.node_budget}, "
+                             f"{self.window}, {self.prefill_chunk}")
 
 
 def acceptance_rate(accepted: Sequence[int], drafted: Sequence[int]) -> float:
@@ -113,7 +123,8 @@ class StepRecord:
     verified: int  # the rows' tokens in the forward (roots and drafts)
     committed: int  # tokens the step committed over all rows
     forward_s: float
-    prefills: int = 0  # requests admitted (their prompts run) before this step
+    prefills: int = 0  # requests admitted into rows at this step (stock: their prompts run before it)
+    prompt_tokens: int = 0  # prompt tokens run inside this step's forward (segmented admission)
 
 
 @dataclass
@@ -121,13 +132,18 @@ class _Row:
     request: BatchRequest
     gen: BatchGeneration
     context: list[int]
-    start: int  # cache slot of the root (the last committed token)
-    hidden: torch.Tensor  # the target's hidden state at the token before the root
+    start: int  # cache slot of the root (the last committed token); while prefilling, of the next prompt token
+    hidden: torch.Tensor | None  # the target's hidden state at the token before the root (None: prefilling)
     drafter: Drafter | None
     slot: int  # its cache row
     tree: DraftTree | None = None
     accepted: deque[int] = field(default_factory=deque)  # accepted draft tokens of its recent steps (bounded)
     drafted: deque[int] = field(default_factory=deque)  # draft tokens of its recent steps (bounded)
+    prefill_s: float = 0.0  # forward seconds of its prompt segments so far (segmented admission)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.hidden is None
 
 
 @dataclass
@@ -212,8 +228,12 @@ class BatchDecoder:
         free = [i for i in range(self.rows) if i not in self.active]
         while self.waiting and free:
             request, at = self.waiting.popleft()
-            row = self._prefill(free.pop(0), request, at)
+            slot = free.pop(0)
             prefills += 1
+            if self.policy.prefill_chunk:  # its prompt runs inside the coming steps' forwards
+                self.active[slot] = self._new_row(slot, request, at)
+                continue
+            row = self._prefill(slot, request, at)
             if self._done(row):
                 self._finish(row)
             else:
@@ -233,18 +253,32 @@ class BatchDecoder:
         t0 = time.perf_counter()
         logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [0], [len(r.prompt)], [slot], [None],
                                                    last_only=True)
-        first = int(greedy_ids(logits[0]))
-        now = time.perf_counter()
-        gen = BatchGeneration(tokens=[first], joined_step=self.steps, submitted_at=submitted_at, first_token_at=now)
-        gen.prefill_s = now - t0
+        row = self._new_row(slot, r, submitted_at)
+        row.prefill_s = time.perf_counter() - t0
+        self._first_token(row, int(greedy_ids(logits[0])), hidden[-1])
+        return row
+
+    def _new_row(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
+        """A row for ``r`` whose prompt has not run yet."""
         drafter = self.drafters[slot]
         if drafter is not None:
             drafter.reset()
         window = self.policy.window
-        return _Row(r, gen, [*r.prompt, first], len(r.prompt), hidden[-1], drafter, slot,
-                    accepted=deque(maxlen=window), drafted=deque(maxlen=window))
+        gen = BatchGeneration(tokens=[], joined_step=self.steps, submitted_at=submitted_at)
+        return _Row(r, gen, list(r.prompt), 0, None, drafter, slot, accepted=deque(maxlen=window),
+                    drafted=deque(maxlen=window))
+
+    def _first_token(self, row: _Row, first: int, hidden: torch.Tensor) -> None:
+        """The prompt has run: commit the target's first token; the row drafts from now on."""
+        row.gen.tokens.append(first)
+        row.gen.first_token_at = time.perf_counter()
+        row.gen.prefill_s = row.prefill_s
+        row.context.append(first)
+        row.start, row.hidden = len(row.request.prompt), hidden
 
     def _done(self, row: _Row) -> bool:
+        if row.prefilling:
+            return False
         return len(row.gen.tokens) >= row.request.max_new_tokens or row.gen.tokens[-1] in self.stops
 
     def _finish(self, row: _Row) -> None:
@@ -288,8 +322,20 @@ class BatchDecoder:
         rates = [acceptance_rate(row.accepted, row.drafted) for row in rows]
         return allocate_drafts(rates, caps, self.policy.node_budget)
 
+    def _segments(self, active: dict[int, _Row]) -> dict[int, int]:
+        """Prompt tokens each prefilling row runs this step: ``prefill_chunk`` in all, first joined first."""
+        left, out = self.policy.prefill_chunk, {}
+        for slot in sorted((s for s, row in active.items() if row.prefilling),
+                           key=lambda s: (active[s].gen.joined_step, active[s].gen.submitted_at)):
+            if left <= 0:
+                break
+            out[slot] = min(left, len(active[slot].request.prompt) - active[slot].start)
+            left -= out[slot]
+        return out
+
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
-        slots = sorted(active)
+        segments = self._segments(active)
+        slots = sorted(s for s in active if not active[s].prefilling)
         sizes = self.draft_sizes([active[s] for s in slots])
         for slot, size in zip(slots, sizes, strict=True):
             row = active[slot]
@@ -302,16 +348,36 @@ class BatchDecoder:
         device = self.model.device
         trees = [active[s].tree for s in slots]
         lengths = [len(tree) for tree in trees]
-        offsets = [sum(lengths[:b]) for b in range(len(slots))]
-        tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.int64, device=device)
-        positions = torch.cat([tree.positions(active[s].start, device) for s, tree in zip(slots, trees, strict=True)])
-        masks = [None if tree.is_chain else tree.attention_mask(device) for tree in trees]
+        # the prompt segments ride after the decoding rows: causal chains whose logits matter only where a
+        # prompt ends (the first token)
+        pre = sorted(segments)
+        seg_tokens = [active[s].request.prompt[active[s].start: active[s].start + segments[s]] for s in pre]
+        all_lengths = lengths + [segments[s] for s in pre]
+        offsets = [sum(all_lengths[:b]) for b in range(len(all_lengths))]
+        tokens = torch.tensor([t for tree in trees for t in tree.tokens] + [t for seg in seg_tokens for t in seg],
+                              dtype=torch.int64, device=device)
+        positions = torch.cat([tree.positions(active[s].start, device) for s, tree in zip(slots, trees, strict=True)]
+                              + [torch.arange(active[s].start, active[s].start + segments[s], device=device)
+                                 for s in pre])
+        masks = [None if tree.is_chain else tree.attention_mask(device) for tree in trees] + [None] * len(pre)
+        ends = [b for b, s in enumerate(pre) if active[s].start + segments[s] == len(active[s].request.prompt)]
+        decode_n = sum(lengths)
+        logit_index = list(range(decode_n)) + [offsets[len(slots) + b] + segments[pre[b]] - 1 for b in ends]
         t0 = time.perf_counter()
-        logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [active[s].start for s in slots],
-                                                   lengths, slots, masks)
+        logits, hidden = self.model.forward_ragged(
+            tokens, positions, self.cache, [active[s].start for s in slots + pre], all_lengths, slots + pre, masks,
+            logit_index=logit_index if pre else None)
         argmax = greedy_ids(logits).tolist()  # the step's one device sync
         forward_s = time.perf_counter() - t0
         committed = 0
+        for b, slot in enumerate(pre):
+            row = active[slot]
+            row.start += segments[slot]
+            row.prefill_s += forward_s
+            if b in ends:
+                at = ends.index(b)
+                self._first_token(row, argmax[decode_n + at], hidden[offsets[len(slots) + b] + segments[slot] - 1])
+                committed += 1
         for b, slot in enumerate(slots):
             row = active[slot]
             path, bonus = row.tree.accept(argmax[offsets[b]: offsets[b] + lengths[b]])
@@ -331,5 +397,5 @@ class BatchDecoder:
             row.drafted.append(len(row.tree) - 1)
             row.gen.verify_s.append(forward_s)
             committed += len(row.gen.tokens) - before
-        return StepRecord(rows=len(slots), verified=sum(lengths),
-                          committed=committed, forward_s=forward_s, prefills=prefills)
+        return StepRecord(rows=len(slots), verified=sum(lengths), committed=committed, forward_s=forward_s,
+                          prefills=prefills, prompt_tokens=sum(segments.values()))

@@ -446,12 +446,13 @@ class Transformer(nn.Module):
 
     def forward_ragged(self, tokens: Tensor, positions: Tensor, cache: KVCache, starts: list[int],
                        lengths: list[int], rows: list[int], masks: list[Tensor | None],
-                       last_only: bool = False) -> tuple[Tensor, Tensor]:
+                       last_only: bool = False, logit_index: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """One forward over a ragged batch, packed: tokens and positions [N] hold the rows' new tokens back
         to back, row b's ``lengths[b]`` tokens for cache row ``rows[b]`` at slots ``starts[b]``.., with
         ``masks[b]`` as `forward`'s ``mask`` for them (None: causal). Linears and norms run once over all
         N tokens, attention per row (`Attention._ragged_attention`). Returns (logits [N, V], or [B, V] of
-        each row's last token with ``last_only``, and hidden [N, D])."""
+        each row's last token with ``last_only``, or of the packed tokens ``logit_index`` lists, and hidden
+        [N, D])."""
         if sum(lengths) != tokens.shape[0]:
             raise ValueError(f"the rows' lengths {lengths} do not add up to the {tokens.shape[0]} packed tokens")
         for start, n, row in zip(starts, lengths, rows, strict=True):
@@ -470,7 +471,9 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, cache, step, None, False)
         hidden = self.norm(x)[0]  # [N, D]
         if last_only:
-            return self.lm_head(hidden[[o + n - 1 for o, n in zip(offsets, lengths, strict=True)]]), hidden
+            logit_index = [o + n - 1 for o, n in zip(offsets, lengths, strict=True)]
+        if logit_index is not None:
+            return self.lm_head(hidden[logit_index]), hidden
         return self.lm_head(hidden), hidden
 
     def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,

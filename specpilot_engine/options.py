@@ -31,6 +31,8 @@ from typing import Any, Literal
 OptionValue = str | int | float | bool
 FACTORS = ("tau", "overhead", "kernel")  # the cost model's factors (its ceiling's gaps), in planning order
 DEVICE_KINDS = ("cpu", "cuda")
+# serving modes of a deployment: one request at a time, or continuous batching (specpilot_engine.batch)
+MODES = ("batch1", "batched")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class OptionInfo:
     sweep: tuple[OptionValue, ...] = ()  # values worth timing against the best, in the planner's order
     factor: str | None = None  # the cost-model factor it attacks (FACTORS), None: not a speed mechanism
     devices: tuple[str, ...] = DEVICE_KINDS  # device kinds where setting it means something
+    modes: tuple[str, ...] = MODES  # serving modes where setting it means something
     model: bool = False  # applied to the loaded target (`apply_model_options`): a different model
     requires: Mapping[str, OptionValue] = field(default_factory=dict)  # settings it only means something with
     may_change_outputs: bool = False  # True: may change the output's bits (forcing decides); False: lossless
@@ -54,6 +57,8 @@ class OptionInfo:
             raise ValueError(f"factor must be one of {FACTORS} or None, got {self.factor!r}")
         if bad := set(self.devices) - set(DEVICE_KINDS):
             raise ValueError(f"unknown device kinds {sorted(bad)}; known: {DEVICE_KINDS}")
+        if bad := set(self.modes) - set(MODES):
+            raise ValueError(f"unknown serving modes {sorted(bad)}; known: {MODES}")
 
 
 def option(default: Any, help: str, **info: Any) -> Any:
@@ -83,6 +88,14 @@ class EngineOptions:
         "ngram", "who drafts: n-gram lookup, the parallel or eagle drafter, or none (plain AR decoding)",
         sweep=("eagle", "parallel"), factor="tau", per_target=("eagle", "parallel"))
     drafter_weights: str = option("", "parallel drafter weights file; empty: the one shipped for the target")
+    # Batched serving (specpilot_engine.batch.BatchPolicy): which rows draft and verify how much. They only
+    # choose what is verified, never what is accepted, so they are lossless like the options above.
+    batch_node_budget: int = option(
+        0, "batched: draft tokens a step over all rows, given to the rows likeliest to accept them "
+        "(0: every row drafts block_size, or tree_nodes)", sweep=(12, 8, 16), factor="tau", modes=("batched",))
+    batch_adaptive_block: bool = option(
+        False, "batched: each row drafts 1 + its recent mean accepted drafts a step, at most block_size",
+        sweep=(True,), factor="tau", modes=("batched",))
 
     # --- precision: the deployment's choice, never swept.
     dtype: Literal["fp32", "bf16"] | None = option(
@@ -101,6 +114,10 @@ class EngineOptions:
         False, "with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in", sweep=(True,),
         factor="overhead", devices=("cuda",), model=True, requires={"fused_kernels": True},
         may_change_outputs=True)
+    prefill_chunk: int = option(
+        0, "batched: prompts join in segments of at most this many tokens a step, inside the steps' forwards "
+        "(0: each prompt as a forward of its own before the step)", sweep=(64, 128), factor="overhead",
+        modes=("batched",), may_change_outputs=True)
     compile: bool = option(
         False, "torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)", sweep=(True,),
         factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)
@@ -168,11 +185,13 @@ def infos(cls: type[EngineOptions] = EngineOptions) -> dict[str, OptionInfo]:
     return {f.name: info(f) for f in fields(cls)}
 
 
-def sweeps(cls: type[EngineOptions] = EngineOptions) -> dict[str, list[tuple[str, list[OptionValue], tuple[str, ...]]]]:
-    """The planner's sweeps: factor -> [(option, values worth timing, device kinds)], in field order."""
+def sweeps(cls: type[EngineOptions] = EngineOptions, mode: str | None = None,
+           ) -> dict[str, list[tuple[str, list[OptionValue], tuple[str, ...]]]]:
+    """The planner's sweeps: factor -> [(option, values worth timing, device kinds)], in field order;
+    with ``mode``, only the options that mean something in that serving mode."""
     out: dict[str, list] = {f: [] for f in FACTORS}
     for name, i in infos(cls).items():
-        if i.factor and i.sweep:
+        if i.factor and i.sweep and (mode is None or mode in i.modes):
             out[i.factor].append((name, list(i.sweep), i.devices))
     return out
 
@@ -196,6 +215,11 @@ def shape_options(cls: type[EngineOptions] = EngineOptions) -> dict[str, list[Op
         if any((o.verifies_tree, o.step_tokens) != shape for o in (dataclasses.replace(base, **{name: v}) for v in i.sweep)):
             out[name] = [getattr(stock, name), *(v for v in i.sweep if v != getattr(stock, name))]
     return out
+
+
+def mode_options(mode: str, cls: type[EngineOptions] = EngineOptions) -> tuple[str, ...]:
+    """Options that mean nothing in serving ``mode`` (a deployment of that mode refuses them)."""
+    return tuple(name for name, i in infos(cls).items() if mode not in i.modes)
 
 
 def requirement_tables(cls: type[EngineOptions] = EngineOptions) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specpilot.errors import UserError
 from specpilot.paths import REPO_ROOT
-from specpilot_engine.options import EngineOptions, OptionValue, options_from_dict
+from specpilot_engine.options import MODES, EngineOptions, OptionValue, mode_options, options_from_dict
 
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 DEFAULT_DEPLOYMENT = "smollm2-cpu"
@@ -41,7 +41,8 @@ class Deployment:
     target: str  # a model in specpilot_engine.model.CONFIGS, or hf:<checkpoint folder> (relative: to this file)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "fp32"  # the deployment's stock dtype ("fp32" | "bf16")
-    mode: str = "batch1"  # serving mode: one request at a time, greedy
+    mode: str = "batch1"  # serving mode: "batch1" (one request at a time) or "batched" (continuous batching)
+    concurrency: int = 1  # batched: closed-loop clients (and cache rows) that time and bench it
     drafter: str = "ngram"
     block_size: int = 4
     request_sets: tuple[str, ...] = ("humaneval", "chat")
@@ -77,8 +78,15 @@ class Deployment:
         if isinstance(weights, str) and weights and not Path(weights).is_absolute() and self.path:
             # a drafter's weights file relative to the deployment's own file, like the checkpoint
             self.extra_options["drafter_weights"] = str((Path(self.path).parent / weights).resolve())
-        if self.mode != "batch1":
-            raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: batch1")
+        if self.mode not in MODES:
+            raise ValueError(f"deployment {self.name!r}: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
+        if not isinstance(self.concurrency, int) or isinstance(self.concurrency, bool) or self.concurrency < 1:
+            raise ValueError(f"deployment {self.name!r}: concurrency must be a positive integer, got {self.concurrency!r}")
+        if self.mode == "batched" and self.server:
+            raise ValueError(f"deployment {self.name!r}: mode 'batched' is this engine's continuous batching; a "
+                             "server deployment batches inside its server (give its flags as [server.options])")
+        if self.mode == "batch1" and self.concurrency != 1:
+            raise ValueError(f"deployment {self.name!r}: concurrency {self.concurrency} needs mode = 'batched'")
         if not 0.0 < self.sealed_fraction < 1.0:
             raise ValueError(f"deployment {self.name!r}: sealed_fraction must be in (0, 1)")
         if not self.device.startswith(("cpu", "cuda")):
@@ -167,10 +175,17 @@ class Deployment:
         return options_from_dict({**base, **self.extra_options})
 
     def options(self, overrides: dict[str, OptionValue] | EngineOptions | None = None) -> EngineOptions:
-        """Stock options of this deployment with ``overrides`` (a patch's option dict) applied."""
+        """Stock options of this deployment with ``overrides`` (a patch's option dict) applied. An option
+        that means nothing in this deployment's serving mode is refused when set off its stock value."""
         if isinstance(overrides, EngineOptions):
-            return overrides.resolved(dtype=self.dtype)
-        return options_from_dict(overrides or {}, self.stock_options()).resolved(dtype=self.dtype)
+            opts = overrides.resolved(dtype=self.dtype)
+        else:
+            opts = options_from_dict(overrides or {}, self.stock_options()).resolved(dtype=self.dtype)
+        stock = EngineOptions()
+        if off := [k for k in mode_options(self.mode) if getattr(opts, k) != getattr(stock, k)]:
+            raise ValueError(f"deployment {self.name!r} (mode {self.mode!r}): option(s) {off} only mean something in "
+                             f"mode(s) other than {self.mode!r}")
+        return opts
 
 
 def deployment_path(name_or_path: str | Path) -> Path:

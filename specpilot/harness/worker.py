@@ -8,10 +8,13 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
 2. For each line ``{"prompt_ids": [...], "max_new_tokens": N}`` on stdin it generates greedily,
    synchronises the device, and prints ``{"tokens": [...], "steps": n}`` (``steps``: target
    forwards after the prefill). A bad request gets ``{"error": "..."}`` and the worker goes on.
-3. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
+3. ``{"load": {"requests": [[...], ...], "max_new_tokens": N, "concurrency": C}}`` (a batched deployment)
+   serves the requests as ``C`` closed-loop clients would (`specpilot.harness.loadgen.closed_loop` over
+   `Engine.batch_decoder`) and prints ``{"outputs": [[...], ...], "steps": n}``, the tokens in request order.
+4. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
    needs (``specpilot.harness.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
    Its figures are planning inputs, never verdicts.
-4. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
+5. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
 The controller times each request from its own clock (send to reply) and keeps the reference
 tokens; the worker reports no timings, so it cannot misreport them.
@@ -84,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                 own = getattr(engine, "measure", None)
                 send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
                 continue
+            if "load" in req:
+                send(serve_load(engine, req["load"]))
+                continue
             result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
             engine.synchronize()
             send({"tokens": result.tokens, "steps": result.steps})
@@ -92,6 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     if close := getattr(engine, "close", None):  # a server deployment's process
         close()
     return 0
+
+
+def serve_load(engine, load: dict) -> dict:
+    """A ``load`` request answered: every request's tokens in request order, and the target forwards."""
+    from specpilot.harness.loadgen import closed_loop
+
+    prompts = [[int(t) for t in p] for p in load["requests"]]
+    max_new, concurrency = int(load["max_new_tokens"]), int(load["concurrency"])
+    if not prompts or concurrency < 1 or max_new < 1:
+        raise ValueError("a load needs requests, concurrency >= 1 and max_new_tokens >= 1")
+    decoder = engine.batch_decoder(concurrency, max(map(len, prompts)) + max_new)
+    result = closed_loop(decoder, prompts, concurrency, max_new, len(prompts))
+    engine.synchronize()
+    outputs = {r.prompt_index: r.tokens for r in result.requests}
+    return {"outputs": [outputs[i] for i in range(len(prompts))], "steps": len(result.step_rows)}
 
 
 if __name__ == "__main__":

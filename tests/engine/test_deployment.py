@@ -51,7 +51,7 @@ def test_bad_deployment_files(tmp_path):
     p.write_text('target = "tiny"\nblock_size = [\n')
     with pytest.raises(DeploymentError, match="is not valid TOML"):
         load_deployment(p)
-    with pytest.raises(DeploymentError, match="no deployment 'nosuch'.*known: .*smollm2-cpu, smollm2-h200"):
+    with pytest.raises(DeploymentError, match="no deployment 'nosuch'.*known: .*smollm2-cpu, smollm2-cpu-batched, smollm2-h200"):
         load_deployment("nosuch")
     assert issubclass(DeploymentError, UserError)  # the CLI prints it as one line and exits 2
     p.write_text('target = "tiny"\n[options]\nverify = "tree"\n')
@@ -136,3 +136,21 @@ def test_the_shipped_checkpoint_deployment_reads_its_folder_beside_the_repositor
     save_tokenizer(folder)
     d = load_deployment(toml)
     assert d.target == f"hf:{folder}" and d.facts()["model_family"] == "llama" and d.device == "cpu"
+
+
+def test_batched_deployments_say_their_concurrency_and_take_the_batching_options(tmp_path):
+    dep = load_deployment("smollm2-cpu-batched")
+    assert dep.mode == "batched" and dep.concurrency == 8 and dep.facts()["mode"] == "batched"
+    opts = dep.options({"batch_node_budget": 12, "prefill_chunk": 64})
+    assert opts.batch_node_budget == 12 and opts.linear_backend == "stream"  # stock rows are batch-invariant
+    with pytest.raises(ValueError, match=r"\['batch_adaptive_block'\] only mean something"):
+        load_deployment("smollm2-cpu").options({"batch_adaptive_block": True})
+    p = tmp_path / "d.toml"
+    for body, message in (('target = "tiny"\nconcurrency = 4\n', "needs mode = 'batched'"),
+                          ('target = "tiny"\nmode = "batched"\nconcurrency = 0\n', "positive integer"),
+                          ('target = "tiny"\nmode = "beam"\n', "allowed: batch1, batched"),
+                          ('target = "tiny"\nmode = "batched"\nconcurrency = 4\n[server]\ncommand = ["x"]\n',
+                           "batches inside its server")):
+        p.write_text(body)
+        with pytest.raises(DeploymentError, match=message):
+            load_deployment(p)

@@ -44,3 +44,43 @@ def test_worker_refuses_bad_options():
     reply = json.loads(out.splitlines()[0])
     assert reply["ready"] is False and "allowed: chain, tree" in reply["error"]
     assert w.returncode == 1
+
+
+TINY_BATCHED = """name = "tiny-batched"
+target = "tiny"
+mode = "batched"
+concurrency = 3
+drafter = "ngram"
+[options]
+linear_backend = "stream"
+ngram_min_match = 1
+"""
+
+
+def test_worker_serves_a_closed_loop_load_for_a_batched_deployment(tmp_path):
+    """A batched deployment's worker answers a ``load`` (its concurrency's clients, one forward a step for
+    the rows in flight) with every request's tokens in request order: batch-1 AR's tokens, since its rows
+    are batch-invariant; with the batching mechanisms on too. A bad load is an error, and the worker goes on."""
+    path = tmp_path / "tiny-batched.toml"
+    path.write_text(TINY_BATCHED)
+    prompts = [list(b"abcabcabcabc"), list(b"hello hello hello"), list(b"xyzxyz"), list(b"0123012301230123"),
+               list(b"qq"), list(b"the cat the cat the")]
+    reference = load_engine(str(path), {"drafter": "none"})
+    expected = [reference.generate(p, 24).tokens for p in prompts]
+    for options in ("{}", '{"batch_node_budget": 5, "batch_adaptive_block": true, "prefill_chunk": 7}'):
+        w = _start("--deployment", str(path), "--options", options)
+        try:
+            assert json.loads(w.stdout.readline()) == {"ready": True}
+            w.stdin.write(json.dumps({"load": {"requests": prompts, "max_new_tokens": 24, "concurrency": 3}}) + "\n")
+            w.stdin.write(json.dumps({"load": {"requests": [], "max_new_tokens": 24, "concurrency": 3}}) + "\n")
+            w.stdin.write(json.dumps({"load": {"requests": prompts[:2], "max_new_tokens": 24, "concurrency": 3}}) + "\n")
+            w.stdin.flush()
+            reply = json.loads(w.stdout.readline())
+            assert reply["outputs"] == expected, options
+            assert reply["steps"] < sum(map(len, expected))  # rows shared the forwards
+            assert "needs requests" in json.loads(w.stdout.readline())["error"]
+            assert json.loads(w.stdout.readline())["outputs"] == expected[:2]  # the decoder is reused
+            w.stdin.close()
+            assert w.wait(timeout=30) == 0
+        finally:
+            w.kill()

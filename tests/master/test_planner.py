@@ -252,3 +252,14 @@ def test_a_drafter_is_predicted_with_its_best_block_size_and_offered_as_the_pair
     # a pair is only offered when it beats the value alone by the margin; the best's own length is kept
     (d,) = _plan({"tau": 1.64}, best={"block_size": 2}, predict=_chain_model)
     assert "joint" not in d.hints and d.hints["base"] == {"block_size": 2}
+
+
+def test_batching_mechanisms_are_offered_to_batched_deployments_only():
+    batch_options = {"batch_node_budget", "batch_adaptive_block", "prefill_chunk"}
+    known = KNOWN | batch_options
+    batch1 = _plan({"tau": 2.0, "overhead": 1.5}, devices=20, known=known)
+    assert not {d.hints["option"] for d in batch1} & batch_options
+    batched = _plan({"tau": 2.0, "overhead": 1.5}, facts={**CPU, "mode": "batched"}, devices=20, known=known)
+    offered = {d.hints["option"]: d for d in batched}
+    assert batch_options <= set(offered)
+    assert offered["batch_node_budget"].factor == "tau" and offered["prefill_chunk"].factor == "overhead"

@@ -85,7 +85,8 @@ class Evaluator:
                                deployment=self.deployment, devices=self.devices, max_new_tokens=self.max_new_tokens,
                                limits=self.limits, threads=self.threads, python=self.python,
                                pin_cpus=self.pin_cpus, compile_cache=self.compile_cache,
-                               visible=tuple(dep.external_paths()), env=dep.sandbox_env())
+                               visible=tuple(dep.external_paths()), env=dep.sandbox_env(),
+                               concurrency=dep.concurrency if dep.mode == "batched" else 1)
 
     # --- set-up ----------------------------------------------------------------------------------
 

@@ -148,7 +148,8 @@ def _trial_runs(ev: Evaluator, order: str, systems: dict[str, System], prompts: 
 def together(ev: Evaluator, names: list[str], systems: dict[str, System], prompts: list[list[int]],
              request_order: Callable[[int], list[str]]) -> Iterator[Run]:
     """A run of each of ``names``, their fresh workers alive at once: each started and warmed up alone
-    (the others paused), then request ``i`` answered by each system in ``request_order(i)``; a worker
+    (the others paused), then unit ``i`` (a request, or a batched deployment's load: `Workers.units`)
+    answered by each system in ``request_order(i)``; a worker
     not being timed is paused (``Sandbox.pause``), so it takes no CPU while another answers. On a
     failure only the failing system is yielded. Also the sealed final's way of running (`phases`)."""
     workers: dict[str, Worker] = {}
@@ -161,12 +162,12 @@ def together(ev: Evaluator, names: list[str], systems: dict[str, System], prompt
                 for other in workers.values():
                     other.sandbox.pause()
                 workers[who] = stack.enter_context(ev.workers.warm_worker(systems[who], prompts, ev.device))
-            for i, p in enumerate(prompts):
+            for i, unit in enumerate(ev.workers.units(prompts)):
                 for who in request_order(i):
                     for other, w in workers.items():
                         (w.sandbox.resume if other == who else w.sandbox.pause)()
-                    tokens, t = workers[who].generate(p, ev.max_new_tokens, timeout=ev.limits.wall_s)
-                    outs[who].append(tokens)
+                    tokens, t = ev.workers.answer(workers[who], unit)
+                    outs[who].extend(tokens)
                     secs[who].append(t)
         except WorkerFailed as exc:
             yield who, [], [], exc

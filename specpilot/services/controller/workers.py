@@ -3,7 +3,9 @@
 `Workers` starts a fresh timing worker (`specpilot.harness.worker`) of a `System` (a commit of the systems
 repository plus option settings) in a fresh `specpilot.sandbox.Sandbox`, warms it up untimed
 (`warm_up_requests`), hands it out, and closes it (the sandbox killed) on exit; `run` answers prompts on
-the controller's clock. Each worker starts from a fresh copy of its system's compile cache, filled once
+the controller's clock. What one timed call answers is a *unit* (`units`): one prompt for a batch-1
+deployment, a closed-loop load of ``LOAD_PER_CLIENT * concurrency`` prompts at the deployment's
+concurrency for a batched one (its throughput is what is timed). Each worker starts from a fresh copy of its system's compile cache, filled once
 with requests that know lengths, not tokens (`compile_fill_requests`). `abort` kills every sandbox in
 use (the service is stopping). What is checked, timed or decided is the jobs' (`checks`, `timing`,
 `phases`, `verdict`); this module only runs systems.
@@ -25,6 +27,7 @@ from specpilot.services.controller.pinning import timing_cpus
 from specpilot.services.controller.systems import Systems
 
 WARMUP_TOKENS = 8
+LOAD_PER_CLIENT = 2  # batched: prompts a closed-loop client sends in one timed load
 
 
 def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
@@ -90,6 +93,7 @@ class Workers:
     compile_cache: bool = True
     visible: tuple[Path, ...] = ()  # the deployment's files outside the checkout (`Deployment.external_paths`)
     env: dict[str, str] = field(default_factory=dict)  # the deployment's sandbox environment (`sandbox_env`)
+    concurrency: int = 1  # batched deployments: closed-loop clients of a timed load (1: batch 1)
 
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
@@ -124,14 +128,29 @@ class Workers:
         for sbx in list(self._active.values()):
             sbx.kill()
 
+    def units(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        """``prompts`` cut into what one timed call answers: one prompt each (batch 1), or loads of
+        ``LOAD_PER_CLIENT * concurrency`` prompts (batched), in order."""
+        size = 1 if self.concurrency == 1 else LOAD_PER_CLIENT * self.concurrency
+        return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+    def answer(self, worker: Worker, unit: list[list[int]]) -> tuple[list[list[int]], float]:
+        """One unit answered: each prompt's tokens, and the controller-clock seconds of the call."""
+        if self.concurrency == 1:
+            (prompt,) = unit
+            tokens, secs = worker.generate(prompt, self.max_new_tokens, timeout=self.limits.wall_s)
+            return [tokens], secs
+        return worker.serve(unit, self.max_new_tokens, self.concurrency, timeout=self.limits.wall_s)
+
     def run(self, system: System, prompts: list[list[int]], device: str | None = None,
             ) -> tuple[list[list[int]], list[float]]:
-        """One fresh worker of ``system`` answering ``prompts``: tokens and controller-clock seconds."""
+        """One fresh worker of ``system`` answering ``prompts``: tokens a prompt and controller-clock seconds
+        a unit (`units`)."""
         with self.warm_worker(system, prompts, device or self.devices[0]) as worker:
             outs, times = [], []
-            for p in prompts:
-                tokens, secs = worker.generate(p, self.max_new_tokens, timeout=self.limits.wall_s)
-                outs.append(tokens)
+            for unit in self.units(prompts):
+                tokens, secs = self.answer(worker, unit)
+                outs.extend(tokens)
                 times.append(secs)
             return outs, times
 
@@ -159,11 +178,16 @@ class Workers:
         adds noise when timed: docs/FIGURES.md, "Lab notes moved from code"); on a CPU one short
         request (a full pass would double a run)."""
         with self.worker(system, device, lambda tmp: self.compile_cache_for(system, prompts, device, tmp)) as worker:
-            for p, n in warm_up_requests(prompts, self.max_new_tokens, device):
+            warm_ups = warm_up_requests(prompts, self.max_new_tokens, device)
+            for p, n in warm_ups:
                 warm, secs = worker.generate(p, n, timeout=self.limits.wall_s)
                 worker.untimed_s += secs
                 if len(warm) > n:
                     raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
+            if self.concurrency > 1:  # the batched path too: its rows, drafters and kernels
+                donors = [p for p, _ in warm_up_requests(prompts, self.max_new_tokens, "cuda")][: self.concurrency]
+                _, secs = worker.serve(donors, WARMUP_TOKENS, self.concurrency, timeout=self.limits.wall_s)
+                worker.untimed_s += secs
             self.untimed.append((system.key(), worker.untimed_s))
             yield worker
 

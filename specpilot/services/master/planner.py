@@ -105,7 +105,8 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     from specpilot_engine import options as engine_options
 
     cls = options or engine_options.EngineOptions
-    sweep_table, requires = engine_options.sweeps(cls), engine_options.requirements(cls)
+    sweep_table = engine_options.sweeps(cls, mode=facts.get("mode") or "batch1")
+    requires = engine_options.requirements(cls)
     shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
     for entry in entries:
