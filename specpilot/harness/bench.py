@@ -23,6 +23,9 @@ Figures (all greedy, batch 1, one engine process):
   the shipped Q4_1 GGUF and BF16/F32 GGUFs made from it by ``llama-quantize --allow-requantize``
   (cached in the data folder): tokens/s and speedup over its own AR, beside this engine's.
 
+A batched deployment (``mode = "batched"``) is measured by throughput under closed-loop load instead
+(`specpilot.harness.batch_bench`): tokens/s, latency, time to first token, tau and ``c(N, B)``.
+
 Prints a rich table, writes ``tau.png`` and ``speedup.png`` (matplotlib) and ``bench.json`` into
 ``--out``, and prints the whole result as JSON on the last line. This module only measures; it
 changes nothing it measures.
@@ -67,6 +70,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="first requests the peer (transformers' prompt lookup) runs on; the e2e comparison "
                          "covers the same ones when this equals --limit")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--clients", type=positive_int, default=None,
+                    help="batched deployments: closed-loop clients (default: the deployment's concurrency; more than "
+                         "its rows queue)")
+    ap.add_argument("--batch-sizes", default=None,
+                    help="batched deployments: rows B of the c(N, B) table (default: 1,2,4,<concurrency>)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="batched deployments: timed forwards a c(N, B) cell")
     ap.add_argument("--server-options", default="{}",
                     help="server deployments: JSON of the system's [server.options] settings, e.g. "
                          "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")
@@ -588,6 +597,10 @@ def run(args: argparse.Namespace) -> int:
     dep = load_deployment(args.deployment)
     if dep.server:
         return run_server(args, dep)
+    if dep.mode == "batched":
+        from specpilot.harness.batch_bench import run_batched
+
+        return run_batched(args, dep)
     opts = dep.options(overrides_from_args(args))
     if args.threads:
         torch.set_num_threads(args.threads)

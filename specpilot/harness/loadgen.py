@@ -42,6 +42,8 @@ class LoadResult:
     step_rows: list[int] = field(default_factory=list)
     step_forward_s: list[float] = field(default_factory=list)
     step_committed: list[int] = field(default_factory=list)
+    step_verified: list[int] = field(default_factory=list)  # the rows' tokens (roots and drafts) a forward
+    max_waiting: int = 0  # most requests queued for a row at once (clients beyond the decoder's rows)
 
     @property
     def output_tokens(self) -> int:
@@ -61,6 +63,8 @@ class LoadResult:
             "latency_p50_s": _percentile(lat, 50), "latency_p99_s": _percentile(lat, 99),
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "tau": sum(r.committed for r in self.requests) / max(1, steps),
+            "verified_per_row": sum(self.step_verified) / max(1, sum(self.step_rows)),
+            "max_waiting": self.max_waiting,
             "step_s_by_rows": {str(k): round(statistics.median(v), 5) for k, v in sorted(by_rows.items())},
         }
 
@@ -95,10 +99,12 @@ def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: in
         send()
     while decoder.busy:
         record = decoder.step()
+        result.max_waiting = max(result.max_waiting, len(decoder.waiting))  # still without a row after the joins
         if record is not None:
             result.step_rows.append(record.rows)
             result.step_forward_s.append(record.forward_s)
             result.step_committed.append(record.committed)
+            result.step_verified.append(record.verified)
         for rid, gen in decoder.finished():
             index, at = submitted.pop(rid)
             result.requests.append(RequestRecord(rid, index, list(gen.tokens), gen.finished_at - at,

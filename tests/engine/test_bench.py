@@ -114,3 +114,32 @@ def test_drafter_settings_bench_on_the_tiny_deployment():
     bad = subprocess.run([*cmd[:2], "--deployment", "tiny-cpu", "--setting", "linear_backend=onednn"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "put it in --options" in bad.stderr
+
+
+def test_bench_on_a_batched_deployment_times_throughput_under_load(tmp_path, capsys):
+    """A batched deployment's bench: batched AR, stock speculation and the system under the same closed-loop
+    load, each lossless (batch-invariant rows), the c(N, B) table and its ceiling, plots; more clients than
+    rows queue and the bench says so."""
+    toml = tmp_path / "tiny-batched.toml"
+    toml.write_text('target = "tiny"\nmode = "batched"\nconcurrency = 2\nbench_requests = 5\n'
+                    '[options]\nlinear_backend = "stream"\nngram_min_match = 1\n')
+    rc = bench.main(["--deployment", str(toml), "--max-new-tokens", "16", "--ns", "1,3", "--batch-sizes", "1,2",
+                     "--reps", "2", "--clients", "3", "--threads", "1", "--out", str(tmp_path),
+                     "--batch-node-budget", "3"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["bench"] == "batched" and r["rows"] == 2 and r["clients"] == 3 and "wait in the queue" in r["queued"]
+    assert set(r["systems"]) == {"batched AR", "stock", "system"} and r["options"] == {
+        "dtype": "fp32", "linear_backend": "stream", "ngram_min_match": 1, "batch_node_budget": 3}
+    for name, s in r["systems"].items():
+        assert s["requests"] == 5 and s["lossless"] and s["tok_s"] > 0, name
+        assert s["max_waiting"] >= 1  # a third client's request waited for a row
+        assert s["latency_p99_s"] >= s["latency_p50_s"] > 0 and s["ttft_p50_s"] > 0
+    assert r["systems"]["batched AR"]["tau"] == 1.0 and r["systems"]["batched AR"]["speedup_over_batched_ar"] == 1.0
+    assert r["systems"]["stock"]["tau"] > 1.0  # the n-gram drafts were accepted
+    cost = r["cost"]["rows"]
+    assert [row["b"] for row in cost] == [1, 2] and cost[0]["ar_scaling"] == 1.0
+    for row in cost:
+        for n in ("1", "3"):
+            assert row["ceiling"][n] == pytest.approx((int(n) + 1) / row["c"][n])
+    assert (tmp_path / "batch_throughput.png").stat().st_size > 1000 and (tmp_path / "c_nb.png").is_file()

@@ -1,0 +1,215 @@
+"""`specpilot bench` on a batched deployment (``mode = "batched"``): throughput under closed-loop load.
+
+Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.batch_decoder`):
+- Per system, the same dev requests sent by ``--clients`` closed-loop clients (default: the deployment's
+  concurrency, which is also the decoder's rows; more clients than rows queue, never crash, and the table
+  says how many waited): output tokens/s, time to first token and per-request latency (p50/p99), tau
+  (tokens committed per row a step), draft tokens verified per row a step, and the forward's seconds by
+  rows in flight. Systems: batched AR (no drafter), the deployment's stock speculation, and the system
+  (stock with the option flags) when it differs; speedups over batched AR and over stock speculation;
+  whether each one's tokens equal batched AR's (lossless: equal wherever the rows are batch-invariant).
+- ``c(N, B)``: the forward of B rows of N + 1 new tokens each (a root and N drafts) over a context of the
+  requests' mean prompt length plus half the output, against the forward of B rows of one token (batched
+  AR's step), median of ``--reps``; and AR's own cost by rows, ``t(0, B) / t(0, 1)``. The ceiling of
+  speculation at B rows with N drafts, were every draft accepted, is ``(N + 1) / c(N, B)``: where it is
+  under the target, no drafter reaches it on this machine.
+
+Prints tables, writes ``batch_throughput.png`` and ``c_nb.png`` and ``bench.json`` into ``--out`` and the
+whole result as JSON on the last line. It only measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specpilot.errors import UserError
+from specpilot.harness.loadgen import closed_loop
+from specpilot.harness.requests import encode_requests, fit_context, load_requests
+from specpilot_engine.api import Engine
+from specpilot_engine.options import overrides_from_args
+
+
+def step_cost(model, rows: int, tokens: int, context: int, reps: int) -> float:
+    """Median seconds of one ragged forward of ``rows`` rows of ``tokens`` new tokens each, every row at
+    ``context`` cached slots (their contents do not change the work)."""
+    cache = model.new_cache(context + tokens + 1, batch=rows)
+    device = model.device
+    ids = torch.randint(0, model.cfg.vocab_size, (rows * tokens,), device=device)
+    positions = torch.arange(context, context + tokens, device=device).repeat(rows)
+    args = (ids, positions, cache, [context] * rows, [tokens] * rows, list(range(rows)), [None] * rows)
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            logits, _ = model.forward_ragged(*args)
+            logits.argmax(-1).tolist()  # the step's sync, as decoding has it
+            if i:  # the first call pays one-off costs
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cost_table(model, batch_sizes: list[int], ns: list[int], context: int, reps: int) -> dict:
+    """``t(N, B)`` in ms and ``c(N, B) = t(N, B) / t(0, B)`` for B rows of N drafts plus a root each."""
+    from rich.progress import Progress
+
+    from specpilot.harness.bench import _console
+
+    rows = []
+    with Progress(transient=True, console=_console()) as progress:
+        task = progress.add_task("c(N, B)", total=len(batch_sizes) * (len(ns) + 1))
+        ar1 = None
+        for b in batch_sizes:
+            ar = step_cost(model, b, 1, context, reps)
+            ar1 = ar1 or ar
+            progress.advance(task)
+            row = {"b": b, "t_ar_ms": 1e3 * ar, "ar_scaling": ar / ar1, "c": {}, "ceiling": {}}
+            for n in ns:
+                c = step_cost(model, b, n + 1, context, reps) / ar
+                row["c"][str(n)] = c
+                row["ceiling"][str(n)] = (n + 1) / c
+                progress.advance(task)
+            rows.append(row)
+    return {"context": context, "reps": reps, "rows": rows}
+
+
+def run_batched(args: argparse.Namespace, dep) -> int:
+    """`specpilot.harness.bench.run` for a batched deployment (see the module docstring)."""
+    from specpilot.harness.bench import _console, system_and_stock_models
+
+    opts = dep.options(overrides_from_args(args))
+    stock = dep.options()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or dep.device)
+    max_new = args.max_new_tokens or dep.max_new_tokens
+    rows = dep.concurrency
+    clients = args.clients or rows
+    try:
+        ns = [int(x) for x in args.ns.split(",") if x.strip()]
+        batch_sizes = sorted({int(x) for x in (args.batch_sizes or f"1,2,4,{rows}").split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--ns and --batch-sizes are comma-separated integers, got {args.ns!r}, {args.batch_sizes!r}") from None
+    if any(n < 1 for n in ns) or any(b < 1 for b in batch_sizes):
+        raise UserError("--ns draft lengths and --batch-sizes must be at least 1")
+    model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
+    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][: args.limit or dep.bench_requests]
+    if not requests:
+        raise UserError(f"no dev requests of set {args.set!r} in {dep.name}")
+    prompts = fit_context(encode_requests(requests, tok), model.cfg.max_seq_len, max_new)
+    systems = {"batched AR": (stock_model, stock.replace(drafter="none")), "stock": (stock_model, stock)}
+    if opts != stock:
+        systems["system"] = (model, opts)
+    result: dict = {
+        "bench": "batched", "deployment": dep.name, "target": dep.target,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "options": opts.changed(), "rows": rows, "clients": clients, "requests": len(prompts),
+        "request_set": args.set or "all", "max_new_tokens": max_new, "date": time.strftime("%Y-%m-%d"), "systems": {},
+    }
+    if clients > rows:
+        result["queued"] = f"{clients} clients on {rows} rows: requests beyond the rows wait in the queue"
+    outputs: dict[str, list[list[int]]] = {}
+    for name, (m, o) in systems.items():
+        engine = Engine(m, tok, o)
+        decoder = engine.batch_decoder(rows, max(map(len, prompts)) + max_new)
+        closed_loop(decoder, prompts[:rows], min(clients, rows), 8, rows)  # warm up kernels, rows and drafters
+        load = closed_loop(decoder, prompts, clients, max_new, len(prompts))
+        by_prompt = {r.prompt_index: r.tokens for r in load.requests}
+        outputs[name] = [by_prompt[i] for i in range(len(prompts))]
+        result["systems"][name] = {**load.summary(), "options": o.changed()}
+        _console().print(f"{name}: {result['systems'][name]['tok_s']:.1f} tok/s")
+    ar, spec = result["systems"]["batched AR"]["tok_s"], result["systems"]["stock"]["tok_s"]
+    for name, s in result["systems"].items():
+        s["speedup_over_batched_ar"] = s["tok_s"] / ar
+        s["speedup_over_stock"] = s["tok_s"] / spec
+        s["lossless"] = outputs[name] == outputs["batched AR"]
+    if ns:
+        context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
+        result["cost"] = cost_table(model, batch_sizes, ns, context, args.reps)
+    out = args.out
+    if out is None:
+        from specpilot.paths import default_data_dir
+
+        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.no_plots:
+        result["plots"] = _plots(result, out)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    _table(result)
+    print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
+def _table(result: dict) -> None:
+    from rich.table import Table
+
+    from specpilot.harness.bench import _console
+
+    console = _console()
+    t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
+                    f"{result['requests']} requests x {result['max_new_tokens']} tokens, {result['device']}")
+    for col in ("system", "tok/s", "x batched AR", "x stock", "tau", "drafts/row", "p50 s", "p99 s", "TTFT p50 s",
+                "TTFT p99 s", "lossless", "step s by rows"):
+        t.add_column(col, justify="right")
+    for name, s in result["systems"].items():
+        t.add_row(name, f"{s['tok_s']:.1f}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
+                  f"{s['tau']:.2f}", f"{s['verified_per_row'] - 1:.2f}", f"{s['latency_p50_s']:.2f}",
+                  f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}", str(s["lossless"]),
+                  json.dumps(s["step_s_by_rows"]))
+    console.print(t)
+    if "queued" in result:
+        console.print(result["queued"])
+    if "cost" in result:
+        cost = result["cost"]
+        ns = list(cost["rows"][0]["c"])
+        t = Table(title=f"c(N, B): B rows of N drafts + a root against B rows of one token, context {cost['context']}")
+        for col in ("B", "t_AR ms", "AR vs B=1", *[f"c({n})" for n in ns], *[f"ceiling N={n}" for n in ns]):
+            t.add_column(col, justify="right")
+        for r in cost["rows"]:
+            t.add_row(str(r["b"]), f"{r['t_ar_ms']:.1f}", f"{r['ar_scaling']:.2f}", *[f"{r['c'][n]:.2f}" for n in ns],
+                      *[f"{r['ceiling'][n]:.2f}" for n in ns])
+        console.print(t)
+
+
+def _plots(result: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    names = list(result["systems"])
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(names, [result["systems"][n]["tok_s"] for n in names], color=["grey", "tab:blue", "tab:green"][: len(names)])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{result['deployment']}: {result['clients']} clients, {result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "batch_throughput.png", dpi=120)
+    plt.close(fig)
+    files.append(str(out / "batch_throughput.png"))
+    if "cost" in result:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for r in result["cost"]["rows"]:
+            ns = [int(n) for n in r["c"]]
+            ax.plot(ns, list(r["c"].values()), marker="o", label=f"B = {r['b']}")
+        ax.set_xlabel("N (draft tokens a row)")
+        ax.set_ylabel("c(N, B): step cost in batched AR steps")
+        ax.legend()
+        ax.set_title(f"{result['deployment']} · {result['device']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "c_nb.png", dpi=120)
+        plt.close(fig)
+        files.append(str(out / "c_nb.png"))
+    return files
+
+
+__all__ = ["cost_table", "run_batched", "step_cost"]
