@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specpilot_kernels.w12 import cuda_mma  # noqa: E402
 from specpilot_kernels.w12.cuda_mma import MmaConfig, pick_mma_config  # noqa: E402
 from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
-from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+from specpilot_kernels.w12.kernel import Config, pick_config, use_tensor_core_kernel, w12_matmul  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64]
@@ -194,7 +194,7 @@ class ShapeBench:
 
 def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
     """The configuration ``w12_matmul`` uses without one (bf16 ``x``)."""
-    if m <= cuda_mma.MAX_ROWS and k % 8 == 0 and cuda_mma.available():
+    if m <= cuda_mma.MAX_ROWS and k % 8 == 0 and use_tensor_core_kernel() and cuda_mma.available():
         return pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     return pick_config(m, n, k)
 

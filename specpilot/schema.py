@@ -126,6 +126,11 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     # c(n) of a full chain of n drafts, measured (specpilot.harness.replay.chain_cost): n -> t(1 + n) / t(1)
     chain_cost: dict[int, float] = {}
     options: dict[str, Any] = {}  # the profiled system's options (overrides on the deployment's stock)
+    # A batched deployment (rows > 1): the measured step of ``rows`` rows of one token (batched AR), and
+    # c(n, rows) = t(rows x (1 + n)) / t(rows x 1) by draft count n (specpilot.harness.batch_bench.step_cost)
+    rows: int = 1
+    t_ar_rows_s: float = 0.0
+    batch_cost: dict[int, float] = {}
 
 
 class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
@@ -137,6 +142,10 @@ class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
     floors_s: dict[str, float] = {}
     replay_tau: dict[str, float] = {}  # node budget -> the most tokens a step commits in exact replay, any drafter
     replay_by: dict[str, str] = {}  # node budget -> which replay reaches it ("ngram tree", "parallel chain", ...)
+    # a batched deployment: `costmodel.BatchedCeiling` (rows, speedup at the floors and with the measured
+    # step costs, the budgets reaching them, and the table by node budget); ceiling_speedup is then its
+    # speedup at the floors
+    batched: dict[str, Any] = {}
 
 
 class DirectionPlanned(Event, frozen=True, kw_only=True, tag="direction.planned"):

@@ -190,10 +190,17 @@ def describe(e: schema.Event) -> str:
         case schema.HardwareMeasured():
             return f"hardware: {e.bandwidth_bytes_s / 1e9:.1f} GB/s, {e.flops_s / 1e12:.2f} TFLOP/s ({e.device})"
         case schema.ProfileMeasured():
-            return (f"profile: tau {e.tau:.2f}, step {e.step_s * 1e3:.1f} ms, AR step {e.t_ar_s * 1e3:.1f} ms"
-                    if e.step_s > 0 else "profile: failed (see the controller's log)")
+            if e.step_s <= 0:
+                return "profile: failed (see the controller's log)"
+            costs = ", ".join(f"c({n}) {c:.2f}" for n, c in sorted(e.batch_cost.items()))
+            rows = f"; at {e.rows} rows: AR step {e.t_ar_rows_s * 1e3:.1f} ms, {costs}" if e.rows > 1 else ""
+            return f"profile: tau {e.tau:.2f}, step {e.step_s * 1e3:.1f} ms, AR step {e.t_ar_s * 1e3:.1f} ms{rows}"
         case schema.CeilingComputed():
             f = ", ".join(f"{k} {v:.2f}x" for k, v in e.factors.items())
+            if b := e.batched:
+                return (f"batched ceiling at {b['rows']} rows: {e.ceiling_speedup:.2f}x over batched AR at the floors "
+                        f"(N = {b['budget']}), {b['measured_speedup']:.2f}x with the measured step costs "
+                        f"(N = {b['measured_budget']}); factors: {f}")
             return f"ceiling {e.ceiling_speedup:.1f}x over AR; factors: {f}"
         case schema.DirectionPlanned():
             guess = e.hints.get("predicted_gain")

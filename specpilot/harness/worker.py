@@ -13,7 +13,9 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
    `Engine.batch_decoder`) and prints ``{"outputs": [[...], ...], "steps": n}``, the tokens in request order.
 4. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
    needs (``specpilot.harness.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
-   Its figures are planning inputs, never verdicts.
+   Its figures are planning inputs, never verdicts. ``{"batch_cost": {"rows": B, "context": C, "drafts": [n, ...]}}``
+   answers ``{"t_ar_s": t, "c": {n: c(n, B)}}``: the forward of B rows of one token, and of 1 + n tokens
+   against it (`specpilot.harness.batch_bench.step_cost`), for the cost model's batched ceiling.
 5. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
 The controller times each request from its own clock (send to reply) and keeps the reference
@@ -86,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                 # a server measures itself (`ServerEngine.measure`): its kernels and drafts are its own
                 own = getattr(engine, "measure", None)
                 send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
+                continue
+            if "batch_cost" in req:
+                from specpilot.harness.batch_bench import step_cost
+
+                b = req["batch_cost"]
+                rows, context = int(b["rows"]), int(b["context"])
+                t_ar = step_cost(engine.model, rows, 1, context, reps=3)
+                send({"t_ar_s": t_ar, "c": {str(n): step_cost(engine.model, rows, 1 + int(n), context, reps=3) / t_ar
+                                            for n in b["drafts"]}})
                 continue
             if "load" in req:
                 send(serve_load(engine, req["load"]))

@@ -80,6 +80,10 @@ def test_worker_serves_a_closed_loop_load_for_a_batched_deployment(tmp_path):
             assert reply["steps"] < sum(map(len, expected))  # rows shared the forwards
             assert "needs requests" in json.loads(w.stdout.readline())["error"]
             assert json.loads(w.stdout.readline())["outputs"] == expected[:2]  # the decoder is reused
+            w.stdin.write(json.dumps({"batch_cost": {"rows": 3, "context": 20, "drafts": [1, 4]}}) + "\n")
+            w.stdin.flush()
+            cost = json.loads(w.stdout.readline())
+            assert cost["t_ar_s"] > 0 and set(cost["c"]) == {"1", "4"} and all(c > 0 for c in cost["c"].values())
             w.stdin.close()
             assert w.wait(timeout=30) == 0
         finally:

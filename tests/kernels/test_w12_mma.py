@@ -145,13 +145,15 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
     p = pack(w)
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
+    before = use_tensor_core_kernel()
+    use_tensor_core_kernel(True)
     assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p).view(torch.int16))
     use_tensor_core_kernel(False)
     try:
         y_triton = w12_matmul(x, p)
         assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
     finally:
-        use_tensor_core_kernel(True)
+        use_tensor_core_kernel(before)
     check_close(y_triton, reference(x.float(), w.float()), rtol=1e-2)
     # outside the contract (fp32 x, 17 rows) w12_matmul stays on Triton and still answers
     check_close(w12_matmul(x.float(), p), reference(x.float(), w.float()), rtol=1e-5)

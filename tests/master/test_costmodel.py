@@ -244,3 +244,31 @@ def test_the_lm_heads_floor_is_what_a_lossless_argmax_reads():
     full = cm.step_work(shape, 1, 64, 4.0)
     screened = cm.step_work(shape, 1, 64, 4.0, head_bytes=2.0)
     assert screened["lm_head"].bytes < 0.51 * full["lm_head"].bytes and screened["q_proj"] == full["q_proj"]
+
+
+def test_a_batched_step_reads_weights_once_and_attention_per_row():
+    shape = cm.Shape(vocab_size=10, dim=4, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=8)
+    one = cm.step_work(shape, n_tokens=3, context=5, weight_bytes=2, act_bytes=1)
+    four = cm.step_work(shape, n_tokens=3, context=5, weight_bytes=2, act_bytes=1, rows=4)
+    packed = cm.step_work(shape, n_tokens=12, context=5, weight_bytes=2, act_bytes=1)
+    assert four["up_proj"] == packed["up_proj"]  # linears: 12 tokens either way, weights once
+    assert four["attention"].flops == 4 * one["attention"].flops  # each row attends to its own 5 + 3
+    assert four["attention"].flops < packed["attention"].flops  # not to the 12 packed tokens' growing prefix
+    assert four["attention"].bytes == 4 * one["attention"].bytes  # each row reads its own KV
+
+
+def test_the_batched_ceiling_prefers_shorter_drafts_when_rows_make_them_costly():
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=256)
+    # 67 FLOPs a byte at the floors: one row's steps stay memory-bound, 16 rows of 9 tokens are compute-bound
+    hw = cm.Hardware(bandwidth_bytes_s=1e10, flops_s=1e12)
+    replay = {1: 1.9, 2: 2.6, 4: 3.3, 8: 3.9}
+    one = cm.batched_ceiling(shape=shape, hw=hw, weight_bytes=4, act_bytes=4, context=100, rows=1,
+                             t_ar_rows_s=1e-3, replay=replay)
+    many = cm.batched_ceiling(shape=shape, hw=hw, weight_bytes=4, act_bytes=4, context=100, rows=16,
+                              t_ar_rows_s=4e-3, replay=replay, measured_c={1: 1.7, 2: 2.2, 4: 3.3})
+    assert one.budget == 8 and many.budget == 4
+    assert many.measured_budget == 2 and many.measured_speedup == pytest.approx(2.6 / 2.2)
+    assert many.by_budget[4]["measured"] == pytest.approx(1.0) and "measured" not in many.by_budget[8]
+    with pytest.raises(ValueError):
+        cm.batched_ceiling(shape=shape, hw=hw, weight_bytes=4, act_bytes=4, context=1, rows=0, t_ar_rows_s=1.0,
+                           replay=replay)

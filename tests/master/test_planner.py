@@ -263,3 +263,17 @@ def test_batching_mechanisms_are_offered_to_batched_deployments_only():
     offered = {d.hints["option"]: d for d in batched}
     assert batch_options <= set(offered)
     assert offered["batch_node_budget"].factor == "tau" and offered["prefill_chunk"].factor == "overhead"
+
+
+def test_a_value_the_deployment_has_as_stock_is_never_proposed():
+    known = KNOWN | {"linear_backend"}
+    stock = {"linear_backend": "stream", "block_size": 6}
+    ds = _plan({"tau": 2.0, "kernel": 2.0}, devices=20, known=known, predict=None)
+    assert any(d.hints["option"] == "linear_backend" and "stream" in d.hints["values"] for d in ds)
+    ds = planner.plan(factors={"tau": 2.0, "kernel": 2.0}, facts=CPU, best_options={}, known_options=known, entries=[],
+                      history=History(), devices=20, stock_options=stock)
+    values = {d.hints["option"]: d.hints["values"] for d in ds}
+    assert "stream" not in values.get("linear_backend", []) and 6 not in values.get("block_size", [])
+    ds = planner.plan(factors={"tau": 2.0}, facts=CPU, best_options={"block_size": 2}, known_options=known,
+                      entries=[], history=History(), devices=20, stock_options=stock)
+    assert 6 in {v for d in ds for v in d.hints.get("values", []) if d.hints.get("option") == "block_size"}

@@ -25,6 +25,8 @@ from specpilot.services.controller.timing import together
 from specpilot.services.controller.workers import System
 from specpilot.shapes import shape_of
 
+BATCH_COST_DRAFTS = (1, 2, 4, 8, 16)  # draft counts whose batched step cost c(n, rows) a batched profile measures
+
 if TYPE_CHECKING:
     from specpilot.services.controller.context import Service
     from specpilot.services.controller.evaluate import Evaluator
@@ -45,6 +47,11 @@ def measure(ev: Evaluator, system: System) -> dict:
                            lambda tmp: ev.workers.compile_cache_for(system, prompts, ev.device, tmp)) as worker:
         replies = [worker.request({"measure": {"prompt_ids": p, "max_new_tokens": ev.max_new_tokens}},
                                   timeout=ev.limits.wall_s)[0] for p in prompts]
+        batch = {}
+        if ev.workers.concurrency > 1:  # a batched deployment: its step costs at its rows
+            context = int(sum(len(p) for p in prompts) / len(prompts) + ev.max_new_tokens / 2)
+            batch = worker.request({"batch_cost": {"rows": ev.workers.concurrency, "context": context,
+                                                   "drafts": list(BATCH_COST_DRAFTS)}}, timeout=ev.limits.wall_s)[0]
     _, system_s = ev.workers.run(system, prompts)
     ar_outputs, ar_s = ev.workers.run(ev.ar_system(system), prompts)
     n = len(prompts)
@@ -71,6 +78,9 @@ def measure(ev: Evaluator, system: System) -> dict:
         "chain_depths": [[int(d) for d in r.get("chain_depths", [])] for r in replies],
         "drafters": _alternative_drafters(replies),
         "chain_cost": _mean_chain_cost(replies),
+        "rows": ev.workers.concurrency,
+        "t_ar_rows_s": float(batch.get("t_ar_s", 0.0)),
+        "batch_cost": {int(k): round(float(v), 4) for k, v in batch.get("c", {}).items()},
     }
 
 
@@ -185,7 +195,8 @@ def profile(ev: Evaluator, system: System, device: str) -> schema.ProfileMeasure
         verified_tokens=m["verified_tokens"], context=m["context"],
         dtype=dtype, shape=shape_of(get_config(deployment.target)), replay_depths=m["replay_depths"],
         chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
-        chain_cost=m.get("chain_cost", {}), options=dict(system.options))
+        chain_cost=m.get("chain_cost", {}), options=dict(system.options), rows=m.get("rows", 1),
+        t_ar_rows_s=m.get("t_ar_rows_s", 0.0), batch_cost=m.get("batch_cost", {}))
 
 
 def peer(ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:

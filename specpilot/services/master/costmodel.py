@@ -15,6 +15,12 @@ Definitions:
   *overhead* = step time / kernel time. Their product is the gap between the current speedup and
   the ceiling, up to the difference between the current step's floors and the best tree's; the
   largest names what to attack.
+- **Batched** (a deployment of ``rows`` closed-loop clients, `batched_ceiling`): a step verifies every
+  row's tree in one forward, whose weights are read once for all rows but whose FLOPs and KV reads grow
+  with them, so drafts cost more the more rows share a step. ``S*_B = max_N tau_best(N) · t_AR(B) /
+  floor_B(N + 1)`` over the measured batched AR step ``t_AR(B)``; with the measured step costs instead of
+  the floors, ``S_B = max_N tau_best(N) / c(N, B)`` is what today's kernels allow. The best ``N`` at B
+  rows is shorter than at one, and the *tau* factor is taken at it.
 - **Kernel time** of a class is its profiled time less what its launches cost the host
   (``launches · launch_s``, both measured), but never below its floor: a class whose time is
   launches (an eager step on a GPU, where the device waits for the host) counts as *overhead*,
@@ -58,15 +64,17 @@ class Work:
 
 
 def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, act_bytes: float = 4.0,
-              head_bytes: float | None = None) -> dict[str, Work]:
-    """FLOPs and bytes per kernel class of one target forward over ``n_tokens`` new tokens.
+              head_bytes: float | None = None, rows: int = 1) -> dict[str, Work]:
+    """FLOPs and bytes per kernel class of one target forward over ``n_tokens`` new tokens in each of
+    ``rows`` rows (a batched step: weights read once, activations, attention and KV reads per row).
 
-    ``context`` is the number of cached positions attended to; ``weight_bytes`` per weight
+    ``context`` is the number of cached positions each row attends to; ``weight_bytes`` per weight
     (4 fp32, 2 bf16, 1.5 W12), ``head_bytes`` per LM-head weight (default ``weight_bytes``; less
     where a lossless argmax reads less, `head_bytes_per_weight`); activations and the KV cache use
     ``act_bytes``."""
     head_bytes = weight_bytes if head_bytes is None else head_bytes
-    d, kv, f, L, T = shape.dim, shape.kv_dim, shape.intermediate, shape.n_layers, n_tokens
+    d, kv, f, L, n = shape.dim, shape.kv_dim, shape.intermediate, shape.n_layers, n_tokens
+    T = n * rows
     dims = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     out = {
@@ -75,9 +83,9 @@ def step_work(shape: Shape, n_tokens: int, context: int, weight_bytes: float, ac
     }
     out["lm_head"] = Work(flops=2.0 * T * d * shape.vocab_size,
                           bytes=d * shape.vocab_size * head_bytes + T * (d + shape.vocab_size) * act_bytes)
-    attended = context + T
+    attended = context + n  # per row: its own cache
     out["attention"] = Work(flops=4.0 * T * attended * d * L,  # scores and the weighted sum, every head
-                            bytes=(2.0 * attended * kv + 2.0 * T * d) * act_bytes * L)
+                            bytes=(2.0 * attended * kv * rows + 2.0 * T * d) * act_bytes * L)
     out["norms"] = Work(flops=4.0 * T * d * (2 * L + 1), bytes=2.0 * T * d * act_bytes * (2 * L + 1))
     out["embedding"] = Work(flops=0.0, bytes=T * d * weight_bytes)
     return out
@@ -190,6 +198,40 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
     }
     return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
                    current_speedup=tau * t_ar_s / step_s)
+
+
+@dataclass(frozen=True)
+class BatchedCeiling:
+    rows: int
+    speedup: float  # S*_B: over the measured batched AR step, every class at its floor
+    budget: int  # the node budget that reaches it
+    measured_speedup: float  # max over measured N of tau_best(N) / c(N, B): today's kernels, perfect drafts
+    measured_budget: int  # 0 when no step cost was measured
+    by_budget: dict[int, dict[str, float]] = field(default_factory=dict)  # N -> {"floor", "measured", "tau"}
+
+
+def batched_ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float, context: int, rows: int,
+                    t_ar_rows_s: float, replay: dict[int, float], measured_c: dict[int, float] | None = None,
+                    head_bytes: float | None = None) -> BatchedCeiling:
+    """The ceiling of speculation at ``rows`` rows a step (see the module docstring): ``replay`` is
+    `replay_tau` (tokens a row commits a step with the best tree of N nodes), ``t_ar_rows_s`` the measured
+    step of ``rows`` rows of one token, ``measured_c`` the measured ``c(N, B)`` by draft count N."""
+    if rows < 1 or t_ar_rows_s <= 0:
+        raise ValueError("rows must be >= 1 and t_ar_rows_s positive")
+    table: dict[int, dict[str, float]] = {}
+    for budget, tau_n in replay.items():
+        floor = sum(floors_s(step_work(shape, budget + 1, context, weight_bytes, act_bytes, head_bytes, rows),
+                             hw).values())
+        row = {"tau": tau_n, "floor": tau_n * t_ar_rows_s / floor}
+        if measured_c and budget in measured_c and measured_c[budget] > 0:
+            row["measured"] = tau_n / measured_c[budget]
+        table[budget] = row
+    budget = max(table, key=lambda b: table[b]["floor"])
+    measured = {b: r["measured"] for b, r in table.items() if "measured" in r}
+    best_measured = max(measured, key=measured.__getitem__) if measured else 0
+    return BatchedCeiling(rows=rows, speedup=table[budget]["floor"], budget=budget,
+                          measured_speedup=measured.get(best_measured, 0.0), measured_budget=best_measured,
+                          by_budget=table)
 
 
 def class_floor_s(floors: dict[str, float], cls: str) -> float:

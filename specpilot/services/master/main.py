@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -192,11 +193,21 @@ class RoundDriver:
         hw: schema.HardwareMeasured = hardware[-1]  # type: ignore[assignment]
         best, by = costmodel.envelope(replays(prof))
         result = compute_ceiling(prof, hw, best)
+        speedup, factors, batched = result.speedup, dict(result.factors), {}
+        if prof.rows > 1 and prof.t_ar_rows_s > 0:  # a batched deployment: the ceiling at its rows
+            b = compute_batched_ceiling(prof, hw, best)
+            batched = dataclasses.asdict(b)
+            batched["by_budget"] = {str(k): v for k, v in b.by_budget.items()}
+            speedup = b.speedup
+            # the best draft length at these rows (today's step costs where measured) sets the tau factor
+            n = b.measured_budget or b.budget
+            factors["tau"] = max(best.get(n, prof.tau), prof.tau) / prof.tau if prof.tau > 0 else 1.0
         event = await self.emit(schema.CeilingComputed(
-            event_id=f"{self.round_id}-ceiling", ceiling_speedup=result.speedup,
-            factors=result.factors, floors_s=result.floors_s,
+            event_id=f"{self.round_id}-ceiling", ceiling_speedup=speedup,
+            factors=factors, floors_s=result.floors_s,
             replay_tau={str(k): v for k, v in best.items()}, replay_by={str(k): v for k, v in by.items()},
-            causation_id=prof.event_id))
+            batched=batched, causation_id=prof.event_id))
+        result = dataclasses.replace(result, speedup=speedup, factors=factors)
         with contextlib.suppress(Exception):  # a chart is a nicety; the event is the record
             plots.factor_chart(result.factors, result.speedup, self.master.data / "rounds" / self.round_id / "factors.png")
         return event  # type: ignore[return-value]
@@ -313,7 +324,8 @@ class RoundDriver:
                             history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
                             # a code patch changes our engine, not a server: servers are tuned by their options
                             coder="sweep" if deployment.server else self.started.coder, devices=devices,
-                            predict=predict, options=options), told
+                            predict=predict, options=options,
+                            stock_options={} if deployment.server else deployment.stock_options().changed()), told
 
     async def wait_direction(self, direction: schema.DirectionPlanned) -> None:
         did = direction.direction_id
@@ -407,6 +419,17 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
                              profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
                              launch_s=hw.launch_s,
                              head_bytes=costmodel.head_bytes_per_weight(prof.device, bytes_per))
+
+
+def compute_batched_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
+                            replay_tau: dict[int, float]) -> costmodel.BatchedCeiling:
+    """The ceiling of ``prof``'s batched deployment at its rows (`costmodel.batched_ceiling`)."""
+    bytes_per = costmodel.WEIGHT_BYTES.get(prof.dtype, 4.0)
+    return costmodel.batched_ceiling(
+        shape=costmodel.Shape(**prof.shape), hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
+        weight_bytes=bytes_per, act_bytes=2.0 if prof.dtype == "bf16" else 4.0, context=prof.context, rows=prof.rows,
+        t_ar_rows_s=prof.t_ar_rows_s, replay=replay_tau, measured_c={int(k): v for k, v in prof.batch_cost.items()},
+        head_bytes=costmodel.head_bytes_per_weight(prof.device, bytes_per))
 
 
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,

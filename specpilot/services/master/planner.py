@@ -95,13 +95,15 @@ def entries_in_lineage(entries: list[dict[str, Any]], advanced_event_ids: set[st
 def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict[str, Any],
          known_options: set[str], entries: list[dict[str, Any]], history: History, coder: str = "sweep",
          devices: int = 1, predict: Callable[[str, Any, dict[str, Any]], float | None] | None = None,
-         options: type | None = None) -> list[Direction]:
+         options: type | None = None, stock_options: dict[str, Any] | None = None) -> list[Direction]:
     """Up to ``devices`` directions for the next wave; [] when nothing is left to try.
 
     ``predict(option, value, base)``: the cost model's predicted gain over the best of setting
     ``option`` to ``value`` on top of ``base``; None when it cannot say. ``options``: the options class
     whose fields' `OptionInfo` say what to sweep, on which devices, for which factor, and what each
-    requires (`specpilot_engine.options.EngineOptions` unless given)."""
+    requires (`specpilot_engine.options.EngineOptions` unless given). ``stock_options``: the deployment's own
+    stock values where they differ from the class defaults (its TOML's drafter, block size, [options]): a
+    value the system already has, from its stock or its best, is never proposed."""
     from specpilot_engine import options as engine_options
 
     cls = options or engine_options.EngineOptions
@@ -127,7 +129,8 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
         for option, values, kinds in sweep_table.get(factor, []):
             if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
                 continue
-            fresh = [v for v in values if (option, repr(v)) not in history.tried_options and best_options.get(option) != v]
+            current = best_options.get(option, (stock_options or {}).get(option))
+            fresh = [v for v in values if (option, repr(v)) not in history.tried_options and current != v]
             base = {**best_options, **requires.get(option, {})}
             predicted = {repr(v): predict(option, v, base) for v in fresh} if predict else {}
             joint: dict[str, dict[str, Any]] = {}
