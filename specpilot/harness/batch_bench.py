@@ -14,6 +14,11 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   speculation at B rows with N drafts, were every draft accepted, is ``(N + 1) / c(N, B)``: where it is
   under the target, no drafter reaches it on this machine.
 
+- llama.cpp's server as a peer (SmolLM2 targets on the CPU, when ``scripts/build_llamacpp.sh`` has built it):
+  ``llama-server`` with one slot a client (``--parallel``) under the same closed-loop clients (threads over
+  HTTP), AR and with its n-gram speculation (``--llamacpp-spec``), on the shipped Q4_1 GGUF: tokens/s beside
+  this engine's.
+
 Prints tables, writes ``batch_throughput.png`` and ``c_nb.png`` and ``bench.json`` into ``--out`` and the
 whole result as JSON on the last line. It only measures.
 """
@@ -81,6 +86,74 @@ def cost_table(model, batch_sizes: list[int], ns: list[int], context: int, reps:
     return {"context": context, "reps": reps, "rows": rows}
 
 
+def server_closed_loop(server, prompts: list[list[int]], clients: int, max_new: int) -> dict:
+    """``clients`` threads, each sending the next unsent prompt as soon as its last one is answered (in
+    prompt order), to one running server; output tokens/s of wall time and latency percentiles."""
+    import threading
+
+    from specpilot.harness.loadgen import _percentile
+
+    lock, latencies, outputs = threading.Lock(), [], {}
+    state = {"next": 0, "error": None}
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= len(prompts) or state["error"]:
+                    return
+                state["next"] += 1
+            t0 = time.perf_counter()
+            try:
+                done = server.generate(prompts[i], max_new)
+            except Exception as exc:  # noqa: BLE001 - reported once, the other clients stop
+                state["error"] = f"{type(exc).__name__}: {exc}"
+                return
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                outputs[i] = done.tokens
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if state["error"]:
+        raise RuntimeError(state["error"])
+    lat = sorted(latencies)
+    return {"tok_s": sum(map(len, outputs.values())) / wall, "wall_s": round(wall, 3),
+            "latency_p50_s": _percentile(lat, 50), "latency_p99_s": _percentile(lat, 99),
+            "outputs": [outputs[i] for i in range(len(prompts))]}
+
+
+def llamacpp_peer(prompts: list[list[int]], max_new: int, clients: int, spec_options: dict, tok) -> dict:
+    """llama.cpp's server with ``clients`` slots, AR and with ``spec_options``, under the closed-loop load."""
+    import dataclasses
+
+    from specpilot.harness.deployment import load_deployment
+    from specpilot.harness.server import ServerEngine
+
+    base = load_deployment("llamacpp-smollm2-cpu").server_spec()
+    base.settings(spec_options)
+    command = list(base.command)
+    for flag, value in (("--parallel", str(clients)), ("--ctx-size", str(1024 * clients))):
+        command[command.index(flag) + 1] = value  # one slot a client, each with 1024 positions
+    spec = dataclasses.replace(base, command=tuple(command))
+    rows = {}
+    for name, options in (("AR", {}), ("speculative", spec_options)):
+        with ServerEngine(spec, options, tok) as server:
+            server_closed_loop(server, prompts[:clients], clients, 8)  # warm up every slot
+            rows[name] = server_closed_loop(server, prompts, clients, max_new)
+    rows["speculative"]["speedup_over_ar"] = rows["speculative"]["tok_s"] / rows["AR"]["tok_s"]
+    rows["speculative"]["identical_to_ar"] = rows["speculative"]["outputs"] == rows["AR"]["outputs"]
+    for r in rows.values():
+        del r["outputs"]
+    return {"format": "q4_1", "slots": clients, "threads": base.settings()["threads"], "options": spec_options,
+            "rows": rows}
+
+
 def run_batched(args: argparse.Namespace, dep) -> int:
     """`specpilot.harness.bench.run` for a batched deployment (see the module docstring)."""
     from specpilot.harness.bench import _console, system_and_stock_models
@@ -135,6 +208,16 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     if ns:
         context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
         result["cost"] = cost_table(model, batch_sizes, ns, context, args.reps)
+    if not args.no_llamacpp and dep.target == "smollm2-135m" and device.type == "cpu":
+        from specpilot.harness.server import llama_cpp_built
+
+        if llama_cpp_built() is None:
+            result["llamacpp"] = {"skipped": "llama.cpp is not built here: bash scripts/build_llamacpp.sh"}
+        else:
+            try:
+                result["llamacpp"] = llamacpp_peer(prompts, max_new, clients, json.loads(args.llamacpp_spec), tok)
+            except Exception as e:  # a comparison, never a reason to lose the bench
+                result["llamacpp"] = {"error": f"{type(e).__name__}: {e}"}
     out = args.out
     if out is None:
         from specpilot.paths import default_data_dir
@@ -168,6 +251,19 @@ def _table(result: dict) -> None:
     console.print(t)
     if "queued" in result:
         console.print(result["queued"])
+    if rows := result.get("llamacpp", {}).get("rows"):
+        lc = result["llamacpp"]
+        t = Table(title=f"peer: llama.cpp {lc['format']}, {lc['slots']} slots, {lc['threads']} threads, same clients")
+        for col in ("system", "tok/s", "x its AR", "x this engine's batched AR", "p50 s", "p99 s", "identical to its AR"):
+            t.add_column(col, justify="right")
+        ours = result["systems"]["batched AR"]["tok_s"]
+        for name, r in rows.items():
+            t.add_row(f"llama.cpp {name}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / rows['AR']['tok_s']:.2f}",
+                      f"{r['tok_s'] / ours:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
+                      str(r.get("identical_to_ar", "")))
+        console.print(t)
+    elif "llamacpp" in result:
+        console.print(f"llama.cpp: {result['llamacpp'].get('skipped') or result['llamacpp'].get('error')}")
     if "cost" in result:
         cost = result["cost"]
         ns = list(cost["rows"][0]["c"])

@@ -263,6 +263,8 @@ def test_batching_mechanisms_are_offered_to_batched_deployments_only():
     offered = {d.hints["option"]: d for d in batched}
     assert batch_options <= set(offered)
     assert offered["batch_node_budget"].factor == "tau" and offered["prefill_chunk"].factor == "overhead"
+    # made for this mode, they come first
+    assert [d.hints["option"] for d in batched[:3]] == ["batch_node_budget", "batch_adaptive_block", "prefill_chunk"]
 
 
 def test_a_value_the_deployment_has_as_stock_is_never_proposed():

@@ -293,7 +293,8 @@ class RoundDriver:
                                hardware=hardware[-1] if hardware else None,  # type: ignore[arg-type]
                                profile=profiles[-1] if profiles else None, ceiling=ceiling,  # type: ignore[arg-type]
                                entries=entries)
-        if profiles and not deployment.server:  # the step model predicts our engine's options only
+        # the step model predicts our engine's options at one row: not a server's, nor a batched step
+        if profiles and not deployment.server and deployment.mode == "batch1":
             model = step_model(profiles[-1])  # type: ignore[arg-type]
             stock = deployment.stock_options().to_dict()
 

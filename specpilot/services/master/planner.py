@@ -107,7 +107,10 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     from specpilot_engine import options as engine_options
 
     cls = options or engine_options.EngineOptions
-    sweep_table = engine_options.sweeps(cls, mode=facts.get("mode") or "batch1")
+    mode = facts.get("mode") or "batch1"
+    sweep_table = engine_options.sweeps(cls, mode=mode)
+    # the mechanisms made for this serving mode (the batching ones on a batched deployment) go first
+    own_mode = {name for name, i in engine_options.infos(cls).items() if tuple(i.modes) == (mode,)}
     requires = engine_options.requirements(cls)
     shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
@@ -174,7 +177,8 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     # what the wave's memory entries set counts as set: a sweep of the same option would time it again
     touched: dict[str, set[str]] = {k: {repr(v)} for d in out if d.provider == "memory"
                                     for k, v in (d.hints["entry"].get("options") or {}).items()}
-    for _, d in sorted(sweeps, key=lambda sd: -sd[0]):  # stable: factor, then field order among equals
+    # stable: this mode's own mechanisms, then the score, then factor and field order among equals
+    for _, d in sorted(sweeps, key=lambda sd: (sd[1].hints["option"] not in own_mode, -sd[0])):
         # Directions of one wave are timed one on top of the other: one that sets an option an earlier
         # one sets (a block size next to a drafter paired with one), or that needs another value of it
         # (an n-gram setting next to another drafter), would undo it; it waits for a wave planned on
