@@ -1,7 +1,8 @@
 """Checkpoint targets on a CUDA device (``gpu`` marker; skipped without one): tiny random checkpoints of
 each family (`tests.engine.test_checkpoint.make_checkpoint`) load on the GPU and match transformers there;
-CUDA graphs give the eager engine's tokens for AR, chain and tree; W12 weights (bf16 stored losslessly,
-biases kept) give the same tokens whatever the drafter; ``fused_kernels`` works on the Llama layout and is
+CUDA graphs give the eager engine's tokens for AR, chain and tree (in fp32; in bf16 up to near-ties, as
+forcing judges); W12 weights (bf16 stored losslessly, biases kept) give AR's tokens whatever the drafter, up
+to near-ties; ``fused_kernels`` works on the Llama layout and is
 refused by name on Qwen2/Qwen3.
 
 Runs on a GPU machine without the services' dependencies:
@@ -37,6 +38,24 @@ def _tokens(engine) -> list[list[int]]:
     return [engine.generate(p, 48).tokens for p in GEN_PROMPTS]
 
 
+def _agree_up_to_near_ties(folder, got: list[list[int]], want: list[list[int]], label, margin: float = 0.1) -> None:
+    """bf16 on a GPU: a many-token step and a one-token step (or a graph and eager kernels) may round
+    differently, so two systems' greedy outputs may part where two tokens nearly tie (forcing's rule, not bit
+    equality; the lossless guarantee is fp32 on the CPU). Each pair agrees up to its first difference, and
+    there the fp32 target's logits of the two tokens lie within ``margin`` standard deviations of its logits."""
+    ref = load_checkpoint(folder, device="cuda")
+    for prompt, a, b in zip(GEN_PROMPTS, got, want, strict=True):
+        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if i is None:
+            assert len(a) == len(b), label
+            continue
+        ids = torch.tensor([prompt + b[:i]], device="cuda")
+        with torch.no_grad():
+            logits = ref(ids, torch.arange(ids.shape[1], device="cuda"), ref.new_cache(ids.shape[1]), 0)[0][0, -1]
+        gap = float((logits[a[i]] - logits[b[i]]).abs())
+        assert gap <= margin * float(logits.std()), (label, i, gap, float(logits.std()))
+
+
 @pytest.fixture(params=list(FAMILIES))
 def checkpoint(request, tmp_path):
     make_checkpoint(tmp_path, request.param)
@@ -64,14 +83,19 @@ def test_cuda_graphs_give_the_eager_tokens(checkpoint, dtype):
     target = f"hf:{folder}"
     for name, options in DECODES.items():
         eager = _tokens(_engine(target, dtype, **options))
-        assert _tokens(_engine(target, dtype, cuda_graphs=True, **options)) == eager, (family, dtype, name)
+        graphs = _tokens(_engine(target, dtype, cuda_graphs=True, **options))
+        if dtype == "fp32":
+            assert graphs == eager, (family, dtype, name)
+        else:
+            _agree_up_to_near_ties(folder, graphs, eager, (family, dtype, name))
 
 
 def test_w12_weights_decode_the_same_whatever_the_drafter(checkpoint):
     family, folder = checkpoint
     target = f"hf:{folder}"
     w12 = {name: _tokens(_engine(target, "bf16", weight_format="w12", **o)) for name, o in DECODES.items()}
-    assert w12["chain"] == w12["ar"] and w12["tree"] == w12["ar"], family
+    for name in ("chain", "tree"):
+        _agree_up_to_near_ties(folder, w12[name], w12["ar"], (family, name))
     engine = _engine(target, "bf16", weight_format="w12")
     packed = [m for m in engine.model.modules() if type(m).__name__ == "W12Linear"]
     assert packed and any(m.bias is not None for m in packed) == (family == "qwen2"), family  # Qwen2's biases kept
@@ -85,4 +109,5 @@ def test_fused_kernels_cover_the_llama_layout_and_refuse_the_rest(checkpoint):
             _engine(target, "bf16", fused_kernels=True)
         return
     fused = _tokens(_engine(target, "bf16", fused_kernels=True, **DECODES["chain"]))
-    assert _tokens(_engine(target, "bf16", fused_kernels=True, cuda_graphs=True, **DECODES["chain"])) == fused, family
+    graphs = _tokens(_engine(target, "bf16", fused_kernels=True, cuda_graphs=True, **DECODES["chain"]))
+    _agree_up_to_near_ties(folder, graphs, fused, family)
