@@ -106,7 +106,7 @@ class EngineOptions:
     # --- overhead: host and launch time between kernels.
     cuda_graphs: bool = option(
         False, "replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA",
-        sweep=(True,), factor="overhead", devices=("cuda",))
+        sweep=(True,), factor="overhead", devices=("cuda",), modes=("batch1",))  # the batched decoder runs eager
     fused_kernels: bool = option(
         False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused)",
         sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)

@@ -69,6 +69,7 @@ def cost_table(model, batch_sizes: list[int], ns: list[int], context: int, reps:
     from specpilot.harness.bench import _console
 
     rows = []
+    step_cost(model, max(batch_sizes), max(ns, default=0) + 1, context, reps=1)  # allocator and kernels warm
     with Progress(transient=True, console=_console()) as progress:
         task = progress.add_task("c(N, B)", total=len(batch_sizes) * (len(ns) + 1))
         ar1 = None

@@ -51,7 +51,7 @@ def test_bad_deployment_files(tmp_path):
     p.write_text('target = "tiny"\nblock_size = [\n')
     with pytest.raises(DeploymentError, match="is not valid TOML"):
         load_deployment(p)
-    with pytest.raises(DeploymentError, match="no deployment 'nosuch'.*known: .*smollm2-cpu, smollm2-cpu-batched, smollm2-h200"):
+    with pytest.raises(DeploymentError, match="no deployment 'nosuch'.*known: .*smollm2-cpu, smollm2-cpu-batched, smollm2-h200, smollm2-h200-batched"):
         load_deployment("nosuch")
     assert issubclass(DeploymentError, UserError)  # the CLI prints it as one line and exits 2
     p.write_text('target = "tiny"\n[options]\nverify = "tree"\n')
