@@ -54,8 +54,9 @@ DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
 KINDS = ("fma", "dot", "mma")
-# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block); splits below.
-MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
+# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block, pipelined);
+# splits below.
+MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8), (False, True)))
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
@@ -67,7 +68,7 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
         out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
                 for bn, bj, st, w in DOT_TILES]
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
-        out += [MmaConfig(rows=r, chunks=c, warps=w) for r, c, w in MMA_TILES]
+        out += [cfg for r, c, w, pipe in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=pipe)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):

@@ -39,20 +39,29 @@ from .format import W12Weight
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
 MAX_ROWS = 16
+MAX_PIPELINED = 4  # rows x chunks x row groups of a pipelined launch (csrc: kMaxPipelined)
 
 
 @dataclass(frozen=True)
 class MmaConfig:
     """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks loaded
-    together (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch)."""
+    together (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch),
+    ``pipelined``: the next step's loads go out before this step's math (twice the fragment registers;
+    added after the 2026-12-05 H200 run, not yet timed)."""
 
     rows: int = 1
     chunks: int = 2
     warps: int = 4
     splits: int = 1
+    pipelined: bool = False
 
     def key(self) -> str:
-        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}"
+        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
+
+    def fits(self, m: int) -> bool:
+        """Whether the kernel has this launch for ``m`` rows of x: a pipelined one keeps two steps'
+        fragments in registers, so rows x chunks x row groups (2 when M > 8) is at most 4."""
+        return not self.pipelined or self.rows * self.chunks * (2 if m > 8 else 1) <= MAX_PIPELINED
 
 
 def _digest() -> str:
@@ -131,7 +140,7 @@ def pick_mma_config(m: int, n: int, k: int, sms: int) -> MmaConfig:
     splits = 1
     while tiles * splits < 2 * sms and steps // (2 * splits) >= 2:
         splits *= 2
-    return MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=splits)
+    return MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=splits, pipelined=cfg.pipelined)
 
 
 def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = None) -> torch.Tensor:
@@ -147,7 +156,7 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
-                       cfg.chunks, cfg.warps, cfg.splits)
+                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined)
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",

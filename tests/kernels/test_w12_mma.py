@@ -40,7 +40,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
-    assert len(kernels) == 12  # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}
+    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, and pipelined where rows x chunks x groups <= 4
+    assert len(kernels) == 12 + 8
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -57,13 +58,16 @@ def _inputs(n, k, m, seed):
     return x, w
 
 
-def _variants(n, k):
+def _variants(m):
     out = []
     for rows in (1, 2):
         for chunks in (1, 2, 4):
             for warps in (1, 4, 8):
                 for splits in (1, 3, 8):
-                    out.append(MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits))
+                    for pipelined in (False, True):
+                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
+                        if cfg.fits(m):
+                            out.append(cfg)
     return out
 
 
@@ -105,7 +109,7 @@ def test_every_variant_with_escapes(m):
     ref = reference(x.float(), w.float())
     wide = W12Weight(n=p.n, k=p.k, low=p.low, nib=p.nib, e0=p.e0, esc_ptr=p.esc_ptr, esc_idx=p.esc_idx.long(),
                      esc_val=p.esc_val)
-    for cfg in _variants(n, k):
+    for cfg in _variants(m):
         y = w12_mma_matmul(x, p, cfg)
         check_close(y, ref, rtol=1e-2)
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg

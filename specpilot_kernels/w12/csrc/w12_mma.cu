@@ -9,7 +9,9 @@
 // therefore reads 16 contiguous nib bytes, the 16 low bytes of the same columns j and the 16 of
 // kh + j (one 16-byte load each) for each of its two rows, decodes them in place (two SWAR ops
 // per four high bytes, one prmt per two bf16) and reads x's matching columns: no shuffles.
-// A chunk is 64 nib columns (4 threads x 16), i.e. 128 weights of a row, 8 mma k-steps.
+// A chunk is 64 nib columns (4 threads x 16), i.e. 128 weights of a row, 8 mma k-steps. A step loads
+// `chunks` of them, then multiplies; a pipelined launch issues the next step's loads (volatile, so ptxas
+// keeps them ahead) before this step's math, holding two steps' fragments in registers.
 //
 // Scale. The planes hold window-relative patterns (value w * 2^-e0), so x is scaled by 2^64 (exact
 // in bf16) and each output row by 2^(e0 - 64) at the end: the result is the fp32 sum of the exact
@@ -27,12 +29,21 @@
 namespace specpilot_w12 {
 namespace {
 
+template <bool ORDERED>
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  // Weights are read once: keep them out of L1 so x's lines stay there.
+  // Weights are read once: keep them out of L1 so x's lines stay there. ORDERED (volatile): ptxas keeps
+  // the load before every later volatile asm (the MMAs), so a step's loads are all in flight before its
+  // math instead of interleaved with it (the pipelined loop issues the next step's loads first).
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  if (ORDERED) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  } else {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+  }
   return v;
 }
 
@@ -89,74 +100,81 @@ __device__ __forceinline__ float finish(const MmaArgs& a, float acc, int m, int 
   return v;
 }
 
-// One step: U chunks of 64 nib columns from j0, loaded together, then decoded and multiplied. MASKED
+// U chunks of 64 nib columns, loaded together (`load`), then decoded and multiplied (`compute`). MASKED
 // (the tail of a split): a thread whose 16 columns start at or past j_end loads zeros.
-template <int R, int G, int U, bool MASKED>
-__device__ __forceinline__ void step(const MmaArgs& a, float (&acc)[R][G][4], const uint8_t* const (&nib_row)[R][2],
-                                     const uint8_t* const (&low_row)[R][2], const uint8_t* const (&x_row)[G],
-                                     const bool (&x_live)[G], int j0, int j_end, int tig) {
+template <int R, int G, int U>
+struct Chunks {
   uint4 wn[U][R][2], wl0[U][R][2], wl1[U][R][2], xa[U][G][2], xb[U][G][2];
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  template <bool MASKED, bool ORDERED>
+  __device__ __forceinline__ void load(const MmaArgs& a, const uint8_t* const (&nib_row)[R][2],
+                                       const uint8_t* const (&low_row)[R][2], const uint8_t* const (&x_row)[G],
+                                       const bool (&x_live)[G], int j0, int j_end, int tig) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = j0 + 64 * u;
-    const bool live = !MASKED || j + tig * 16 < j_end;
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + 64 * u;
+      const bool live = !MASKED || j + tig * 16 < j_end;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        wn[u][r][h] = live ? load_stream(nib_row[r][h] + j) : zero;
-        wl0[u][r][h] = live ? load_stream(low_row[r][h] + j) : zero;
-        wl1[u][r][h] = live ? load_stream(low_row[r][h] + a.kh + j) : zero;
-      }
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      const bool on = live && x_live[gg];
-      const uint4* p = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(j) * 2);
-      const uint4* q = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(a.kh + j) * 2);
-      const int col = a.kh + j + tig * 16;  // columns past K (when K < 2 kh) hold zero weights: keep x out
-      xa[u][gg][0] = on ? __ldg(p) : zero;
-      xa[u][gg][1] = on ? __ldg(p + 1) : zero;
-      xb[u][gg][0] = on && col < a.K ? __ldg(q) : zero;
-      xb[u][gg][1] = on && col + 8 < a.K ? __ldg(q + 1) : zero;
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint4 xs[G][2];
+        for (int h = 0; h < 2; ++h) {
+          wn[u][r][h] = live ? load_stream<ORDERED>(nib_row[r][h] + j) : zero;
+          wl0[u][r][h] = live ? load_stream<ORDERED>(low_row[r][h] + j) : zero;
+          wl1[u][r][h] = live ? load_stream<ORDERED>(low_row[r][h] + a.kh + j) : zero;
+        }
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
-        xs[gg][0] = scale_x(half == 0 ? xa[u][gg][0] : xb[u][gg][0]);
-        xs[gg][1] = scale_x(half == 0 ? xa[u][gg][1] : xb[u][gg][1]);
+        const bool on = live && x_live[gg];
+        const uint4* p = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(j) * 2);
+        const uint4* q = reinterpret_cast<const uint4*>(x_row[gg] + int64_t(a.kh + j) * 2);
+        const int col = a.kh + j + tig * 16;  // columns past K (when K < 2 kh) hold zero weights: keep x out
+        xa[u][gg][0] = on ? __ldg(p) : zero;
+        xa[u][gg][1] = on ? __ldg(p + 1) : zero;
+        xb[u][gg][0] = on && col < a.K ? __ldg(q) : zero;
+        xb[u][gg][1] = on && col + 8 < a.K ? __ldg(q + 1) : zero;
       }
+    }
+  }
+
+  __device__ __forceinline__ void compute(float (&acc)[R][G][4]) const {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // nib word q: columns 4q .. 4q+3 of the thread's 16
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          uint32_t lo_pair[2], hi_pair[2];
+      for (int half = 0; half < 2; ++half) {
+        uint4 xs[G][2];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t hb = high_bytes(word(wn[u][r][h], q), half);
-            const uint32_t lb = word(half == 0 ? wl0[u][r][h] : wl1[u][r][h], q);
-            lo_pair[h] = prmt(lb, hb, 0x5140);  // columns 4q, 4q+1: hi<<8 | lo
-            hi_pair[h] = prmt(lb, hb, 0x7362);  // columns 4q+2, 4q+3
-          }
+        for (int gg = 0; gg < G; ++gg) {
+          xs[gg][0] = scale_x(half == 0 ? xa[u][gg][0] : xb[u][gg][0]);
+          xs[gg][1] = scale_x(half == 0 ? xa[u][gg][1] : xb[u][gg][1]);
+        }
 #pragma unroll
-          for (int gg = 0; gg < G; ++gg) {
-            // x's bf16 pairs for the same columns: words 2q, 2q+1 of the thread's 16 columns
-            const uint32_t b0 = word(xs[gg][q >> 1], (2 * q) & 3);
-            const uint32_t b1 = word(xs[gg][q >> 1], (2 * q + 1) & 3);
-            mma_bf16(acc[r][gg], lo_pair[0], lo_pair[1], hi_pair[0], hi_pair[1], b0, b1);
+        for (int q = 0; q < 4; ++q) {  // nib word q: columns 4q .. 4q+3 of the thread's 16
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            uint32_t lo_pair[2], hi_pair[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t hb = high_bytes(word(wn[u][r][h], q), half);
+              const uint32_t lb = word(half == 0 ? wl0[u][r][h] : wl1[u][r][h], q);
+              lo_pair[h] = prmt(lb, hb, 0x5140);  // columns 4q, 4q+1: hi<<8 | lo
+              hi_pair[h] = prmt(lb, hb, 0x7362);  // columns 4q+2, 4q+3
+            }
+#pragma unroll
+            for (int gg = 0; gg < G; ++gg) {
+              // x's bf16 pairs for the same columns: words 2q, 2q+1 of the thread's 16 columns
+              const uint32_t b0 = word(xs[gg][q >> 1], (2 * q) & 3);
+              const uint32_t b1 = word(xs[gg][q >> 1], (2 * q + 1) & 3);
+              mma_bf16(acc[r][gg], lo_pair[0], lo_pair[1], hi_pair[0], hi_pair[1], b0, b1);
+            }
           }
         }
       }
     }
   }
-}
+};
 
-template <int R, int G, int U>
+template <int R, int G, int U, bool PIPE>
 __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -193,8 +211,28 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
       for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
 
   int j0 = j_begin;
-  for (; j0 + 64 * U <= j_end; j0 += 64 * U) step<R, G, U, false>(a, acc, nib_row, low_row, x_row, x_live, j0, j_end, tig);
-  for (; j0 < j_end; j0 += 64) step<R, G, 1, true>(a, acc, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+  const int full_end = j_begin + (j_end - j_begin) / (64 * U) * (64 * U);
+  if (PIPE && j0 < full_end) {  // software pipeline: the next step's loads go out before this step's math
+    Chunks<R, G, U> cur;
+    cur.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+    for (j0 += 64 * U; j0 < full_end; j0 += 64 * U) {
+      Chunks<R, G, U> next;
+      next.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+      cur.compute(acc);
+      cur = next;
+    }
+    cur.compute(acc);
+  }
+  for (; j0 < full_end; j0 += 64 * U) {
+    Chunks<R, G, U> c;
+    c.template load<false, false>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+    c.compute(acc);
+  }
+  for (; j0 < j_end; j0 += 64) {
+    Chunks<R, G, 1> c;
+    c.template load<true, false>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+    c.compute(acc);
+  }
 
   // D fragment: acc[r][gg] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)}, n = tile row g, m = 8gg + 2tig
   if (a.splits == 1) {
@@ -242,35 +280,50 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
 }
 
+constexpr int kMaxPipelined = 4;
+
 template <int R, int G, int U>
-const char* launch(const MmaArgs& a, int warps, cudaStream_t stream) {
+const char* launch(const MmaArgs& a, int warps, bool pipelined, cudaStream_t stream) {
   const int rows_per_block = warps * R * 16;
   const dim3 grid((a.N + rows_per_block - 1) / rows_per_block, a.splits);
-  w12_mma_kernel<R, G, U><<<grid, warps * 32, 0, stream>>>(a);
+  if (pipelined) {
+    // two steps' fragments in registers: beyond 4 (rows x chunks x row groups) ptxas spills kilobytes
+    if constexpr (R * U * G <= kMaxPipelined) {
+      w12_mma_kernel<R, G, U, true><<<grid, warps * 32, 0, stream>>>(a);
+    } else {
+      return "pipelined needs rows x chunks x row groups (2 when M > 8) <= 4";
+    }
+  } else {
+    w12_mma_kernel<R, G, U, false><<<grid, warps * 32, 0, stream>>>(a);
+  }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 template <int R, int G>
-const char* launch_u(const MmaArgs& a, int chunks, int warps, cudaStream_t stream) {
+const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cudaStream_t stream) {
   switch (chunks) {
-    case 1: return launch<R, G, 1>(a, warps, stream);
-    case 2: return launch<R, G, 2>(a, warps, stream);
-    case 4: return launch<R, G, 4>(a, warps, stream);
+    case 1: return launch<R, G, 1>(a, warps, pipelined, stream);
+    case 2: return launch<R, G, 2>(a, warps, pipelined, stream);
+    case 4: return launch<R, G, 4>(a, warps, pipelined, stream);
     default: return "chunks must be 1, 2 or 4";
   }
 }
 
 }  // namespace
 
-const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, cudaStream_t stream) {
+const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream) {
   if (a.M < 1 || a.M > 16) return "M must be in 1..16";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
   if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0)
     return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K a multiple of 8";
   const bool two = a.M > 8;
-  if (rows == 1) return two ? launch_u<1, 2>(a, chunks, warps, stream) : launch_u<1, 1>(a, chunks, warps, stream);
-  if (rows == 2) return two ? launch_u<2, 2>(a, chunks, warps, stream) : launch_u<2, 1>(a, chunks, warps, stream);
+  if (rows == 1) {
+    return two ? launch_u<1, 2>(a, chunks, warps, pipelined, stream) : launch_u<1, 1>(a, chunks, warps, pipelined, stream);
+  }
+  if (rows == 2) {
+    return two ? launch_u<2, 2>(a, chunks, warps, pipelined, stream) : launch_u<2, 1>(a, chunks, warps, pipelined, stream);
+  }
   return "rows must be 1 or 2";
 }
 

@@ -25,7 +25,8 @@ struct MmaArgs {
 };
 
 // rows: 16-row tiles a warp (1, 2); chunks: 64-column chunks loaded together (1, 2, 4);
-// warps: warps a block (1..8). Returns an error string or nullptr.
-const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, cudaStream_t stream);
+// warps: warps a block (1..8); pipelined: the next step's loads issued before this step's math (two
+// steps' registers). Returns an error string or nullptr.
+const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream);
 
 }  // namespace specpilot_w12
