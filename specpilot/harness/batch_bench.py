@@ -36,7 +36,7 @@ import torch
 
 from specpilot.errors import UserError
 from specpilot.harness.loadgen import closed_loop
-from specpilot.harness.requests import encode_requests, fit_context, load_requests
+from specpilot.harness.requests import encode_requests, fit_context
 from specpilot_engine.api import Engine
 from specpilot_engine.options import overrides_from_args
 
@@ -157,7 +157,14 @@ def llamacpp_peer(prompts: list[list[int]], max_new: int, clients: int, spec_opt
 
 def run_batched(args: argparse.Namespace, dep) -> int:
     """`specpilot.harness.bench.run` for a batched deployment (see the module docstring)."""
-    from specpilot.harness.bench import _console, system_and_stock_models
+    from specpilot.harness.bench import (
+        _console,
+        dev_requests,
+        draft_lengths,
+        llamacpp_peer_result,
+        output_dir,
+        system_and_stock_models,
+    )
 
     opts = dep.options(overrides_from_args(args))
     stock = dep.options()
@@ -167,18 +174,15 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     max_new = args.max_new_tokens or dep.max_new_tokens
     rows = dep.concurrency
     clients = args.clients or rows
+    ns = draft_lengths(args.ns)
     try:
-        ns = [int(x) for x in args.ns.split(",") if x.strip()]
         batch_sizes = sorted({int(x) for x in (args.batch_sizes or f"1,2,4,{rows}").split(",") if x.strip()})
     except ValueError:
-        raise UserError(f"--ns and --batch-sizes are comma-separated integers, got {args.ns!r}, {args.batch_sizes!r}") from None
-    if any(n < 1 for n in ns) or any(b < 1 for b in batch_sizes):
-        raise UserError("--ns draft lengths and --batch-sizes must be at least 1")
+        raise UserError(f"--batch-sizes are comma-separated integers, got {args.batch_sizes!r}") from None
+    if any(b < 1 for b in batch_sizes):
+        raise UserError("--batch-sizes must be at least 1")
     model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
-    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][: args.limit or dep.bench_requests]
-    if not requests:
-        raise UserError(f"no dev requests of set {args.set!r} in {dep.name}")
-    prompts = fit_context(encode_requests(requests, tok), model.cfg.max_seq_len, max_new)
+    prompts = fit_context(encode_requests(dev_requests(dep, args), tok), model.cfg.max_seq_len, max_new)
     systems = {"batched AR": (stock_model, stock.replace(drafter="none")), "stock": (stock_model, stock)}
     if opts != stock:
         systems["system"] = (model, opts)
@@ -209,22 +213,11 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     if ns:
         context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
         result["cost"] = cost_table(model, batch_sizes, ns, context, args.reps)
-    if not args.no_llamacpp and dep.target == "smollm2-135m" and device.type == "cpu":
-        from specpilot.harness.server import llama_cpp_built
-
-        if llama_cpp_built() is None:
-            result["llamacpp"] = {"skipped": "llama.cpp is not built here: bash scripts/build_llamacpp.sh"}
-        else:
-            try:
-                result["llamacpp"] = llamacpp_peer(prompts, max_new, clients, json.loads(args.llamacpp_spec), tok)
-            except Exception as e:  # a comparison, never a reason to lose the bench
-                result["llamacpp"] = {"error": f"{type(e).__name__}: {e}"}
-    out = args.out
-    if out is None:
-        from specpilot.paths import default_data_dir
-
-        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
-    out.mkdir(parents=True, exist_ok=True)
+    peer_rows = llamacpp_peer_result(args, dep, device,
+                                     lambda spec: llamacpp_peer(prompts, max_new, clients, spec, tok))
+    if peer_rows is not None:
+        result["llamacpp"] = peer_rows
+    out = output_dir(args, dep)
     if not args.no_plots:
         result["plots"] = _plots(result, out)
     (out / "bench.json").write_text(json.dumps(result, indent=2))

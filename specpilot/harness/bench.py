@@ -116,6 +116,54 @@ def llamacpp_gguf(fmt: str, data_dir: Path | None) -> Path:
     return out
 
 
+def draft_lengths(text: str) -> list[int]:
+    """``--ns``: comma-separated draft lengths, each at least 1 ('' for none); UserError otherwise."""
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--ns must be comma-separated draft lengths such as 1,2,4,8 (or ''), got {text!r}") from None
+    if any(n < 1 for n in ns):
+        raise UserError(f"--ns draft lengths must be at least 1, got {text!r}")
+    return ns
+
+
+def dev_requests(dep, args: argparse.Namespace) -> list:
+    """The deployment's dev requests a bench answers: ``--set`` only, the first ``--limit`` (default: its
+    ``bench_requests``); UserError naming its sets when none is left."""
+    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][: args.limit or dep.bench_requests]
+    if not requests:
+        sets = sorted({r.set for r in load_requests(dep, "dev")})
+        raise UserError(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
+    return requests
+
+
+def output_dir(args: argparse.Namespace, dep) -> Path:
+    """``--out``, else ``<data>/bench/<deployment>``, created."""
+    out = args.out
+    if out is None:
+        from specpilot.paths import default_data_dir
+
+        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def llamacpp_peer_result(args: argparse.Namespace, dep, device: torch.device, run) -> dict | None:
+    """llama.cpp's rows beside this engine's (SmolLM2 on the CPU, when it is built here and not
+    ``--no-llamacpp``): ``run(spec_options)``'s result, or why there is none; None where it does not apply.
+    A comparison, never a reason to lose the bench."""
+    if args.no_llamacpp or dep.target != "smollm2-135m" or device.type != "cpu":
+        return None
+    from specpilot.harness.server import llama_cpp_built
+
+    if llama_cpp_built() is None:
+        return {"skipped": "llama.cpp is not built here: bash scripts/build_llamacpp.sh"}
+    try:
+        return run(json.loads(args.llamacpp_spec))
+    except Exception as e:  # noqa: BLE001 - reported in the result
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def llamacpp_side_by_side(prompts, max_new: int, trials: int, spec_options: dict, tok, data_dir=None) -> dict:
     """llama.cpp's server, AR against ``spec_options``, per GGUF format (`LLAMACPP_FORMATS`)."""
     import dataclasses
@@ -570,8 +618,7 @@ def run_server(args: argparse.Namespace, dep) -> int:
         raise UserError(f"--server-options: {exc}") from None
     max_new = args.max_new_tokens or dep.max_new_tokens
     tok = load_tokenizer(dep.target, data_dir=args.data_dir)
-    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][: args.limit or dep.bench_requests]
-    prompts = encode_requests(requests, tok)
+    prompts = encode_requests(dev_requests(dep, args), tok)
     with ServerEngine(spec, overrides, tok) as system, ServerEngine(spec, {}, tok) as ar:
         for e in (system, ar):
             warm_up(e, prompts, max_new)
@@ -581,13 +628,7 @@ def run_server(args: argparse.Namespace, dep) -> int:
               "device": f"cpu ({platform.machine()})", "options": spec.settings(overrides), "command": argv,
               "requests": len(prompts), "request_set": args.set or "all", "max_new_tokens": max_new,
               "date": time.strftime("%Y-%m-%d"), "e2e": e2e}
-    out = args.out
-    if out is None:
-        from specpilot.paths import default_data_dir
-
-        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    (output_dir(args, dep) / "bench.json").write_text(json.dumps(result, indent=2))
     _table(result)
     print(json.dumps(result, separators=(",", ":")))
     return 0
@@ -606,20 +647,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or dep.device)
     max_new = args.max_new_tokens or dep.max_new_tokens
-    limit = args.limit or dep.bench_requests
-    try:
-        ns = [int(x) for x in args.ns.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--ns must be comma-separated draft lengths such as 1,2,4,8 (or ''), got {args.ns!r}") from None
-    if any(n < 1 for n in ns):
-        raise UserError(f"--ns draft lengths must be at least 1, got {args.ns!r}")
+    ns = draft_lengths(args.ns)
 
     model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
     stock = dep.options()
-    requests = [r for r in load_requests(dep, "dev") if args.set in (None, r.set)][:limit]
-    if not requests:
-        sets = sorted({r.set for r in load_requests(dep, "dev")})
-        raise UserError(f"no dev requests of set {args.set!r} in {dep.name}; its sets: {', '.join(sets)}")
+    requests = dev_requests(dep, args)
     prompts = fit_context(encode_requests(requests, tok), model.cfg.max_seq_len, max_new)
     sys_engine = Engine(model, tok, opts)
     # AR keeps the deployment's stock model and CUDA-graph setting, so they count towards the speedup too.
@@ -649,23 +681,11 @@ def run(args: argparse.Namespace) -> int:
             result["peer"] = peer(stock_model, dep, opts, few, max_new, reference)
         except Exception as e:  # the peer is a comparison, never a reason to lose the bench
             result["peer"] = {"error": f"{type(e).__name__}: {e}"}
-    if not args.no_llamacpp and dep.target == "smollm2-135m" and device.type == "cpu":
-        from specpilot.harness.server import llama_cpp_built
-
-        if llama_cpp_built() is None:
-            result["llamacpp"] = {"skipped": "llama.cpp is not built here: bash scripts/build_llamacpp.sh"}
-        else:
-            try:
-                spec = json.loads(args.llamacpp_spec)
-                result["llamacpp"] = llamacpp_side_by_side(prompts, max_new, args.trials, spec, tok, args.data_dir)
-            except Exception as e:  # a comparison, never a reason to lose the bench
-                result["llamacpp"] = {"error": f"{type(e).__name__}: {e}"}
-    out = args.out
-    if out is None:
-        from specpilot.paths import default_data_dir
-
-        out = (args.data_dir or default_data_dir()) / "bench" / dep.name
-    out.mkdir(parents=True, exist_ok=True)
+    peer_rows = llamacpp_peer_result(args, dep, device, lambda spec: llamacpp_side_by_side(
+        prompts, max_new, args.trials, spec, tok, args.data_dir))
+    if peer_rows is not None:
+        result["llamacpp"] = peer_rows
+    out = output_dir(args, dep)
     if ns and not args.no_plots:
         result["plots"] = _plots(result, out)
     (out / "bench.json").write_text(json.dumps(result, indent=2))

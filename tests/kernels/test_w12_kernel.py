@@ -71,7 +71,7 @@ GPU_SHAPES = [(4096, 4096), (1000, 577), (123, 14336)]
 GPU_MS = [1, 3, 16, 64]
 
 
-def _gpu_inputs(n, k, m, dtype, seed):
+def gpu_inputs(n, k, m, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
@@ -85,7 +85,7 @@ def _gpu_inputs(n, k, m, dtype, seed):
 def test_cuda_matches_reference(n, k, m):
     from specpilot_kernels.w12.kernel import w12_matmul
 
-    x, w = _gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
+    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
     y = w12_matmul(x, p)
     assert y.dtype == torch.bfloat16
@@ -113,6 +113,18 @@ def _configs(m, n, k):
     return out
 
 
+def with_every_escape(w: torch.Tensor) -> None:
+    """Put every kind of escape into a [>= 13, K] bf16 weight, in place: +inf, a denormal, a NaN with a
+    payload, -inf, 50 values above the row's window, 50 below it, and a row of zeros (not escapes)."""
+    k = w.shape[1]
+    flat = w.view(torch.int16).reshape(-1)
+    flat[[7, k + 3, 2 * k + 9, 5 * k + 100]] = torch.tensor([0x7F80, 0x0001, 0x7FC3, 0xFF80], device=w.device,
+                                                            dtype=torch.int32).to(torch.int16)
+    w[10, :50] = 3e30
+    w[11, :50] = 1e-30
+    w[12] = 0
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 3, 5, 40])
@@ -120,13 +132,8 @@ def test_cuda_configs_and_escapes(m):
     from specpilot_kernels.w12.kernel import w12_matmul
 
     n, k = 300, 2080
-    x, w = _gpu_inputs(n, k, m, torch.bfloat16, seed=m)
-    flat = w.view(torch.int16).reshape(-1)
-    flat[[7, k + 3, 2 * k + 9, 5 * k + 100]] = torch.tensor([0x7F80, 0x0001, 0x7FC3, 0xFF80], device="cuda",
-                                                            dtype=torch.int32).to(torch.int16)
-    w[10, :50] = 3e30
-    w[11, :50] = 1e-30
-    w[12] = 0
+    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=m)
+    with_every_escape(w)
     p = pack(w)
     assert p.escapes >= 104
     ref = reference(x.float(), w.float())
@@ -141,7 +148,7 @@ def test_cuda_configs_and_escapes(m):
 def test_cuda_deterministic_across_runs():
     from specpilot_kernels.w12.kernel import w12_matmul
 
-    x, w = _gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
+    x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
     ys = [w12_matmul(x, p).view(torch.int16).clone() for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])

@@ -17,7 +17,7 @@ from specpilot_kernels.w12 import decode, pack
 from specpilot_kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config
 from specpilot_kernels.w12.format import W12Weight
 
-from .test_w12_kernel import check_close, reference
+from .test_w12_kernel import check_close, gpu_inputs, reference, with_every_escape
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -51,13 +51,6 @@ def test_kernel_compiles_for_hopper(tmp_path):
 # CUDA
 
 
-def _inputs(n, k, m, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-    return x, w
-
-
 def _variants(m):
     out = []
     for rows in (1, 2):
@@ -83,7 +76,7 @@ SHAPES = [(4096, 4096), (123, 14336), (1536, 576), (576, 1536), (300, 2080), (77
 def test_matches_reference(n, k, m):
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
-    x, w = _inputs(n, k, m, seed=n + k + m)
+    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
     y = w12_mma_matmul(x, p)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
@@ -97,13 +90,8 @@ def test_every_variant_with_escapes(m):
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
     n, k = 300, 2080
-    x, w = _inputs(n, k, m, seed=m)
-    flat = w.view(torch.int16).reshape(-1)
-    flat[[7, k + 3, 2 * k + 9, 5 * k + 100]] = torch.tensor([0x7F80, 0x0001, 0x7FC3, 0xFF80], device="cuda",
-                                                            dtype=torch.int32).to(torch.int16)
-    w[10, :50] = 3e30
-    w[11, :50] = 1e-30
-    w[12] = 0
+    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=m)
+    with_every_escape(w)
     p = pack(w)
     assert p.escapes >= 104
     ref = reference(x.float(), w.float())
@@ -121,7 +109,7 @@ def test_every_variant_with_escapes(m):
 def test_deterministic_and_graph_replay():
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
-    x, w = _inputs(4096, 4096, 8, seed=0)
+    x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
     cfg = MmaConfig(rows=1, chunks=2, warps=4, splits=8)
     ys = [w12_mma_matmul(x, p, cfg).view(torch.int16).clone() for _ in range(5)]
@@ -145,7 +133,7 @@ def test_deterministic_and_graph_replay():
 def test_w12_matmul_routes_bf16_to_tensor_cores():
     from specpilot_kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
 
-    x, w = _inputs(1536, 576, 4, seed=3)
+    x, w = gpu_inputs(1536, 576, 4, torch.bfloat16, seed=3)
     p = pack(w)
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 

@@ -30,19 +30,24 @@ WARMUP_TOKENS = 8
 LOAD_PER_CLIENT = 2  # batched: prompts a closed-loop client sends in one timed load
 
 
-def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
-    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed.
-
-    Each is of a timed request's length (the same step shapes, and on a GPU the same context buckets,
-    so CUDA graphs are captured before the clock runs) but of other content: request ``i`` warms up
-    on the next prompt's tokens reversed, cut or repeated to prompt ``i``'s length. A candidate that
-    memoised its answers, or the KV of a prompt, would otherwise be timed on replays of the warm-up.
-    On a GPU one per timed request, in full; on a CPU one short one (a full pass would double a run)."""
+def warm_up_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """A prompt of each timed prompt's length but of other content: prompt ``i``'s is the next prompt's
+    tokens reversed, cut or repeated to its length. A candidate that memoised its answers, or the KV of a
+    prompt, would otherwise be timed on replays of the warm-up."""
     out = []
     for i, p in enumerate(prompts):
         donor = prompts[(i + 1) % len(prompts)][::-1] or p
-        out.append(((donor * (len(p) // len(donor) + 1))[: len(p)], max_new_tokens))
-    return out if device.startswith("cuda") else [(out[0][0], WARMUP_TOKENS)]
+        out.append((donor * (len(p) // len(donor) + 1))[: len(p)])
+    return out
+
+
+def warm_up_requests(prompts: list[list[int]], max_new_tokens: int, device: str) -> list[tuple[list[int], int]]:
+    """The untimed (prompt, max_new_tokens) requests a fresh worker answers before it is timed
+    (`warm_up_prompts`: the same step shapes, and on a GPU the same context buckets, so CUDA graphs are
+    captured before the clock runs). On a GPU one per timed request, in full; on a CPU one short one (a
+    full pass would double a run)."""
+    donors = warm_up_prompts(prompts)
+    return [(p, max_new_tokens) for p in donors] if device.startswith("cuda") else [(donors[0], WARMUP_TOKENS)]
 
 
 # A repeating run of token ids below 256 (every vocabulary here has them), so the n-gram drafter
@@ -185,7 +190,7 @@ class Workers:
                 if len(warm) > n:
                     raise WorkerFailed(f"asked for {n} tokens, got {len(warm)}")
             if self.concurrency > 1:  # the batched path too: its rows, drafters and kernels
-                donors = [p for p, _ in warm_up_requests(prompts, self.max_new_tokens, "cuda")][: self.concurrency]
+                donors = warm_up_prompts(prompts)[: self.concurrency]
                 _, secs = worker.serve(donors, WARMUP_TOKENS, self.concurrency, timeout=self.limits.wall_s)
                 worker.untimed_s += secs
             self.untimed.append((system.key(), worker.untimed_s))

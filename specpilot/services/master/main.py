@@ -408,29 +408,30 @@ def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
                                drafters=drafters, chain_cost=dict(prof.chain_cost), profiled=dict(prof.options))
 
 
+def _step_inputs(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> dict[str, Any]:
+    """What both ceilings read of a profile and the device: shape, peaks, bytes a weight (the head's too),
+    bytes an activation and the context."""
+    bytes_per = costmodel.WEIGHT_BYTES.get(prof.dtype, 4.0)
+    return {"shape": costmodel.Shape(**prof.shape), "hw": costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
+            "weight_bytes": bytes_per, "act_bytes": 2.0 if prof.dtype == "bf16" else 4.0, "context": prof.context,
+            "head_bytes": costmodel.head_bytes_per_weight(prof.device, bytes_per)}
+
+
 def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
                     replay_tau: dict[int, float]) -> costmodel.Ceiling:
     """The ceiling of ``prof`` on ``hw``; ``replay_tau``: the best replay per node budget
     (`costmodel.envelope` of `replays`)."""
-    shape = costmodel.Shape(**prof.shape)
-    bytes_per = costmodel.WEIGHT_BYTES.get(prof.dtype, 4.0)
-    return costmodel.ceiling(shape=shape, hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
-                             weight_bytes=bytes_per, act_bytes=2.0 if prof.dtype == "bf16" else 4.0, context=prof.context, t_ar_s=prof.t_ar_s,
-                             step_s=prof.step_s, tau=prof.tau, n_tokens=max(1, prof.n_tokens),
-                             profile_s=dict(prof.classes_s), replay=replay_tau, launches=dict(prof.launches),
-                             launch_s=hw.launch_s,
-                             head_bytes=costmodel.head_bytes_per_weight(prof.device, bytes_per))
+    return costmodel.ceiling(**_step_inputs(prof, hw), t_ar_s=prof.t_ar_s, step_s=prof.step_s, tau=prof.tau,
+                             n_tokens=max(1, prof.n_tokens), profile_s=dict(prof.classes_s), replay=replay_tau,
+                             launches=dict(prof.launches), launch_s=hw.launch_s)
 
 
 def compute_batched_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
                             replay_tau: dict[int, float]) -> costmodel.BatchedCeiling:
     """The ceiling of ``prof``'s batched deployment at its rows (`costmodel.batched_ceiling`)."""
-    bytes_per = costmodel.WEIGHT_BYTES.get(prof.dtype, 4.0)
-    return costmodel.batched_ceiling(
-        shape=costmodel.Shape(**prof.shape), hw=costmodel.Hardware(hw.bandwidth_bytes_s, hw.flops_s),
-        weight_bytes=bytes_per, act_bytes=2.0 if prof.dtype == "bf16" else 4.0, context=prof.context, rows=prof.rows,
-        t_ar_rows_s=prof.t_ar_rows_s, replay=replay_tau, measured_c={int(k): v for k, v in prof.batch_cost.items()},
-        head_bytes=costmodel.head_bytes_per_weight(prof.device, bytes_per))
+    return costmodel.batched_ceiling(**_step_inputs(prof, hw), rows=prof.rows, t_ar_rows_s=prof.t_ar_rows_s,
+                                     replay=replay_tau,
+                                     measured_c={int(k): v for k, v in prof.batch_cost.items()})
 
 
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,

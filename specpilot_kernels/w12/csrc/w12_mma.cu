@@ -174,6 +174,22 @@ struct Chunks {
   }
 };
 
+// f(value, m, n) for each output of the warp's D fragments inside [M, N]: acc[r][gg] holds
+// {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = the tile's row g and m = 8gg + 2tig.
+template <int R, int G, typename F>
+__device__ __forceinline__ void for_each_output(const float (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g,
+                                                int tig, F&& f) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
+        if (n < a.N && m < a.M) f(acc[r][gg][i], m, n);
+      }
+}
+
 template <int R, int G, int U, bool PIPE>
 __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -234,29 +250,15 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
     c.compute(acc);
   }
 
-  // D fragment: acc[r][gg] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)}, n = tile row g, m = 8gg + 2tig
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
   if (a.splits == 1) {
-    __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
-          if (n < a.N && m < a.M) y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, acc[r][gg][i], m, n));
-        }
+    for_each_output(acc, a, n_warp, g, tig, [&](float v, int m, int n) {
+      y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, v, m, n));
+    });
     return;
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
-        if (n < a.N && m < a.M) a.part[(int64_t(split) * a.M + m) * a.N + n] = acc[r][gg][i];
-      }
+  for_each_output(acc, a, n_warp, g, tig,
+                  [&](float v, int m, int n) { a.part[(int64_t(split) * a.M + m) * a.N + n] = v; });
   __threadfence();
   __syncthreads();
   __shared__ int last;
@@ -264,19 +266,11 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   __syncthreads();
   if (!last) return;
   __threadfence();
-  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
-        if (n >= a.N || m >= a.M) continue;
-        float sum = 0.0f;
-        for (int s = 0; s < a.splits; ++s) sum += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
-        y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, sum, m, n));
-      }
+  for_each_output(acc, a, n_warp, g, tig, [&](float, int m, int n) {  // every split's partial, in split order
+    float sum = 0.0f;
+    for (int s = 0; s < a.splits; ++s) sum += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
+    y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, sum, m, n));
+  });
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
 }
 
