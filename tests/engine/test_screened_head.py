@@ -148,7 +148,7 @@ def test_smollm2_screened_equals_stock_ar(smollm2, smol_reference):
     stock_head = model.lm_head
     try:
         model.lm_head = ScreenedHead(stock_head)
-        for name in ("parallel-chain-b4", "ngram-tree-b4-n8"):
+        for name in ("parallel-chain-b4", "ngram-tree-b8-n24-min1"):
             engine = make_engine(smollm2, **SMOL_CONFIGS[name])
             assert [engine.generate(p, 64).tokens for p in prompts] == ref, name
         assert model.lm_head.candidates and 0 < max(model.lm_head.candidates) <= 256
