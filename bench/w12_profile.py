@@ -2,8 +2,8 @@
 
 Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
 ``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
-``NxK:M`` with an optional configuration key (``Config.key()``); without one ``pick_config``'s
-choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
+``NxK:M`` with an optional configuration key (``Config.key()``, or ``MmaConfig.key()`` for the
+CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``); without one ``pick_config``'s choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
 
     ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
         python bench/w12_profile.py 28672x4096:8 28672x4096:1
@@ -23,12 +23,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.w12_bench import ShapeBench  # noqa: E402
+from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul  # noqa: E402
 from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
+MMA_KEY = re.compile(r"mma_r(\d+)_c(\d+)_w(\d+)_s(\d+)(_pipe)?")
 
 
-def parse_case(case: str) -> tuple[int, int, int, Config | None]:
+def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
     """``NxK:M[:KEY]`` -> (n, k, m, config or None)."""
     parts = case.split(":")
     if len(parts) not in (2, 3) or "x" not in parts[0]:
@@ -37,6 +39,10 @@ def parse_case(case: str) -> tuple[int, int, int, Config | None]:
     m = int(parts[1])
     if len(parts) == 2:
         return n, k, m, None
+    if hit := MMA_KEY.fullmatch(parts[2]):
+        rows, chunks, warps, splits, pipe = hit.groups()
+        return n, k, m, MmaConfig(rows=int(rows), chunks=int(chunks), warps=int(warps), splits=int(splits),
+                                  pipelined=pipe is not None)
     hit = KEY.fullmatch(parts[2])
     if not hit:
         raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")
@@ -61,7 +67,10 @@ def main(argv=None) -> int:
         for i in range(a.calls):
             if i == a.calls - 1:
                 events[0].record()
-            w12_matmul(x, bench.p[i % bench.copies], cfg)
+            if isinstance(cfg, MmaConfig):
+                w12_mma_matmul(x, bench.p[i % bench.copies], cfg)
+            else:
+                w12_matmul(x, bench.p[i % bench.copies], cfg)
         events[1].record()
         torch.cuda.synchronize()
         line = f"{case:28s} {cfg.key():36s} last call {events[0].elapsed_time(events[1]) * 1e3:8.1f} us"
