@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,27 +40,43 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
 MAX_ROWS = 16
 MAX_PIPELINED = 4  # rows x chunks x row groups of a pipelined launch (csrc: kMaxPipelined)
+MAX_STAGES = 6  # ring slots (csrc: kMaxStages)
+RING_ROW_BYTES, RING_X_ROW_BYTES = 192, 272  # a weight row's and an x row's bytes a chunk (csrc: kRowBytes, kXRowBytes)
+RING_MAX_BYTES = 227 * 1024 - 64  # Hopper's opt-in shared memory a block, less the kernel's static bytes
+# (the launch checks the device's own)
 
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks loaded
-    together (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch),
-    ``pipelined``: the next step's loads go out before this step's math (twice the fragment registers;
-    added after the 2026-12-05 H200 run, not yet timed)."""
+    """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks a step (1, 2, 4),
+    ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch), and how a step's planes
+    arrive: ``stages`` 0 loads them straight into registers (``pipelined``: the next step's loads go out
+    before this step's math, twice the fragment registers); ``stages`` 2..6 copies them, with x's
+    columns, by ``cp.async`` into a ring of that many slots in shared memory (chunks 1 or 2)."""
 
     rows: int = 1
     chunks: int = 2
     warps: int = 4
     splits: int = 1
     pipelined: bool = False
+    stages: int = 0
 
     def key(self) -> str:
-        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
+        tail = f"_st{self.stages}" if self.stages else ("_pipe" if self.pipelined else "")
+        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{tail}"
+
+    def ring_bytes(self, m: int) -> int:
+        """Shared memory of a ring launch for ``m`` rows of x (csrc: ring_chunk_bytes)."""
+        groups = 2 if m > 8 else 1
+        return self.stages * self.chunks * (self.warps * self.rows * 16 * RING_ROW_BYTES + groups * 8 * RING_X_ROW_BYTES)
 
     def fits(self, m: int) -> bool:
         """Whether the kernel has this launch for ``m`` rows of x: a pipelined one keeps two steps'
-        fragments in registers, so rows x chunks x row groups (2 when M > 8) is at most 4."""
+        fragments in registers, so rows x chunks x row groups (2 when M > 8) is at most 4; a ring takes
+        1 or 2 chunks and at most ``RING_MAX_BYTES`` of shared memory (Hopper's opt-in limit)."""
+        if self.stages:
+            return (2 <= self.stages <= MAX_STAGES and self.chunks in (1, 2) and not self.pipelined
+                    and self.ring_bytes(m) <= RING_MAX_BYTES)
         return not self.pipelined or self.rows * self.chunks * (2 if m > 8 else 1) <= MAX_PIPELINED
 
 
@@ -140,7 +156,7 @@ def pick_mma_config(m: int, n: int, k: int, sms: int) -> MmaConfig:
     splits = 1
     while tiles * splits < 2 * sms and steps // (2 * splits) >= 2:
         splits *= 2
-    return MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=splits, pipelined=cfg.pipelined)
+    return replace(cfg, splits=splits)
 
 
 def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = None) -> torch.Tensor:
@@ -156,7 +172,7 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
-                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined)
+                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages)
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",

@@ -32,6 +32,17 @@ def test_pick_is_pure_and_splits_small_grids():
     assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
 
 
+def test_ring_launches_fit_their_shared_memory():
+    ring = MmaConfig(rows=1, chunks=2, warps=8, stages=4)
+    assert ring.key() == "mma_r1_c2_w8_s1_st4" and ring.fits(16)
+    assert ring.ring_bytes(8) == 4 * 2 * (8 * 16 * 192 + 8 * 272)  # 214 KB: over 48 KB, under Hopper's 227
+    assert ring.ring_bytes(16) > ring.ring_bytes(8)  # a second row group of x
+    assert not MmaConfig(rows=2, chunks=2, warps=8, stages=6).fits(1)  # 600 KB
+    assert not MmaConfig(chunks=4, stages=3).fits(1)  # a ring takes 1 or 2 chunks
+    assert not MmaConfig(stages=7).fits(1) and not MmaConfig(stages=3, pipelined=True).fits(1)
+    assert MmaConfig(rows=2, chunks=2, pipelined=True).fits(8) and not MmaConfig(rows=2, chunks=2, pipelined=True).fits(9)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
 def test_kernel_compiles_for_hopper(tmp_path):
@@ -40,8 +51,9 @@ def test_kernel_compiles_for_hopper(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
-    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, and pipelined where rows x chunks x groups <= 4
-    assert len(kernels) == 12 + 8
+    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4,
+    # and the ring's rows x row groups x chunks {1, 2}
+    assert len(kernels) == 12 + 8 + 8
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -57,8 +69,9 @@ def _variants(m):
         for chunks in (1, 2, 4):
             for warps in (1, 4, 8):
                 for splits in (1, 3, 8):
-                    for pipelined in (False, True):
-                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
+                    for pipelined, stages in ((False, 0), (True, 0), (False, 2), (False, 4), (False, 6)):
+                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined,
+                                        stages=stages)
                         if cfg.fits(m):
                             out.append(cfg)
     return out
@@ -80,7 +93,9 @@ def test_matches_reference(n, k, m):
     p = pack(w)
     y = w12_mma_matmul(x, p)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    check_close(y, reference(x.float(), decode(p).float()), rtol=1e-2)
+    ref = reference(x.float(), decode(p).float())
+    check_close(y, ref, rtol=1e-2)
+    check_close(w12_mma_matmul(x, p, MmaConfig(rows=1, chunks=1, warps=4, stages=3)), ref, rtol=1e-2)
 
 
 @gpu
@@ -102,16 +117,23 @@ def test_every_variant_with_escapes(m):
         check_close(y, ref, rtol=1e-2)
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, wide, cfg).view(torch.int16)), cfg
+        if cfg.stages:  # the ring feeds the same MMAs in the same order as the register path: same bits
+            plain = MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)
+            assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
 
 
 @gpu
 @needs_cuda
 def test_deterministic_and_graph_replay():
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
-
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
-    cfg = MmaConfig(rows=1, chunks=2, warps=4, splits=8)
+    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=2, warps=8, splits=4, stages=4)):
+        _check_deterministic_and_replayed(x, p, cfg)
+
+
+def _check_deterministic_and_replayed(x, p, cfg):
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
     ys = [w12_mma_matmul(x, p, cfg).view(torch.int16).clone() for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
     s = torch.cuda.Stream()
@@ -125,7 +147,17 @@ def test_deterministic_and_graph_replay():
     for _ in range(3):  # the split counters are back at zero after every replay
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), ys[0])
+        assert torch.equal(out.view(torch.int16), ys[0]), cfg
+
+
+@gpu
+@needs_cuda
+def test_a_ring_beyond_the_shared_memory_is_refused():
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    x, w = gpu_inputs(256, 1024, 4, torch.bfloat16, seed=1)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        w12_mma_matmul(x, pack(w), MmaConfig(rows=2, chunks=2, warps=8, stages=6))
 
 
 @gpu
