@@ -30,7 +30,8 @@ def test_deployment_options_layer_overrides_on_stock():
     assert d.options() == d.options({})
     o = d.options({"verify": "tree", "dtype": "fp32"})
     assert (o.verify, o.dtype, o.block_size) == ("tree", "fp32", 4)
-    assert o.changed() == {"verify": "tree", "dtype": "fp32"}
+    # the GPU stock is a released engine's: CUDA graphs and fused kernels (issue 31)
+    assert o.changed() == {"verify": "tree", "dtype": "fp32", "cuda_graphs": True, "fused_kernels": True}
 
 
 
