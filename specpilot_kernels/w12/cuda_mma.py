@@ -134,7 +134,8 @@ def supports(x: torch.Tensor, p: W12Weight) -> bool:
             and p.k % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
 
 
-# Swept on one H200 (bench/w12_bench.py --sweep --kinds mma); filled from the first sweep's results.
+# The launches the sweep (bench/w12_bench.py --sweep --kinds mma) found faster than the Triton kernels' own
+# choice, per Llama-8B shape and M class; `w12_matmul` routes exactly these cases here by default.
 TUNED_H200: dict[tuple[int, int], dict[int, MmaConfig]] = {}
 
 
@@ -142,12 +143,17 @@ def _m_class(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
 
 
+def tuned_mma_config(m: int, n: int, k: int) -> MmaConfig | None:
+    """The swept launch for ``(M, N, K)`` where the tensor-core kernel beat Triton there, else None."""
+    return TUNED_H200.get((n, k), {}).get(_m_class(m))
+
+
 def pick_mma_config(m: int, n: int, k: int, sms: int) -> MmaConfig:
     """The launch for ``(M, N, K)`` on a device of ``sms`` multiprocessors: a pure function (no
     run-time autotuning, so another process picks the same and gets the same bits). Swept shapes
     come from ``TUNED_H200``; otherwise one 16-row tile a warp, 4 warps a block, and enough K splits
     that about two blocks run on every multiprocessor, keeping >= 2 steps a split."""
-    tuned = TUNED_H200.get((n, k), {}).get(_m_class(m))
+    tuned = tuned_mma_config(m, n, k)
     if tuned is not None:
         return tuned
     cfg = MmaConfig()
@@ -176,4 +182,5 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",
+           "tuned_mma_config",
            "w12_mma_matmul"]

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from specpilot_kernels.counters import arrival_counters
 
-from .cuda_mma import MmaConfig, supports, w12_mma_matmul
+from .cuda_mma import MmaConfig, pick_mma_config, supports, tuned_mma_config, w12_mma_matmul
 from .cuda_mma import available as mma_available
 from .format import ESC_GROUP, W12Weight
 
@@ -517,30 +517,46 @@ def _esc_chunk(bm: int, bn: int) -> int:
     return max(1, min(16, 4096 // (bm * bn)))
 
 
-# Off: on the H200 (2026-12-05) the tensor-core kernel passed its GPU tests but ran slower than these Triton
-# kernels (geomean 0.84x of torch against 1.05x: README.md); SPECPILOT_W12_TENSOR_CORES=1 turns it on.
-_tensor_cores = os.environ.get("SPECPILOT_W12_TENSOR_CORES", "0") == "1"
+# Where bf16 calls with 1-16 rows go: "auto" (default) sends the cases the sweep found faster on tensor
+# cores (cuda_mma.TUNED_H200) there and the rest to Triton; "on" sends every such call; "off" none.
+# SPECPILOT_W12_TENSOR_CORES = auto | 1 | 0.
+TENSOR_CORE_MODES = ("auto", "on", "off")
+_tensor_cores = {"1": "on", "0": "off"}.get(os.environ.get("SPECPILOT_W12_TENSOR_CORES", "auto"), "auto")
 
 
-def use_tensor_core_kernel(enabled: bool | None = None) -> bool:
-    """Route bf16 calls with 1-16 rows to the CUDA C++ tensor-core kernel (``cuda_mma.py``, where it
-    builds) or keep them on the Triton kernels; None only asks. Returns the setting. The default is
-    ``SPECPILOT_W12_TENSOR_CORES`` (off: see the comment above)."""
+def use_tensor_core_kernel(mode: bool | str | None = None) -> str:
+    """Set where bf16 calls with 1-16 rows go (True/"on", False/"off", "auto": the swept table; None only
+    asks) and return the setting. The CUDA C++ kernel is used only where it builds (``cuda_mma.available``)."""
     global _tensor_cores
-    if enabled is not None:
-        _tensor_cores = bool(enabled)
+    if mode is not None:
+        mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+        if mode not in TENSOR_CORE_MODES:
+            raise ValueError(f"tensor-core mode must be one of {TENSOR_CORE_MODES}, got {mode!r}")
+        _tensor_cores = mode
     return _tensor_cores
+
+
+def _tensor_core_config(x: torch.Tensor, p: W12Weight) -> MmaConfig | None:
+    """The tensor-core launch for this call under the current mode, or None for the Triton kernels."""
+    if _tensor_cores == "off" or INTERPRET or x.dim() != 2 or x.shape[1] != p.k or x.device != p.device:
+        return None
+    if not supports(x, p) or not mma_available():
+        return None
+    m = x.shape[0]
+    if _tensor_cores == "on":
+        return pick_mma_config(m, p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    return tuned_mma_config(m, p.n, p.k)
 
 
 def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x [M, K]`` on the packed weight ``p`` (same device). Returns ``[M, N]``
     in ``x``'s dtype. Without a ``config``, bf16 calls with 1-16 rows go to the tensor-core kernel
-    when `use_tensor_core_kernel` is on and it builds, everything else to the Triton kernels."""
+    as `use_tensor_core_kernel` says (by default where the sweep found it faster), everything else to
+    the Triton kernels."""
     if isinstance(config, MmaConfig):
         return w12_mma_matmul(x, p, config)
-    if (config is None and _tensor_cores and not INTERPRET and x.dim() == 2 and x.shape[1] == p.k
-            and supports(x, p) and x.device == p.device and mma_available()):
-        return w12_mma_matmul(x, p)
+    if config is None and (mma := _tensor_core_config(x, p)) is not None:
+        return w12_mma_matmul(x, p, mma)
     if x.dim() != 2 or x.shape[1] != p.k:
         raise ValueError(f"x must be [M, {p.k}], got {tuple(x.shape)}")
     if x.device != p.device:

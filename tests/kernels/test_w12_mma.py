@@ -32,6 +32,19 @@ def test_pick_is_pure_and_splits_small_grids():
     assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
 
 
+def test_the_tensor_core_mode_is_checked():
+    from specpilot_kernels.w12.kernel import use_tensor_core_kernel
+
+    before = use_tensor_core_kernel()
+    try:
+        assert use_tensor_core_kernel(True) == "on" and use_tensor_core_kernel(False) == "off"
+        assert use_tensor_core_kernel("auto") == "auto"
+        with pytest.raises(ValueError, match="tensor-core mode"):
+            use_tensor_core_kernel("sometimes")
+    finally:
+        use_tensor_core_kernel(before)
+
+
 def test_ring_launches_fit_their_shared_memory():
     ring = MmaConfig(rows=1, chunks=2, warps=8, stages=4)
     assert ring.key() == "mma_r1_c2_w8_s1_st4" and ring.fits(16)
@@ -163,6 +176,7 @@ def test_a_ring_beyond_the_shared_memory_is_refused():
 @gpu
 @needs_cuda
 def test_w12_matmul_routes_bf16_to_tensor_cores():
+    from specpilot_kernels.w12 import cuda_mma
     from specpilot_kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
 
     x, w = gpu_inputs(1536, 576, 4, torch.bfloat16, seed=3)
@@ -170,13 +184,19 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
     before = use_tensor_core_kernel()
-    use_tensor_core_kernel(True)
-    assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p).view(torch.int16))
-    use_tensor_core_kernel(False)
     try:
+        use_tensor_core_kernel(True)
+        assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p).view(torch.int16))
+        use_tensor_core_kernel(False)
         y_triton = w12_matmul(x, p)
         assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
+        use_tensor_core_kernel("auto")  # an unswept shape stays on Triton; a swept winner goes to tensor cores
+        assert torch.equal(w12_matmul(x, p).view(torch.int16), y_triton.view(torch.int16))
+        cuda_mma.TUNED_H200[(1536, 576)] = {4: MmaConfig(rows=1, chunks=1, warps=4, stages=3)}
+        assert torch.equal(w12_matmul(x, p).view(torch.int16),
+                           w12_mma_matmul(x, p, MmaConfig(rows=1, chunks=1, warps=4, stages=3)).view(torch.int16))
     finally:
+        cuda_mma.TUNED_H200.pop((1536, 576), None)
         use_tensor_core_kernel(before)
     check_close(y_triton, reference(x.float(), w.float()), rtol=1e-2)
     # outside the contract (fp32 x, 17 rows) w12_matmul stays on Triton and still answers
