@@ -247,6 +247,7 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tup
                 rec = {"bench": "w12_sweep", "shape": [n, k], "m": m, "best_us": round(rows[0][0], 2),
                        "best": asdict(rows[0][1]), "rel_err": err,
                        "top5": [[round(u, 2), c.key()] for u, c in rows[:5]],
+                       "all": {c.key(): round(u, 2) for u, c in rows},
                        "default_us": round(next((u for u, c in rows if c == default_config(m, n, k)), float("nan")), 2),
                        "default": default_config(m, n, k).key(),
                        "tried": len(rows)}
