@@ -70,10 +70,10 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 16 bytes global -> shared, bypassing L1; `valid` false writes zeros (src-size 0) and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+// 16 bytes global -> shared (a shared-window address), bypassing L1; `valid` false writes zeros (src-size 0)
+// and reads nothing.
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -363,27 +363,41 @@ __global__ void __launch_bounds__(256) w12_mma_ring_kernel(const MmaArgs a, int 
   const int w_pieces = rows_per_block * 12, x_pieces = a.M * 16;
   const uint8_t* x = static_cast<const uint8_t*>(a.x);
 
+  // Each thread copies the same 6 R weight pieces of every chunk (warps x R x 16 rows x 12 pieces over
+  // warps x 32 threads; 12 a row: nib, low j.., low kh + j.., 4 x 16 columns each): their sources and
+  // places are worked out once here, so that a step's copy costs an add, a compare and the cp.async.
+  constexpr int kPieces = 6 * R;
+  const uint8_t* w_src[kPieces];
+  uint32_t w_dst[kPieces];
+  int w_col[kPieces];
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    const int e = threadIdx.x + i * blockDim.x;
+    const int row = e / 12, piece = e - row * 12, plane = piece >> 2;
+    w_col[i] = 16 * (piece & 3);
+    const int64_t n = min(n_block + row, a.N - 1);  // rows past N re-read the last (not stored)
+    w_src[i] = (plane == 0 ? a.nib + n * a.kh : a.low + n * 2 * a.kh + (plane == 2 ? a.kh : 0)) + w_col[i];
+    w_dst[i] = row * kRowBytes + piece * 16;
+  }
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+
   // Step `step`'s copies into its slot (every thread a share), then one commit (empty past the last step,
   // so that the group count stays `stages - 1` ahead). Columns at or past j_end, and x's past K, are zeros.
   auto issue = [&](int step) {
     if (step < steps) {
-      uint8_t* slot = ring + (step % stages) * U * chunk_bytes;
+      const uint32_t slot = ring_s + (step % stages) * U * chunk_bytes;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int j = j_begin + (step * U + u) * 64;
-        uint8_t* chunk = slot + u * chunk_bytes;
-        for (int e = threadIdx.x; e < w_pieces; e += blockDim.x) {  // 12 a row: nib, low j.., low kh + j.., 4 x 16 columns
-          const int row = e / 12, piece = e - row * 12, plane = piece >> 2, col = j + 16 * (piece & 3);
-          const int64_t n = min(n_block + row, a.N - 1);  // rows past N re-read the last (not stored)
-          const uint8_t* src = plane == 0 ? a.nib + n * a.kh + col : a.low + n * 2 * a.kh + (plane == 2 ? a.kh : 0) + col;
-          cp_async16(chunk + row * kRowBytes + piece * 16, src, col < j_end);
-        }
+        const uint32_t chunk = slot + u * chunk_bytes;
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) cp_async16_s(chunk + w_dst[i], w_src[i] + j, j + w_col[i] < j_end);
         for (int e = threadIdx.x; e < x_pieces; e += blockDim.x) {  // 16 an x row: 8 x 8 columns of each half
           const int m = e >> 4, half = (e >> 3) & 1, part = e & 7;
           const int col_in_half = j + 8 * part, col = half * a.kh + col_in_half;
           const bool valid = col_in_half < j_end && col < a.K;
-          cp_async16(chunk + w_bytes + m * kXRowBytes + half * 128 + part * 16,
-                     x + (int64_t(m) * a.ldx + (valid ? col : 0)) * 2, valid);
+          cp_async16_s(chunk + w_bytes + m * kXRowBytes + half * 128 + part * 16,
+                       x + (int64_t(m) * a.ldx + (valid ? col : 0)) * 2, valid);
         }
       }
     }
