@@ -202,9 +202,10 @@ def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
     """The configuration ``w12_matmul`` uses without one (bf16 ``x``): its tensor-core mode's choice."""
     if m <= cuda_mma.MAX_ROWS and k % 8 == 0 and cuda_mma.available():
         mode = use_tensor_core_kernel()
+        card = torch.cuda.get_device_name(0)
         if mode == "on":
-            return pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        if mode == "auto" and (tuned := cuda_mma.tuned_mma_config(m, n, k)) is not None:
+            return pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, card)
+        if mode == "auto" and (tuned := cuda_mma.tuned_mma_config(m, n, k, card)) is not None:
             return tuned
     return pick_config(m, n, k)
 

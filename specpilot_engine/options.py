@@ -44,6 +44,7 @@ class OptionInfo:
     factor: str | None = None  # the cost-model factor it attacks (FACTORS), None: not a speed mechanism
     devices: tuple[str, ...] = DEVICE_KINDS  # device kinds where setting it means something
     modes: tuple[str, ...] = MODES  # serving modes where setting it means something
+    dtypes: tuple[str, ...] = ()  # deployment dtypes where it is worth timing (empty: any)
     model: bool = False  # applied to the loaded target (`apply_model_options`): a different model
     requires: Mapping[str, OptionValue] = field(default_factory=dict)  # settings it only means something with
     may_change_outputs: bool = False  # True: may change the output's bits (forcing decides); False: lossless
@@ -125,7 +126,8 @@ class EngineOptions:
     # --- kernel: each step's kernels against their byte floors.
     weight_format: Literal["bf16", "w12"] = option(
         "bf16", "w12: the lossless 12-bit format of specpilot_kernels.w12 replaces the linears", sweep=("w12",),
-        factor="kernel", devices=("cuda",), model=True, may_change_outputs=True)
+        # lossless for bf16 weights only: on an fp32 deployment it would round them (forcing would reject it)
+        factor="kernel", devices=("cuda",), dtypes=("bf16",), model=True, may_change_outputs=True)
     # "stream" first: the AVX2/AVX-512/AMX kernel of specpilot_kernels.cpu_gemm beat oneDNN on every CPU
     # measured (docs/FIGURES.md); oneDNN's packed GEMMs come next where it loses.
     linear_backend: Literal["default", "onednn", "onednn_all", "stream"] = option(
@@ -185,13 +187,15 @@ def infos(cls: type[EngineOptions] = EngineOptions) -> dict[str, OptionInfo]:
     return {f.name: info(f) for f in fields(cls)}
 
 
-def sweeps(cls: type[EngineOptions] = EngineOptions, mode: str | None = None,
+def sweeps(cls: type[EngineOptions] = EngineOptions, mode: str | None = None, dtype: str | None = None,
            ) -> dict[str, list[tuple[str, list[OptionValue], tuple[str, ...]]]]:
     """The planner's sweeps: factor -> [(option, values worth timing, device kinds)], in field order;
-    with ``mode``, only the options that mean something in that serving mode."""
+    with ``mode``, only the options that mean something in that serving mode; with ``dtype``, only those
+    worth timing at that deployment dtype."""
     out: dict[str, list] = {f: [] for f in FACTORS}
     for name, i in infos(cls).items():
-        if i.factor and i.sweep and (mode is None or mode in i.modes):
+        if (i.factor and i.sweep and (mode is None or mode in i.modes)
+                and (dtype is None or not i.dtypes or dtype in i.dtypes)):
             out[i.factor].append((name, list(i.sweep), i.devices))
     return out
 

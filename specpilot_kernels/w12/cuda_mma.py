@@ -135,25 +135,41 @@ def supports(x: torch.Tensor, p: W12Weight) -> bool:
 
 
 # The launches the sweep (bench/w12_bench.py --sweep --kinds mma) found faster than the Triton kernels' own
-# choice, per Llama-8B shape and M class; `w12_matmul` routes exactly these cases here by default.
-TUNED_H200: dict[tuple[int, int], dict[int, MmaConfig]] = {}
+# choice, per card (torch's device name), Llama-8B shape and M class; `w12_matmul` routes exactly these
+# cases here by default ("auto"). H100 80GB HBM3, 2026-12-05: the cases where a pipelined register launch
+# beat Triton by >= 3% (docs/results/w12-kernel/h100-2026-12-05-mma-pipelined-sweep.jsonl; M = 1, 4, 16
+# swept). Not yet swept on the H200: no entries, so the H200 stays on Triton.
+_PIPE_R1_C4_W2 = MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
+TUNED: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]] = {
+    "NVIDIA H100 80GB HBM3": {
+        (6144, 4096): {4: _PIPE_R1_C4_W2},  # 20.6 us against Triton's 21.6
+        (28672, 4096): {4: _PIPE_R1_C4_W2},  # 68.3 against 73.4
+        (128256, 4096): {4: _PIPE_R1_C4_W2},  # 279.4 against 293.1
+    },
+}
 
 
 def _m_class(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
 
 
-def tuned_mma_config(m: int, n: int, k: int) -> MmaConfig | None:
-    """The swept launch for ``(M, N, K)`` where the tensor-core kernel beat Triton there, else None."""
-    return TUNED_H200.get((n, k), {}).get(_m_class(m))
+def tuned_mma_config(m: int, n: int, k: int, card: str) -> MmaConfig | None:
+    """The swept launch for ``(M, N, K)`` on ``card`` where the tensor-core kernel beat Triton there, else None."""
+    return TUNED.get(card, {}).get((n, k), {}).get(_m_class(m))
 
 
-def pick_mma_config(m: int, n: int, k: int, sms: int) -> MmaConfig:
+@functools.cache
+def card_name(device: torch.device) -> str:
+    """torch's name of ``device``'s card (the key of `TUNED`)."""
+    return torch.cuda.get_device_name(device)
+
+
+def pick_mma_config(m: int, n: int, k: int, sms: int, card: str = "") -> MmaConfig:
     """The launch for ``(M, N, K)`` on a device of ``sms`` multiprocessors: a pure function (no
     run-time autotuning, so another process picks the same and gets the same bits). Swept shapes
-    come from ``TUNED_H200``; otherwise one 16-row tile a warp, 4 warps a block, and enough K splits
+    come from ``TUNED`` (``card``); otherwise one 16-row tile a warp, 4 warps a block, and enough K splits
     that about two blocks run on every multiprocessor, keeping >= 2 steps a split."""
-    tuned = tuned_mma_config(m, n, k)
+    tuned = tuned_mma_config(m, n, k, card)
     if tuned is not None:
         return tuned
     cfg = MmaConfig()
@@ -174,7 +190,8 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
                              f"got {x.dtype} {tuple(x.shape)} on {x.device} (K = {p.k})")
     if x.shape[1] != p.k or x.device != p.device:
         raise ValueError(f"x {tuple(x.shape)} on {x.device} does not fit a [{p.n}, {p.k}] weight on {p.device}")
-    cfg = config or pick_mma_config(x.shape[0], p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    cfg = config or pick_mma_config(x.shape[0], p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count,
+                                    card_name(x.device))
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
@@ -182,5 +199,5 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",
-           "tuned_mma_config",
+           "card_name", "tuned_mma_config",
            "w12_mma_matmul"]

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from specpilot_kernels.counters import arrival_counters
 
-from .cuda_mma import MmaConfig, pick_mma_config, supports, tuned_mma_config, w12_mma_matmul
+from .cuda_mma import MmaConfig, card_name, pick_mma_config, supports, tuned_mma_config, w12_mma_matmul
 from .cuda_mma import available as mma_available
 from .format import ESC_GROUP, W12Weight
 
@@ -518,7 +518,7 @@ def _esc_chunk(bm: int, bn: int) -> int:
 
 
 # Where bf16 calls with 1-16 rows go: "auto" (default) sends the cases the sweep found faster on tensor
-# cores (cuda_mma.TUNED_H200) there and the rest to Triton; "on" sends every such call; "off" none.
+# cores (cuda_mma.TUNED, per card) there and the rest to Triton; "on" sends every such call; "off" none.
 # SPECPILOT_W12_TENSOR_CORES = auto | 1 | 0.
 TENSOR_CORE_MODES = ("auto", "on", "off")
 _tensor_cores = {"1": "on", "0": "off"}.get(os.environ.get("SPECPILOT_W12_TENSOR_CORES", "auto"), "auto")
@@ -543,9 +543,10 @@ def _tensor_core_config(x: torch.Tensor, p: W12Weight) -> MmaConfig | None:
     if not supports(x, p) or not mma_available():
         return None
     m = x.shape[0]
+    card = card_name(x.device)
     if _tensor_cores == "on":
-        return pick_mma_config(m, p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    return tuned_mma_config(m, p.n, p.k)
+        return pick_mma_config(m, p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count, card)
+    return tuned_mma_config(m, p.n, p.k, card)
 
 
 def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specpilot_kernels.w12 import decode, pack
-from specpilot_kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config
+from specpilot_kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config, tuned_mma_config
 from specpilot_kernels.w12.format import W12Weight
 
 from .test_w12_kernel import check_close, gpu_inputs, reference, with_every_escape
@@ -29,6 +29,11 @@ def test_pick_is_pure_and_splits_small_grids():
     assert a.splits > 1  # 64 tiles of 64 rows: splits fill 132 multiprocessors
     big = pick_mma_config(4, 128256, 4096, 132)
     assert big.splits == 1  # 2004 tiles already fill the card
+    # a card's swept winners come from its own table, and only for the M class swept
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert pick_mma_config(4, 28672, 4096, 132, h100) == MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
+    assert pick_mma_config(4, 28672, 4096, 132, "NVIDIA H200") != pick_mma_config(4, 28672, 4096, 132, h100)
+    assert tuned_mma_config(16, 28672, 4096, h100) is None and tuned_mma_config(4, 28672, 4096, "NVIDIA H200") is None
     assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
 
 
@@ -192,11 +197,12 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
         assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
         use_tensor_core_kernel("auto")  # an unswept shape stays on Triton; a swept winner goes to tensor cores
         assert torch.equal(w12_matmul(x, p).view(torch.int16), y_triton.view(torch.int16))
-        cuda_mma.TUNED_H200[(1536, 576)] = {4: MmaConfig(rows=1, chunks=1, warps=4, stages=3)}
+        cuda_mma.TUNED.setdefault(torch.cuda.get_device_name(), {})[(1536, 576)] = {
+            4: MmaConfig(rows=1, chunks=1, warps=4, stages=3)}
         assert torch.equal(w12_matmul(x, p).view(torch.int16),
                            w12_mma_matmul(x, p, MmaConfig(rows=1, chunks=1, warps=4, stages=3)).view(torch.int16))
     finally:
-        cuda_mma.TUNED_H200.pop((1536, 576), None)
+        cuda_mma.TUNED.get(torch.cuda.get_device_name(), {}).pop((1536, 576), None)
         use_tensor_core_kernel(before)
     check_close(y_triton, reference(x.float(), w.float()), rtol=1e-2)
     # outside the contract (fp32 x, 17 rows) w12_matmul stays on Triton and still answers

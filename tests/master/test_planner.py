@@ -31,6 +31,14 @@ def test_on_a_gpu_overhead_mechanisms_come_first_when_overhead_dominates():
     assert [x.hints["option"] for x in ds] == ["cuda_graphs", "compile", "verify"]
 
 
+def test_w12_is_a_kernel_mechanism_of_bf16_gpu_deployments_only():
+    ds = _plan({"kernel": 2.0}, facts=GPU, devices=10)
+    assert ds[0].factor == "kernel" and ds[0].hints["option"] == "weight_format" and ds[0].hints["values"] == ["w12"]
+    fp32 = _plan({"kernel": 2.0}, facts={**GPU, "dtype": "fp32"}, devices=10)
+    assert "weight_format" not in [d.hints.get("option") for d in fp32]  # it would round fp32 weights
+    assert "weight_format" not in [d.hints.get("option") for d in _plan({"kernel": 2.0}, devices=10)]  # a CPU
+
+
 def test_fusion_options_follow_graphs_and_fused_gemv_brings_fused_kernels_along():
     known = KNOWN | {"fused_kernels", "fused_gemv"}
     ds = _plan({"tau": 1.5, "kernel": 1.0, "overhead": 300.0}, facts=GPU, devices=4, known=known)
