@@ -1,18 +1,18 @@
-"""W12 on tensor cores: the CUDA C++ kernel (``csrc/w12_mma.cu``) for 1-16 rows of bf16 ``x``.
+"""W12 on tensor cores: the CUDA C++ kernel (``csrc/w12_mma.cu``) for 1-32 rows of bf16 ``x``.
 
 What it computes: ``y [M, N] = x [M, K] @ W.T`` in bf16 from the W12 planes (``format.py``), the
 fp32 sum of the exact products (same scale trick as the Triton kernel, ``kernel.py``), escapes added
 exactly after the row scale. The reference is ``format.decode`` and a matmul; tests compare the two.
 
 Why a second kernel. A decode step reads every weight once with 1-16 rows of ``x`` (AR and
-verification of up to 16 drafted tokens). The Triton paths reach 3-4.4 TB/s at M = 1 but fall to
+verification of up to 16 drafted tokens; a verification of 16 and its root: 17, hence up to 32 here). The Triton paths reach 3-4.4 TB/s at M = 1 but fall to
 2-3 TB/s at M = 4-16 (README.md), below torch's bf16 GEMV, because Triton's ``tl.dot`` stages the
 planes through shared memory and converts layouts. Here the weights are ``mma.sync``'s A operand:
 each thread loads 16 contiguous bytes of each plane straight into registers (no shared memory, no
 shuffles; the k-order of the MMA is chosen per thread so that its bytes decode in place), and the
 MMA makes the cost of 16 rows of ``x`` the cost of one.
 
-Contract: CUDA, compute capability >= 8.0, ``x`` bf16 with 1-16 rows, ``K % 8 == 0``, rows
+Contract: CUDA, compute capability >= 8.0, ``x`` bf16 with 1-32 rows, ``K % 8 == 0``, rows
 contiguous and 16-byte aligned (`supports`). The launch configuration (`MmaConfig`) is a pure
 function of ``(M, N, K)`` and the device's SM count (`pick_mma_config`), so results are
 deterministic: same inputs, same device, same bits. Split-K partials are merged in split order in
@@ -38,7 +38,7 @@ from .format import W12Weight
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
-MAX_ROWS = 16
+MAX_ROWS = 32  # rows of x; beyond 16 (a verification of 16 drafts and its root) only with rows = 1 tiles
 MAX_PIPELINED = 4  # rows x chunks x row groups of a pipelined launch (csrc: kMaxPipelined)
 MAX_STAGES = 6  # ring slots (csrc: kMaxStages)
 RING_ROW_BYTES, RING_X_ROW_BYTES = 192, 272  # a weight row's and an x row's bytes a chunk (csrc: kRowBytes, kXRowBytes)
@@ -67,17 +67,24 @@ class MmaConfig:
 
     def ring_bytes(self, m: int) -> int:
         """Shared memory of a ring launch for ``m`` rows of x (csrc: ring_chunk_bytes)."""
-        groups = 2 if m > 8 else 1
+        groups = row_groups(m)
         return self.stages * self.chunks * (self.warps * self.rows * 16 * RING_ROW_BYTES + groups * 8 * RING_X_ROW_BYTES)
 
     def fits(self, m: int) -> bool:
-        """Whether the kernel has this launch for ``m`` rows of x: a pipelined one keeps two steps'
-        fragments in registers, so rows x chunks x row groups (2 when M > 8) is at most 4; a ring takes
+        """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined
+        one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4; a ring takes
         1 or 2 chunks and at most ``RING_MAX_BYTES`` of shared memory (Hopper's opt-in limit)."""
+        if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16):
+            return False
         if self.stages:
             return (2 <= self.stages <= MAX_STAGES and self.chunks in (1, 2) and not self.pipelined
                     and self.ring_bytes(m) <= RING_MAX_BYTES)
-        return not self.pipelined or self.rows * self.chunks * (2 if m > 8 else 1) <= MAX_PIPELINED
+        return not self.pipelined or self.rows * self.chunks * row_groups(m) <= MAX_PIPELINED
+
+
+def row_groups(m: int) -> int:
+    """8-row groups of x (mma B operands) for ``m`` rows."""
+    return -(-m // 8)
 
 
 def _digest() -> str:
@@ -150,7 +157,7 @@ TUNED: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]] = {
 
 
 def _m_class(m: int) -> int:
-    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def tuned_mma_config(m: int, n: int, k: int, card: str) -> MmaConfig | None:
@@ -182,7 +189,7 @@ def pick_mma_config(m: int, n: int, k: int, sms: int, card: str = "") -> MmaConf
 
 
 def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = None) -> torch.Tensor:
-    """``x @ W.T`` for bf16 ``x [M, K]``, 1 <= M <= 16, on the packed ``p`` (same device); bf16 ``[M, N]``."""
+    """``x @ W.T`` for bf16 ``x [M, K]``, 1 <= M <= 32, on the packed ``p`` (same device); bf16 ``[M, N]``."""
     if not supports(x, p):
         x = x.contiguous()
         if not supports(x, p):
@@ -192,6 +199,8 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
         raise ValueError(f"x {tuple(x.shape)} on {x.device} does not fit a [{p.n}, {p.k}] weight on {p.device}")
     cfg = config or pick_mma_config(x.shape[0], p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count,
                                     card_name(x.device))
+    if not cfg.fits(x.shape[0]):
+        raise ValueError(f"the launch {cfg.key()} does not take {x.shape[0]} rows of x (MmaConfig.fits)")
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,

@@ -517,7 +517,7 @@ def _esc_chunk(bm: int, bn: int) -> int:
     return max(1, min(16, 4096 // (bm * bn)))
 
 
-# Where bf16 calls with 1-16 rows go: "auto" (default) sends the cases the sweep found faster on tensor
+# Where bf16 calls with 1-32 rows go: "auto" (default) sends the cases the sweep found faster on tensor
 # cores (cuda_mma.TUNED, per card) there and the rest to Triton; "on" sends every such call; "off" none.
 # SPECPILOT_W12_TENSOR_CORES = auto | 1 | 0.
 TENSOR_CORE_MODES = ("auto", "on", "off")
@@ -525,7 +525,7 @@ _tensor_cores = {"1": "on", "0": "off"}.get(os.environ.get("SPECPILOT_W12_TENSOR
 
 
 def use_tensor_core_kernel(mode: bool | str | None = None) -> str:
-    """Set where bf16 calls with 1-16 rows go (True/"on", False/"off", "auto": the swept table; None only
+    """Set where bf16 calls with 1-32 rows go (True/"on", False/"off", "auto": the swept table; None only
     asks) and return the setting. The CUDA C++ kernel is used only where it builds (``cuda_mma.available``)."""
     global _tensor_cores
     if mode is not None:
@@ -551,7 +551,7 @@ def _tensor_core_config(x: torch.Tensor, p: W12Weight) -> MmaConfig | None:
 
 def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x [M, K]`` on the packed weight ``p`` (same device). Returns ``[M, N]``
-    in ``x``'s dtype. Without a ``config``, bf16 calls with 1-16 rows go to the tensor-core kernel
+    in ``x``'s dtype. Without a ``config``, bf16 calls with 1-32 rows go to the tensor-core kernel
     as `use_tensor_core_kernel` says (by default where the sweep found it faster), everything else to
     the Triton kernels."""
     if isinstance(config, MmaConfig):

@@ -59,6 +59,10 @@ def test_ring_launches_fit_their_shared_memory():
     assert not MmaConfig(chunks=4, stages=3).fits(1)  # a ring takes 1 or 2 chunks
     assert not MmaConfig(stages=7).fits(1) and not MmaConfig(stages=3, pipelined=True).fits(1)
     assert MmaConfig(rows=2, chunks=2, pipelined=True).fits(8) and not MmaConfig(rows=2, chunks=2, pipelined=True).fits(9)
+    # 17-32 rows of x (a 16-draft verification has 17): one 16-row tile a warp, up to four 8-row groups
+    assert MmaConfig().fits(17) and MmaConfig().fits(32) and not MmaConfig().fits(33) and not MmaConfig().fits(0)
+    assert not MmaConfig(rows=2).fits(17) and MmaConfig(rows=2).fits(16)
+    assert MmaConfig(chunks=1, pipelined=True).fits(32) and not MmaConfig(chunks=2, pipelined=True).fits(25)
 
 
 @pytest.mark.slow
@@ -70,8 +74,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
     # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4,
-    # and the ring's rows x row groups x chunks {1, 2}
-    assert len(kernels) == 12 + 8 + 8
+    # the ring's rows x row groups x chunks {1, 2}; row groups 3-4 (17-32 rows of x) with rows 1: 12 more
+    assert len(kernels) == 12 + 8 + 8 + 12
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -103,7 +107,7 @@ SHAPES = [(4096, 4096), (123, 14336), (1536, 576), (576, 1536), (300, 2080), (77
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16, 17, 32])
 def test_matches_reference(n, k, m):
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
@@ -118,7 +122,7 @@ def test_matches_reference(n, k, m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 27])
 def test_every_variant_with_escapes(m):
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
@@ -205,7 +209,9 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
         cuda_mma.TUNED.get(torch.cuda.get_device_name(), {}).pop((1536, 576), None)
         use_tensor_core_kernel(before)
     check_close(y_triton, reference(x.float(), w.float()), rtol=1e-2)
-    # outside the contract (fp32 x, 17 rows) w12_matmul stays on Triton and still answers
+    # outside the contract (fp32 x, 33 rows) w12_matmul stays on Triton and still answers
     check_close(w12_matmul(x.float(), p), reference(x.float(), w.float()), rtol=1e-5)
-    x17 = torch.randn(17, 576, device="cuda", dtype=torch.bfloat16)
-    check_close(w12_matmul(x17, p), reference(x17.float(), w.float()), rtol=1e-2)
+    x33 = torch.randn(33, 576, device="cuda", dtype=torch.bfloat16)
+    check_close(w12_matmul(x33, p), reference(x33.float(), w.float()), rtol=1e-2)
+    with pytest.raises(ValueError, match="does not take 17 rows"):
+        w12_mma_matmul(torch.randn(17, 576, device="cuda", dtype=torch.bfloat16), p, MmaConfig(rows=2))

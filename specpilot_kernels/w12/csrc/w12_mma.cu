@@ -1,8 +1,8 @@
-// W12 x bf16 on tensor cores: y[M, N] = x[M, K] @ W[N, K]^T for M <= 16, W in the W12 planes
+// W12 x bf16 on tensor cores: y[M, N] = x[M, K] @ W[N, K]^T for M <= 32, W in the W12 planes
 // (format: ../format.py; the PyTorch reference is format.decode followed by a matmul).
 //
 // Layout of the work. mma.sync m16n8k16 with the *weights* as the A operand (16 rows of W by 16
-// columns) and x^T as B (16 columns by 8 rows of x; a second B for rows 8..15 when M > 8). A
+// columns) and x^T as B (16 columns by 8 rows of x; one more B for each further 8 rows, up to 4). A
 // thread (group g = lane / 4, tig = lane % 4) holds the k-slots {2tig, 2tig+1, 2tig+8, 2tig+9}
 // in both A (W rows g and g+8) and B (x row g), so which *memory* column a k-slot stands for
 // may be chosen per thread, as long as A and B agree: the sum over k does not care. Each thread
@@ -210,6 +210,7 @@ struct Chunks {
 constexpr int kRowBytes = 192;   // a weight row's share of a 64-column chunk: nib j.. | low j.. | low kh + j..
 constexpr int kXRowBytes = 272;  // an x row's 64 + 64 columns (256 bytes) + 16 so that rows fall on other banks
 constexpr int kMaxStages = 6;
+constexpr int kMaxRows = 32;  // rows of x: four 8-row groups (1 row tile a warp beyond 16)
 
 template <int R, int G, int U>
 __device__ __forceinline__ void Chunks<R, G, U>::load_shared(const uint8_t* w_chunk, const uint8_t* x_chunk, int u,
@@ -493,20 +494,25 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, in
 
 const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, int stages,
                        cudaStream_t stream) {
-  if (a.M < 1 || a.M > 16) return "M must be in 1..16";
+  if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
   if (stages == 1 || stages < 0 || stages > kMaxStages) return "stages must be 0 (registers) or 2..6 (a shared-memory ring)";
   if (stages >= 2 && pipelined) return "a ring launch is already pipelined";
   if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0)
     return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K a multiple of 8";
-  const bool two = a.M > 8;
+  const int groups = (a.M + 7) / 8;  // 8-row groups of x: one mma B operand each
   if (rows == 1) {
-    return two ? launch_u<1, 2>(a, chunks, warps, pipelined, stages, stream)
-               : launch_u<1, 1>(a, chunks, warps, pipelined, stages, stream);
+    switch (groups) {
+      case 1: return launch_u<1, 1>(a, chunks, warps, pipelined, stages, stream);
+      case 2: return launch_u<1, 2>(a, chunks, warps, pipelined, stages, stream);
+      case 3: return launch_u<1, 3>(a, chunks, warps, pipelined, stages, stream);
+      default: return launch_u<1, 4>(a, chunks, warps, pipelined, stages, stream);
+    }
   }
   if (rows == 2) {
-    return two ? launch_u<2, 2>(a, chunks, warps, pipelined, stages, stream)
-               : launch_u<2, 1>(a, chunks, warps, pipelined, stages, stream);
+    if (groups > 2) return "rows 2 takes at most 16 rows of x";
+    return groups == 2 ? launch_u<2, 2>(a, chunks, warps, pipelined, stages, stream)
+                       : launch_u<2, 1>(a, chunks, warps, pipelined, stages, stream);
   }
   return "rows must be 1 or 2";
 }

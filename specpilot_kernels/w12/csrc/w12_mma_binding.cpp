@@ -18,7 +18,7 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& low, const at::Tensor& nib
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "x's rows must be contiguous and 16-byte aligned");
   const int64_t m = x.size(0), n = low.size(0), kh = nib.size(1);
-  TORCH_CHECK(m >= 1 && m <= 16, "the tensor-core W12 kernel takes 1 to 16 rows of x");
+  TORCH_CHECK(m >= 1 && m <= 32, "the tensor-core W12 kernel takes 1 to 32 rows of x");
   TORCH_CHECK(low.is_contiguous() && nib.is_contiguous() && low.size(1) == 2 * kh && nib.size(0) == n &&
                   kh % 16 == 0 && 2 * kh >= k && 2 * kh < k + 32,
               "low/nib are not W12 planes of a [N, K] matrix");
