@@ -10,8 +10,8 @@ summary JSON line (geometric-mean speedup over torch at M = 1..16, the minimum).
 worker processes) at M in {1, 2, 4, 8, 16} and reports the best per shape, the input for
 ``pick_config``'s table (kinds ``fma``, ``dot``: Triton) or ``pick_mma_config``'s (kind ``mma``: the
 CUDA C++ tensor-core kernel); the final table then uses the best swept configuration at those M
-(column ``cfg``, marked ``*``). Without a sweep each case runs as ``w12_matmul`` dispatches it (the
-tensor-core kernel for bf16 at M <= 32 where it builds); the Triton kernel's own time is a column too.
+(column ``cfg``, marked ``*``). Without a sweep each case runs as ``w12_matmul`` dispatches it (its
+tensor-core mode, `use_tensor_core_kernel`); the Triton kernel's own time is a column too.
 
     PYTHONPATH=. python bench/w12_bench.py [--sweep] [--kinds mma] [--out results.jsonl]
 """

@@ -174,12 +174,14 @@ def card_name(device: torch.device) -> str:
 def pick_mma_config(m: int, n: int, k: int, sms: int, card: str = "") -> MmaConfig:
     """The launch for ``(M, N, K)`` on a device of ``sms`` multiprocessors: a pure function (no
     run-time autotuning, so another process picks the same and gets the same bits). Swept shapes
-    come from ``TUNED`` (``card``); otherwise one 16-row tile a warp, 4 warps a block, and enough K splits
-    that about two blocks run on every multiprocessor, keeping >= 2 steps a split."""
+    come from ``TUNED`` (``card``); otherwise what won the H100 sweeps of 2026-12-05 at every shape: one
+    16-row tile a warp, 2 warps a block, pipelined, with as many chunks a step as the pipeline's registers
+    allow (4 up to 8 rows of x, 2 up to 16, 1 beyond), and enough K splits that about two blocks run on
+    every multiprocessor, keeping >= 2 steps a split."""
     tuned = tuned_mma_config(m, n, k, card)
     if tuned is not None:
         return tuned
-    cfg = MmaConfig()
+    cfg = MmaConfig(rows=1, chunks=MAX_PIPELINED // row_groups(m), warps=2, pipelined=True)
     tiles = -(-n // (cfg.warps * cfg.rows * 16))
     steps = max(1, (16 * -(-k // 32)) // (64 * cfg.chunks))
     splits = 1

@@ -26,13 +26,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_pick_is_pure_and_splits_small_grids():
     a = pick_mma_config(4, 4096, 4096, 132)
     assert a == pick_mma_config(4, 4096, 4096, 132)
-    assert a.splits > 1  # 64 tiles of 64 rows: splits fill 132 multiprocessors
+    assert a.splits > 1  # 128 tiles of 32 rows: splits fill 132 multiprocessors
     big = pick_mma_config(4, 128256, 4096, 132)
-    assert big.splits == 1  # 2004 tiles already fill the card
+    assert big.splits == 1  # 4008 tiles already fill the card
+    # the pipeline's registers: 4 chunks a step up to 8 rows of x, 2 up to 16, 1 beyond
+    assert [pick_mma_config(m, 28672, 4096, 132).chunks for m in (1, 8, 9, 16, 17, 32)] == [4, 4, 2, 2, 1, 1]
     # a card's swept winners come from its own table, and only for the M class swept
     h100 = "NVIDIA H100 80GB HBM3"
     assert pick_mma_config(4, 28672, 4096, 132, h100) == MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
-    assert pick_mma_config(4, 28672, 4096, 132, "NVIDIA H200") != pick_mma_config(4, 28672, 4096, 132, h100)
+    assert tuned_mma_config(4, 28672, 4096, h100) == MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
     assert tuned_mma_config(16, 28672, 4096, h100) is None and tuned_mma_config(4, 28672, 4096, "NVIDIA H200") is None
     assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
 
