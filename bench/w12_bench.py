@@ -54,11 +54,10 @@ DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
 KINDS = ("fma", "dot", "mma")
-# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block, pipelined,
-# ring stages: 0 = registers); splits below. Rings: 1-2 chunks, 3-6 slots, 4-8 warps.
-# Register launches without the pipeline lost every case on the H100 (2026-12-05): only pipelined ones here.
-MMA_TILES = (tuple((*t, True, 0) for t in itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
-             + tuple((r, c, w, False, st) for r, c, w, st in itertools.product((1, 2), (1, 2), (4, 8), (3, 4, 6))))
+# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block); splits below.
+# Launches without the pipeline lost every case on the H100 (2026-12-05): only pipelined ones here. (The
+# shared-memory ring lost too: docs/results/w12-kernel/h100-2026-12-05-ring.patch.)
+MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
@@ -70,8 +69,7 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
         out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
                 for bn, bj, st, w in DOT_TILES]
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
-        out += [cfg for r, c, w, pipe, st in MMA_TILES
-                if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=pipe, stages=st)).fits(m)]
+        out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -87,9 +85,7 @@ def splits_for(cfg: Config | MmaConfig, n: int, k: int) -> list[int]:
     kh = 16 * ((k + 31) // 32)
     if isinstance(cfg, MmaConfig):
         tiles, steps = -(-n // (16 * cfg.rows * cfg.warps)), kh // (64 * cfg.chunks)
-        # a ring fills its slots before it streams: keep at least as many steps a split as it has slots
-        return [s for s in (1, 2, 4, 8, 16)
-                if s == 1 or (steps >= max(2, cfg.stages) * s and tiles * s <= 16 * 132)]
+        return [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
     tiles = -(-n // cfg.bn)
     out = []
     for s in (1, 2, 4, 8, 16):

@@ -27,7 +27,7 @@ from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul  # noqa: E4
 from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
-MMA_KEY = re.compile(r"mma_r(\d+)_c(\d+)_w(\d+)_s(\d+)(_pipe|_st(\d+))?")
+MMA_KEY = re.compile(r"mma_r(\d+)_c(\d+)_w(\d+)_s(\d+)(_pipe)?")
 
 
 def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
@@ -40,9 +40,9 @@ def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
     if len(parts) == 2:
         return n, k, m, None
     if hit := MMA_KEY.fullmatch(parts[2]):
-        rows, chunks, warps, splits, tail, stages = hit.groups()
+        rows, chunks, warps, splits, pipe = hit.groups()
         return n, k, m, MmaConfig(rows=int(rows), chunks=int(chunks), warps=int(warps), splits=int(splits),
-                                  pipelined=tail == "_pipe", stages=int(stages or 0))
+                                  pipelined=pipe is not None)
     hit = KEY.fullmatch(parts[2])
     if not hit:
         raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")

@@ -40,45 +40,28 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
 MAX_ROWS = 32  # rows of x; beyond 16 (a verification of 16 drafts and its root) only with rows = 1 tiles
 MAX_PIPELINED = 4  # rows x chunks x row groups of a pipelined launch (csrc: kMaxPipelined)
-MAX_STAGES = 6  # ring slots (csrc: kMaxStages)
-RING_ROW_BYTES, RING_X_ROW_BYTES = 192, 272  # a weight row's and an x row's bytes a chunk (csrc: kRowBytes, kXRowBytes)
-RING_MAX_BYTES = 227 * 1024 - 64  # Hopper's opt-in shared memory a block, less the kernel's static bytes
-# (the launch checks the device's own)
 
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks a step (1, 2, 4),
-    ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch), and how a step's planes
-    arrive: ``stages`` 0 loads them straight into registers (``pipelined``: the next step's loads go out
-    before this step's math, twice the fragment registers); ``stages`` 2..6 copies them, with x's
-    columns, by ``cp.async`` into a ring of that many slots in shared memory (chunks 1 or 2)."""
+    """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks loaded together
+    (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch), ``pipelined``: the
+    next step's loads go out before this step's math (twice the fragment registers)."""
 
     rows: int = 1
     chunks: int = 2
     warps: int = 4
     splits: int = 1
     pipelined: bool = False
-    stages: int = 0
 
     def key(self) -> str:
-        tail = f"_st{self.stages}" if self.stages else ("_pipe" if self.pipelined else "")
-        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{tail}"
-
-    def ring_bytes(self, m: int) -> int:
-        """Shared memory of a ring launch for ``m`` rows of x (csrc: ring_chunk_bytes)."""
-        groups = row_groups(m)
-        return self.stages * self.chunks * (self.warps * self.rows * 16 * RING_ROW_BYTES + groups * 8 * RING_X_ROW_BYTES)
+        return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
 
     def fits(self, m: int) -> bool:
         """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined
-        one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4; a ring takes
-        1 or 2 chunks and at most ``RING_MAX_BYTES`` of shared memory (Hopper's opt-in limit)."""
+        one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4."""
         if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16):
             return False
-        if self.stages:
-            return (2 <= self.stages <= MAX_STAGES and self.chunks in (1, 2) and not self.pipelined
-                    and self.ring_bytes(m) <= RING_MAX_BYTES)
         return not self.pipelined or self.rows * self.chunks * row_groups(m) <= MAX_PIPELINED
 
 
@@ -206,7 +189,7 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
-                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages)
+                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined)
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",

@@ -52,14 +52,7 @@ def test_the_tensor_core_mode_is_checked():
         use_tensor_core_kernel(before)
 
 
-def test_ring_launches_fit_their_shared_memory():
-    ring = MmaConfig(rows=1, chunks=2, warps=8, stages=4)
-    assert ring.key() == "mma_r1_c2_w8_s1_st4" and ring.fits(16)
-    assert ring.ring_bytes(8) == 4 * 2 * (8 * 16 * 192 + 8 * 272)  # 214 KB: over 48 KB, under Hopper's 227
-    assert ring.ring_bytes(16) > ring.ring_bytes(8)  # a second row group of x
-    assert not MmaConfig(rows=2, chunks=2, warps=8, stages=6).fits(1)  # 600 KB
-    assert not MmaConfig(chunks=4, stages=3).fits(1)  # a ring takes 1 or 2 chunks
-    assert not MmaConfig(stages=7).fits(1) and not MmaConfig(stages=3, pipelined=True).fits(1)
+def test_launches_fit_the_rows_of_x():
     assert MmaConfig(rows=2, chunks=2, pipelined=True).fits(8) and not MmaConfig(rows=2, chunks=2, pipelined=True).fits(9)
     # 17-32 rows of x (a 16-draft verification has 17): one 16-row tile a warp, up to four 8-row groups
     assert MmaConfig().fits(17) and MmaConfig().fits(32) and not MmaConfig().fits(33) and not MmaConfig().fits(0)
@@ -75,9 +68,9 @@ def test_kernel_compiles_for_hopper(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
-    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4,
-    # the ring's rows x row groups x chunks {1, 2}; row groups 3-4 (17-32 rows of x) with rows 1: 12 more
-    assert len(kernels) == 12 + 8 + 8 + 12
+    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4;
+    # row groups 3-4 (17-32 rows of x) with rows 1: chunks {1, 2, 4} and the pipelined chunks 1
+    assert len(kernels) == 12 + 8 + 8
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -93,9 +86,8 @@ def _variants(m):
         for chunks in (1, 2, 4):
             for warps in (1, 4, 8):
                 for splits in (1, 3, 8):
-                    for pipelined, stages in ((False, 0), (True, 0), (False, 2), (False, 4), (False, 6)):
-                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined,
-                                        stages=stages)
+                    for pipelined in (False, True):
+                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
                         if cfg.fits(m):
                             out.append(cfg)
     return out
@@ -119,7 +111,6 @@ def test_matches_reference(n, k, m):
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     ref = reference(x.float(), decode(p).float())
     check_close(y, ref, rtol=1e-2)
-    check_close(w12_mma_matmul(x, p, MmaConfig(rows=1, chunks=1, warps=4, stages=3)), ref, rtol=1e-2)
 
 
 @gpu
@@ -141,7 +132,7 @@ def test_every_variant_with_escapes(m):
         check_close(y, ref, rtol=1e-2)
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, wide, cfg).view(torch.int16)), cfg
-        if cfg.stages:  # the ring feeds the same MMAs in the same order as the register path: same bits
+        if cfg.pipelined:  # the pipeline feeds the same MMAs in the same order: the same bits
             plain = MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)
             assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
 
@@ -151,7 +142,7 @@ def test_every_variant_with_escapes(m):
 def test_deterministic_and_graph_replay():
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
-    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=2, warps=8, splits=4, stages=4)):
+    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 
@@ -176,16 +167,6 @@ def _check_deterministic_and_replayed(x, p, cfg):
 
 @gpu
 @needs_cuda
-def test_a_ring_beyond_the_shared_memory_is_refused():
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
-
-    x, w = gpu_inputs(256, 1024, 4, torch.bfloat16, seed=1)
-    with pytest.raises(RuntimeError, match="shared memory"):
-        w12_mma_matmul(x, pack(w), MmaConfig(rows=2, chunks=2, warps=8, stages=6))
-
-
-@gpu
-@needs_cuda
 def test_w12_matmul_routes_bf16_to_tensor_cores():
     from specpilot_kernels.w12 import cuda_mma
     from specpilot_kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
@@ -203,10 +184,9 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
         assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
         use_tensor_core_kernel("auto")  # an unswept shape stays on Triton; a swept winner goes to tensor cores
         assert torch.equal(w12_matmul(x, p).view(torch.int16), y_triton.view(torch.int16))
-        cuda_mma.TUNED.setdefault(torch.cuda.get_device_name(), {})[(1536, 576)] = {
-            4: MmaConfig(rows=1, chunks=1, warps=4, stages=3)}
-        assert torch.equal(w12_matmul(x, p).view(torch.int16),
-                           w12_mma_matmul(x, p, MmaConfig(rows=1, chunks=1, warps=4, stages=3)).view(torch.int16))
+        swept = MmaConfig(rows=1, chunks=1, warps=4, splits=2, pipelined=True)
+        cuda_mma.TUNED.setdefault(torch.cuda.get_device_name(), {})[(1536, 576)] = {4: swept}
+        assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p, swept).view(torch.int16))
     finally:
         cuda_mma.TUNED.get(torch.cuda.get_device_name(), {}).pop((1536, 576), None)
         use_tensor_core_kernel(before)

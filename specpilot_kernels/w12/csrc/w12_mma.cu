@@ -13,14 +13,6 @@
 // `chunks` of them, then multiplies; a pipelined launch issues the next step's loads (volatile, so ptxas
 // keeps them ahead) before this step's math, holding two steps' fragments in registers.
 //
-// The ring variant (stages >= 2): the block copies each step's planes for all its rows, and x's columns
-// for the step, with cp.async into a ring of `stages` slots in shared memory (`stages - 1` steps in
-// flight while one is multiplied; one __syncthreads a step), and every warp reads its fragments from
-// there. Memory parallelism then no longer costs registers (the register path's pipelined launches
-// held two steps' fragments: 176-232 registers, 11% occupancy on the H100), and x is read from L2 once
-// a block instead of once a warp. Rows take 192 bytes a chunk (nib | low j | low kh + j) and x rows 272
-// (256 + 16, so that the 8 rows a load touches fall on different banks): both conflict-free.
-//
 // Scale. The planes hold window-relative patterns (value w * 2^-e0), so x is scaled by 2^64 (exact
 // in bf16) and each output row by 2^(e0 - 64) at the end: the result is the fp32 sum of the exact
 // products, as in the Triton kernel (valid for 2^-64 <= |x| < 2^64).
@@ -68,26 +60,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// 16 bytes global -> shared (a shared-window address), bypassing L1; `valid` false writes zeros (src-size 0)
-// and reads nothing.
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Wait until at most `pending` of this thread's committed groups are still in flight (an immediate in PTX).
-__device__ __forceinline__ void cp_async_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-  }
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -165,11 +137,6 @@ struct Chunks {
     }
   }
 
-  // Chunk u's fragments from a ring slot (the ring kernel's layout: kRowBytes a weight row, kXRowBytes an x row).
-  // x rows past M are whatever the slot held: they only reach outputs m >= M, which are never stored.
-  __device__ __forceinline__ void load_shared(const uint8_t* w_chunk, const uint8_t* x_chunk, int u, int warp_row,
-                                              int g, int tig);
-
   __device__ __forceinline__ void compute(float (&acc)[R][G][4]) const {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -207,32 +174,7 @@ struct Chunks {
   }
 };
 
-constexpr int kRowBytes = 192;   // a weight row's share of a 64-column chunk: nib j.. | low j.. | low kh + j..
-constexpr int kXRowBytes = 272;  // an x row's 64 + 64 columns (256 bytes) + 16 so that rows fall on other banks
-constexpr int kMaxStages = 6;
 constexpr int kMaxRows = 32;  // rows of x: four 8-row groups (1 row tile a warp beyond 16)
-
-template <int R, int G, int U>
-__device__ __forceinline__ void Chunks<R, G, U>::load_shared(const uint8_t* w_chunk, const uint8_t* x_chunk, int u,
-                                                             int warp_row, int g, int tig) {
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* row = w_chunk + (warp_row + r * 16 + h * 8 + g) * kRowBytes + tig * 16;
-      wn[u][r][h] = *reinterpret_cast<const uint4*>(row);
-      wl0[u][r][h] = *reinterpret_cast<const uint4*>(row + 64);
-      wl1[u][r][h] = *reinterpret_cast<const uint4*>(row + 128);
-    }
-#pragma unroll
-  for (int gg = 0; gg < G; ++gg) {
-    const uint4* xr = reinterpret_cast<const uint4*>(x_chunk + (gg * 8 + g) * kXRowBytes + tig * 32);
-    xa[u][gg][0] = xr[0];
-    xa[u][gg][1] = xr[1];
-    xb[u][gg][0] = xr[8];  // + 128 bytes: the kh + j half
-    xb[u][gg][1] = xr[9];
-  }
-}
 
 // f(value, m, n) for each output of the warp's D fragments inside [M, N]: acc[r][gg] holds
 // {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = the tile's row g and m = 8gg + 2tig.
@@ -342,92 +284,6 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   store_tile(acc, a, n_warp, g, tig, split);
 }
 
-// Bytes of one ring slot: `U` chunks, each the block's weight rows and 8 G rows of x.
-__host__ __device__ constexpr int ring_chunk_bytes(int rows_per_block, int G) {
-  return rows_per_block * kRowBytes + G * 8 * kXRowBytes;
-}
-
-template <int R, int G, int U>
-__global__ void __launch_bounds__(256) w12_mma_ring_kernel(const MmaArgs a, int stages) {
-  extern __shared__ __align__(16) uint8_t ring[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  const int rows_per_block = warps * R * 16;
-  const int n_block = blockIdx.x * rows_per_block;
-  const int warp_row = warp * R * 16;
-  const int split = blockIdx.y;
-  const int j_begin = split * a.j_per_split;
-  const int j_end = min(a.kh, j_begin + a.j_per_split);
-  const int steps = j_end > j_begin ? (j_end - j_begin + 64 * U - 1) / (64 * U) : 0;
-  const int w_bytes = rows_per_block * kRowBytes;
-  const int chunk_bytes = ring_chunk_bytes(rows_per_block, G);
-  const int w_pieces = rows_per_block * 12, x_pieces = a.M * 16;
-  const uint8_t* x = static_cast<const uint8_t*>(a.x);
-
-  // Each thread copies the same 6 R weight pieces of every chunk (warps x R x 16 rows x 12 pieces over
-  // warps x 32 threads; 12 a row: nib, low j.., low kh + j.., 4 x 16 columns each): their sources and
-  // places are worked out once here, so that a step's copy costs an add, a compare and the cp.async.
-  constexpr int kPieces = 6 * R;
-  const uint8_t* w_src[kPieces];
-  uint32_t w_dst[kPieces];
-  int w_col[kPieces];
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    const int e = threadIdx.x + i * blockDim.x;
-    const int row = e / 12, piece = e - row * 12, plane = piece >> 2;
-    w_col[i] = 16 * (piece & 3);
-    const int64_t n = min(n_block + row, a.N - 1);  // rows past N re-read the last (not stored)
-    w_src[i] = (plane == 0 ? a.nib + n * a.kh : a.low + n * 2 * a.kh + (plane == 2 ? a.kh : 0)) + w_col[i];
-    w_dst[i] = row * kRowBytes + piece * 16;
-  }
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-
-  // Step `step`'s copies into its slot (every thread a share), then one commit (empty past the last step,
-  // so that the group count stays `stages - 1` ahead). Columns at or past j_end, and x's past K, are zeros.
-  auto issue = [&](int step) {
-    if (step < steps) {
-      const uint32_t slot = ring_s + (step % stages) * U * chunk_bytes;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = j_begin + (step * U + u) * 64;
-        const uint32_t chunk = slot + u * chunk_bytes;
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) cp_async16_s(chunk + w_dst[i], w_src[i] + j, j + w_col[i] < j_end);
-        for (int e = threadIdx.x; e < x_pieces; e += blockDim.x) {  // 16 an x row: 8 x 8 columns of each half
-          const int m = e >> 4, half = (e >> 3) & 1, part = e & 7;
-          const int col_in_half = j + 8 * part, col = half * a.kh + col_in_half;
-          const bool valid = col_in_half < j_end && col < a.K;
-          cp_async16_s(chunk + w_bytes + m * kXRowBytes + half * 128 + part * 16,
-                       x + (int64_t(m) * a.ldx + (valid ? col : 0)) * 2, valid);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-
-  float acc[R][G][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
-
-  for (int s = 0; s < stages - 1; ++s) issue(s);
-  for (int step = 0; step < steps; ++step) {
-    cp_async_wait(stages - 2);  // this thread's copies of `step` have landed
-    __syncthreads();            // everyone's have, and everyone is done with the slot refilled next
-    issue(step + stages - 1);
-    const uint8_t* slot = ring + (step % stages) * U * chunk_bytes;
-    Chunks<R, G, U> c;
-#pragma unroll
-    for (int u = 0; u < U; ++u) c.load_shared(slot + u * chunk_bytes, slot + u * chunk_bytes + w_bytes, u, warp_row, g, tig);
-    c.compute(acc);
-  }
-  cp_async_wait(0);
-  store_tile(acc, a, n_block + warp_row, g, tig, split);
-}
-
 constexpr int kMaxPipelined = 4;
 
 template <int R, int G, int U>
@@ -448,40 +304,8 @@ const char* launch(const MmaArgs& a, int warps, bool pipelined, cudaStream_t str
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-template <int R, int G, int U>
-const char* launch_ring(const MmaArgs& a, int warps, int stages, cudaStream_t stream) {
-  const int rows_per_block = warps * R * 16;
-  const size_t smem = size_t(stages) * U * ring_chunk_bytes(rows_per_block, G);
-  int device = 0, optin = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  cudaFuncAttributes attr{};
-  cudaFuncGetAttributes(&attr, w12_mma_ring_kernel<R, G, U>);
-  if (smem + attr.sharedSizeBytes > size_t(optin))  // the static part: the split merge's flag
-    return "the ring needs more shared memory than a block may have: fewer stages, chunks, rows or warps";
-  // Above 48 KB a kernel must opt in, per kernel and device; raised only when a launch needs more.
-  static size_t opted_in[64] = {};
-  if (smem > 48 * 1024 && (device >= 64 || smem > opted_in[device])) {
-    const cudaError_t err = cudaFuncSetAttribute(w12_mma_ring_kernel<R, G, U>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return cudaGetErrorString(err);
-    if (device < 64) opted_in[device] = smem;
-  }
-  const dim3 grid((a.N + rows_per_block - 1) / rows_per_block, a.splits);
-  w12_mma_ring_kernel<R, G, U><<<grid, warps * 32, smem, stream>>>(a, stages);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
 template <int R, int G>
-const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, int stages, cudaStream_t stream) {
-  if (stages >= 2) {
-    switch (chunks) {
-      case 1: return launch_ring<R, G, 1>(a, warps, stages, stream);
-      case 2: return launch_ring<R, G, 2>(a, warps, stages, stream);
-      default: return "a ring launch takes chunks 1 or 2";
-    }
-  }
+const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cudaStream_t stream) {
   switch (chunks) {
     case 1: return launch<R, G, 1>(a, warps, pipelined, stream);
     case 2: return launch<R, G, 2>(a, warps, pipelined, stream);
@@ -492,27 +316,24 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, in
 
 }  // namespace
 
-const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, int stages,
-                       cudaStream_t stream) {
+const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream) {
   if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
-  if (stages == 1 || stages < 0 || stages > kMaxStages) return "stages must be 0 (registers) or 2..6 (a shared-memory ring)";
-  if (stages >= 2 && pipelined) return "a ring launch is already pipelined";
   if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0)
     return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K a multiple of 8";
   const int groups = (a.M + 7) / 8;  // 8-row groups of x: one mma B operand each
   if (rows == 1) {
     switch (groups) {
-      case 1: return launch_u<1, 1>(a, chunks, warps, pipelined, stages, stream);
-      case 2: return launch_u<1, 2>(a, chunks, warps, pipelined, stages, stream);
-      case 3: return launch_u<1, 3>(a, chunks, warps, pipelined, stages, stream);
-      default: return launch_u<1, 4>(a, chunks, warps, pipelined, stages, stream);
+      case 1: return launch_u<1, 1>(a, chunks, warps, pipelined, stream);
+      case 2: return launch_u<1, 2>(a, chunks, warps, pipelined, stream);
+      case 3: return launch_u<1, 3>(a, chunks, warps, pipelined, stream);
+      default: return launch_u<1, 4>(a, chunks, warps, pipelined, stream);
     }
   }
   if (rows == 2) {
     if (groups > 2) return "rows 2 takes at most 16 rows of x";
-    return groups == 2 ? launch_u<2, 2>(a, chunks, warps, pipelined, stages, stream)
-                       : launch_u<2, 1>(a, chunks, warps, pipelined, stages, stream);
+    return groups == 2 ? launch_u<2, 2>(a, chunks, warps, pipelined, stream)
+                       : launch_u<2, 1>(a, chunks, warps, pipelined, stream);
   }
   return "rows must be 1 or 2";
 }

@@ -24,11 +24,9 @@ struct MmaArgs {
   int splits;
 };
 
-// M: 1..32 rows of x (17..32 with rows = 1 only); rows: 16-row tiles a warp (1, 2); chunks: 64-column chunks loaded together (1, 2, 4);
-// warps: warps a block (1..8); pipelined: the next step's loads issued before this step's math (two
-// steps' registers); stages: 0 for the register path, 2..6 for a cp.async ring of that many slots in
-// shared memory (chunks 1 or 2, not pipelined). Returns an error string or nullptr.
-const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, int stages,
-                       cudaStream_t stream);
+// M: 1..32 rows of x (17..32 with rows = 1 only); rows: 16-row tiles a warp (1, 2); chunks: 64-column
+// chunks loaded together (1, 2, 4); warps: warps a block (1..8); pipelined: the next step's loads issued before this step's math (two
+// steps' registers). Returns an error string or nullptr.
+const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream);
 
 }  // namespace specpilot_w12
