@@ -120,7 +120,8 @@ class Engine:
             self._batch = None  # free the old rows first
             policy = BatchPolicy(node_budget=self.options.batch_node_budget,
                                  adaptive_block=self.options.batch_adaptive_block,
-                                 prefill_chunk=self.options.prefill_chunk)
+                                 prefill_chunk=self.options.prefill_chunk,
+                                 padded_attention=self.options.batch_attention == "padded")
             drafters = [make_drafter(self.options, self.model) for _ in range(rows)]
             self._batch = BatchDecoder(self.model, drafters, self.decode_cfg, rows, room, self.cfg.stop_ids, policy)
         return self._batch

@@ -78,12 +78,16 @@ class BatchPolicy:
     - ``prefill_chunk`` > 0: prompts are admitted in segments inside the steps' forwards, at most this
       many prompt tokens a step (stock, 0: each prompt as one forward of its own before the step). This
       one changes how a prompt's keys are computed (attention over several shorter query blocks), so its
-      bits may differ from a whole-prompt prefill's: forcing, not construction, says it is lossless."""
+      bits may differ from a whole-prompt prefill's: forcing, not construction, says it is lossless.
+    - ``padded_attention``: a step's attention as one call over every cache row (`model.PaddedRows`), not
+      one call a row: fewer launches and host work a step, but the sum over keys runs over the longest
+      row's slots, so its bits may differ too (forcing decides)."""
 
     node_budget: int = 0
     adaptive_block: bool = False
     window: int = 8
     prefill_chunk: int = 0
+    padded_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.node_budget < 0 or self.window < 1 or self.prefill_chunk < 0:
@@ -366,7 +370,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         logits, hidden = self.model.forward_ragged(
             tokens, positions, self.cache, [active[s].start for s in slots + pre], all_lengths, slots + pre, masks,
-            logit_index=logit_index if pre else None)
+            logit_index=logit_index if pre else None, padded=self.policy.padded_attention)
         argmax = greedy_ids(logits).tolist()  # the step's one device sync
         forward_s = time.perf_counter() - t0
         committed = 0

@@ -292,13 +292,35 @@ class RaggedStep:
     """What a ragged batched forward needs (see `Transformer.forward_ragged`): per batch row, its cache
     row, the cache slot of its first new token, how many tokens are its own, its attention mask as
     `Transformer._attention_mask` makes it for that row alone, and where its tokens begin in the packed
-    block."""
+    block; with ``padded``, one attention call for all rows instead (`PaddedRows`)."""
 
     rows: tuple[int, ...]  # cache row of each batch row
     starts: tuple[int, ...]  # first cache slot of each row's new tokens
     lengths: tuple[int, ...]  # each row's own tokens
     masks: tuple[tuple[Tensor | BlockMask | None, bool], ...]  # (mask, is_causal) of each row
     offsets: tuple[int, ...]  # where each row's tokens begin in the packed block (the rows back to back)
+    padded: PaddedRows | None = None
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """One attention call over every cache row for a ragged step (``EngineOptions.batch_attention =
+    "padded"``), built once a forward for all layers. The queries are laid out ``[R, T]`` (R cache rows,
+    T the longest row's new tokens, each packed token at its row and its place in the row) and attend over
+    the first ``length`` slots of every cache row in place (a view: no gather of K/V) through ``bias``, an
+    additive mask ``[R, 1, G*T, length]`` already tiled over the G query heads of a KV head: 0 where the
+    row's own mask allows, -inf elsewhere. Pad queries (rows without tokens this step, and a row's places
+    past its own tokens) see slot 0 only, so they stay finite; their outputs are dropped. A row's result
+    is the same attention as the per-row call's, but the sum over keys runs over ``length`` slots with
+    -inf weights for the others, so its bits may differ: forcing, not construction, says it is lossless."""
+
+    write_rows: Tensor  # [N] cache row of each packed token
+    write_slots: Tensor  # [N] cache slot of each packed token
+    gather: Tensor  # [R * T] packed index of each padded query (pads: 0)
+    scatter: Tensor  # [N] padded index (row * T + place) of each packed token
+    bias: Tensor  # [R, 1, G * T, length]
+    length: int
+    tokens: int  # T
 
 
 class Attention(nn.Module):
@@ -326,6 +348,8 @@ class Attention(nn.Module):
         if isinstance(start, StaticStep):
             return self.o_proj(self._static_attention(q, k, v, cache, start))
         if isinstance(start, RaggedStep):
+            if start.padded is not None:
+                return self.o_proj(self._padded_attention(q, k, v, cache, start.padded))
             return self.o_proj(self._ragged_attention(q, k, v, cache, start))
         k, v = cache.update(self.layer, start, k, v)
         y = self.core(q, k, v, mask, causal)
@@ -356,6 +380,23 @@ class Attention(nn.Module):
             out = self.core(q[:, :, o:o + n], keys, values, mask, causal)
             y[0, o:o + n] = out[0].transpose(0, 1).reshape(n, H * hd)
         return y
+
+
+    def _padded_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, p: PaddedRows) -> Tensor:
+        """Over a packed block (q [1, H, N, hd]): the new keys written with one indexed store, then every
+        cache row's queries in one SDPA call (`PaddedRows`): the launch count does not grow with the rows."""
+        _, H, N, hd = q.shape
+        KV, G, T = self.n_kv, H // self.n_kv, p.tokens
+        cache.k[self.layer, p.write_rows, :, p.write_slots] = k[0].transpose(0, 1)  # [N, KV, hd]
+        cache.v[self.layer, p.write_rows, :, p.write_slots] = v[0].transpose(0, 1)
+        keys = cache.k[self.layer, :, :, :p.length]  # [R, KV, length, hd], a view
+        values = cache.v[self.layer, :, :, :p.length]
+        R = keys.shape[0]
+        # [H, R*T, hd] -> [R, KV, G*T, hd]: row g*T + t of a KV head is query head kv*G + g at place t
+        qp = q[0].index_select(1, p.gather).view(KV, G, R, T, hd).permute(2, 0, 1, 3, 4).reshape(R, KV, G * T, hd)
+        y = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.bias)
+        y = y.view(R, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, H * hd)  # [R*T, H*hd]
+        return y.index_select(0, p.scatter).unsqueeze(0)
 
 
 class MLP(nn.Module):
@@ -446,13 +487,14 @@ class Transformer(nn.Module):
 
     def forward_ragged(self, tokens: Tensor, positions: Tensor, cache: KVCache, starts: list[int],
                        lengths: list[int], rows: list[int], masks: list[Tensor | None],
-                       last_only: bool = False, logit_index: list[int] | None = None) -> tuple[Tensor, Tensor]:
+                       last_only: bool = False, logit_index: list[int] | None = None,
+                       padded: bool = False) -> tuple[Tensor, Tensor]:
         """One forward over a ragged batch, packed: tokens and positions [N] hold the rows' new tokens back
         to back, row b's ``lengths[b]`` tokens for cache row ``rows[b]`` at slots ``starts[b]``.., with
         ``masks[b]`` as `forward`'s ``mask`` for them (None: causal). Linears and norms run once over all
         N tokens, attention per row (`Attention._ragged_attention`). Returns (logits [N, V], or [B, V] of
         each row's last token with ``last_only``, or of the packed tokens ``logit_index`` lists, and hidden
-        [N, D])."""
+        [N, D]). ``padded``: attention as one call over every cache row (`PaddedRows`; may change bits)."""
         if sum(lengths) != tokens.shape[0]:
             raise ValueError(f"the rows' lengths {lengths} do not add up to the {tokens.shape[0]} packed tokens")
         for start, n, row in zip(starts, lengths, rows, strict=True):
@@ -460,9 +502,13 @@ class Transformer(nn.Module):
                 raise ValueError(f"row {row}: {n} tokens at slot {start} do not fit the cache "
                                  f"({cache.k.shape[1]} rows of {cache.max_len} slots)")
         offsets = [sum(lengths[:b]) for b in range(len(lengths))]
-        step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths),
-                          tuple(self._attention_mask(n, start, mask) for n, start, mask in
-                                zip(lengths, starts, masks, strict=True)), tuple(offsets))
+        if padded:
+            step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths), (), tuple(offsets),
+                              self._padded_rows(cache, starts, lengths, rows, masks, offsets))
+        else:
+            step = RaggedStep(tuple(rows), tuple(starts), tuple(lengths),
+                              tuple(self._attention_mask(n, start, mask) for n, start, mask in
+                                    zip(lengths, starts, masks, strict=True)), tuple(offsets))
         cos = self.rope_cos[positions].to(self.dtype)  # [N, hd]: one position a packed token
         sin = self.rope_sin[positions].to(self.dtype)
         x = self.embed(tokens.unsqueeze(0))
@@ -502,6 +548,34 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, step, None, False)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
+
+    def _padded_rows(self, cache: KVCache, starts: list[int], lengths: list[int], rows: list[int],
+                     masks: list[Tensor | None], offsets: list[int]) -> PaddedRows:
+        """The index tensors and the tiled bias of a padded ragged step (`PaddedRows`); each batch row's
+        mask is None (causal) or its own [n, n] bool mask over its new tokens."""
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"a padded step takes each cache row once, got rows {rows}")
+        dev, R, T = self.device, cache.k.shape[1], max(lengths)
+        length = max(s + n for s, n in zip(starts, lengths, strict=True))
+        allowed = torch.zeros(R, T, length, dtype=torch.bool, device=dev)
+        allowed[:, :, 0] = True  # pads see slot 0 (finite); a real query's row is overwritten below
+        gather = torch.zeros(R * T, dtype=torch.int64)
+        scatter, write_rows, write_slots = [], [], []
+        for row, start, n, mask, o in zip(rows, starts, lengths, masks, offsets, strict=True):
+            if mask is not None and tuple(mask.shape) != (n, n):
+                raise ValueError(f"a padded step takes [n, n] row masks, got {tuple(mask.shape)} for {n} tokens")
+            own = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if mask is None else mask.to(dev)
+            allowed[row, :n, :start] = True
+            allowed[row, :n, start:start + n] = own
+            gather[row * T:row * T + n] = torch.arange(o, o + n)
+            scatter.extend(range(row * T, row * T + n))
+            write_rows.extend([row] * n)
+            write_slots.extend(range(start, start + n))
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+        return PaddedRows(write_rows=as_index(write_rows), write_slots=as_index(write_slots), gather=gather.to(dev),
+                          scatter=as_index(scatter), bias=bias.repeat(1, G, 1).unsqueeze(1), length=length, tokens=T)
 
     def _sdpa_backends(self):
         return sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()

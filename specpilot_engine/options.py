@@ -119,6 +119,10 @@ class EngineOptions:
         0, "batched: prompts join in segments of at most this many tokens a step, inside the steps' forwards "
         "(0: each prompt as a forward of its own before the step)", sweep=(64, 128), factor="overhead",
         modes=("batched",), may_change_outputs=True)
+    batch_attention: Literal["per_row", "padded"] = option(
+        "per_row", "batched: a step's attention as one call a row (stock) or one padded call over all rows "
+        "(fewer launches; the sum over keys spans the longest row, so bits may differ)", sweep=("padded",),
+        factor="overhead", modes=("batched",), may_change_outputs=True)
     compile: bool = option(
         False, "torch.compile(dynamic=True) the decoder's eager forward (no CUDA graphs)", sweep=(True,),
         factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)

@@ -207,3 +207,49 @@ def test_segmented_prompt_admission_rides_in_the_steps(tiny_stream, chunk, draft
     assert any(s.prompt_tokens and s.rows for s in result.steps)  # a segment rode beside decoding rows
     for g in result.generations.values():
         assert g.first_token_at >= g.submitted_at and g.prefill_s > 0
+
+
+def test_padded_attention_is_the_per_row_attention_in_one_call(tiny_stream):
+    """`forward_ragged(padded=True)`: rows out of cache order, a cache row with no tokens, a chain, a tree
+    and a prompt segment in one step give the per-row forward's logits (to fp32 rounding: the sum over keys
+    runs over the longest row's slots) and write the same keys into the cache."""
+    import torch
+
+    model = tiny_stream[0]
+    prompts = _tiny_prompts(23, n=3)
+    caches = [model.new_cache(128, batch=4) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:  # rows 3, 0, 1 hold their prompts; row 2 stays empty
+            for row, p in zip((3, 0, 1), prompts, strict=True):
+                model.forward_ragged(torch.tensor(p), torch.arange(len(p)), cache, [0], [len(p)], [row], [None])
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        starts, lengths, rows = [len(prompts[0]), len(prompts[1]), len(prompts[2])], [3, 4, 5], [3, 0, 1]
+        tokens = torch.randint(0, 250, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+        positions = torch.cat([torch.arange(starts[0], starts[0] + 3), starts[1] + torch.tensor([0, 1, 1, 2]),
+                               torch.arange(starts[2], starts[2] + 5)])
+        masks = [None, tree, None]
+        per_row, _ = model.forward_ragged(tokens, positions, caches[0], starts, lengths, rows, masks)
+        padded, _ = model.forward_ragged(tokens, positions, caches[1], starts, lengths, rows, masks, padded=True)
+    assert torch.allclose(per_row, padded, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(caches[0].k, caches[1].k) and torch.allclose(caches[0].v, caches[1].v)
+    with pytest.raises(ValueError, match="each cache row once"):
+        model.forward_ragged(tokens, positions, caches[1], starts, lengths, [3, 3, 1], masks, padded=True)
+
+
+@pytest.mark.parametrize("drafter,tree", [("none", False), ("ngram", False), ("ngram", True)])
+def test_padded_attention_in_a_batch_keeps_each_requests_tokens(tiny_stream, drafter, tree):
+    """``padded_attention`` with staggered arrivals and prompt segments: every request still gets batch-1
+    AR's tokens on these prompts (the option is forced, not trusted: its bits may differ)."""
+    from specpilot_engine.batch import BatchPolicy
+
+    prompts = _tiny_prompts(29, n=6)
+    max_new = [24, 3, 30, 12, 28, 20]
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, n).tokens
+                 for p, n in zip(prompts, max_new, strict=True)]
+    drafters = [NgramDrafter(min_match=1) if drafter == "ngram" else None for _ in range(3)]
+    dec = BatchDecoder(tiny_stream[0], drafters, DecodeConfig(block_size=4, tree=tree, tree_nodes=8), rows=3,
+                       max_len=256, stop_ids=tiny_stream[0].cfg.stop_ids,
+                       policy=BatchPolicy(padded_attention=True, prefill_chunk=16))
+    result = dec.run([BatchRequest(str(i), p, n, arrival_step=2 * i)
+                      for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
