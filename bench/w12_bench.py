@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specpilot_kernels.w12 import cuda_mma  # noqa: E402
-from specpilot_kernels.w12.cuda_mma import MmaConfig, pick_mma_config  # noqa: E402
+from specpilot_kernels.w12.cuda_mma import MmaConfig  # noqa: E402
 from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
-from specpilot_kernels.w12.kernel import Config, pick_config, use_tensor_core_kernel, w12_matmul  # noqa: E402
+from specpilot_kernels.w12.kernel import Config, pick_config, tensor_core_config, w12_matmul  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64]
@@ -196,13 +196,9 @@ class ShapeBench:
 
 def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
     """The configuration ``w12_matmul`` uses without one (bf16 ``x``): its tensor-core mode's choice."""
-    if m <= cuda_mma.MAX_ROWS and k % 8 == 0 and cuda_mma.available():
-        mode = use_tensor_core_kernel()
-        card = torch.cuda.get_device_name(0)
-        if mode == "on":
-            return pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, card)
-        if mode == "auto" and (tuned := cuda_mma.tuned_mma_config(m, n, k, card)) is not None:
-            return tuned
+    if m <= cuda_mma.MAX_ROWS and k % 8 == 0:
+        if (mma := tensor_core_config(m, n, k, torch.device("cuda", torch.cuda.current_device()))) is not None:
+            return mma
     return pick_config(m, n, k)
 
 

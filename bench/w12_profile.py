@@ -3,7 +3,8 @@
 Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
 ``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
 ``NxK:M`` with an optional configuration key (``Config.key()``, or ``MmaConfig.key()`` for the
-CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``); without one ``pick_config``'s choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
+CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``); without one ``pick_config``'s choice
+runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
 
     ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
         python bench/w12_profile.py 28672x4096:8 28672x4096:1
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.w12_bench import ShapeBench  # noqa: E402
-from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul  # noqa: E402
+from specpilot_kernels.w12.cuda_mma import MmaConfig  # noqa: E402
 from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
 KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
@@ -67,10 +68,7 @@ def main(argv=None) -> int:
         for i in range(a.calls):
             if i == a.calls - 1:
                 events[0].record()
-            if isinstance(cfg, MmaConfig):
-                w12_mma_matmul(x, bench.p[i % bench.copies], cfg)
-            else:
-                w12_matmul(x, bench.p[i % bench.copies], cfg)
+            w12_matmul(x, bench.p[i % bench.copies], cfg)  # an MmaConfig goes to the tensor-core kernel
         events[1].record()
         torch.cuda.synchronize()
         line = f"{case:28s} {cfg.key():36s} last call {events[0].elapsed_time(events[1]) * 1e3:8.1f} us"

@@ -385,7 +385,7 @@ class Attention(nn.Module):
     def _padded_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, p: PaddedRows) -> Tensor:
         """Over a packed block (q [1, H, N, hd]): the new keys written with one indexed store, then every
         cache row's queries in one SDPA call (`PaddedRows`): the launch count does not grow with the rows."""
-        _, H, N, hd = q.shape
+        H, hd = q.shape[1], q.shape[3]
         KV, G, T = self.n_kv, H // self.n_kv, p.tokens
         cache.k[self.layer, p.write_rows, :, p.write_slots] = k[0].transpose(0, 1)  # [N, KV, hd]
         cache.v[self.layer, p.write_rows, :, p.write_slots] = v[0].transpose(0, 1)

@@ -4,9 +4,9 @@ What it computes: ``y [M, N] = x [M, K] @ W.T`` in bf16 from the W12 planes (``f
 fp32 sum of the exact products (same scale trick as the Triton kernel, ``kernel.py``), escapes added
 exactly after the row scale. The reference is ``format.decode`` and a matmul; tests compare the two.
 
-Why a second kernel. A decode step reads every weight once with 1-16 rows of ``x`` (AR and
-verification of up to 16 drafted tokens; a verification of 16 and its root: 17, hence up to 32 here). The Triton paths reach 3-4.4 TB/s at M = 1 but fall to
-2-3 TB/s at M = 4-16 (README.md), below torch's bf16 GEMV, because Triton's ``tl.dot`` stages the
+Why a second kernel. A decode step reads every weight once with 1-17 rows of ``x`` (AR, and the
+verification of up to 16 drafted tokens and their root: hence up to 32 rows here). The Triton paths reach
+3-4.4 TB/s at M = 1 but fall to 2-3 TB/s at M = 4-16 (README.md), below torch's bf16 GEMV, because Triton's ``tl.dot`` stages the
 planes through shared memory and converts layouts. Here the weights are ``mma.sync``'s A operand:
 each thread loads 16 contiguous bytes of each plane straight into registers (no shared memory, no
 shuffles; the k-order of the MMA is chosen per thread so that its bytes decode in place), and the

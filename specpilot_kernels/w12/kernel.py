@@ -536,17 +536,22 @@ def use_tensor_core_kernel(mode: bool | str | None = None) -> str:
     return _tensor_cores
 
 
+def tensor_core_config(m: int, n: int, k: int, device: torch.device) -> MmaConfig | None:
+    """The tensor-core launch the current mode picks for a bf16 call of ``m`` rows on an ``[n, k]`` weight
+    on ``device`` (the kernel's contract assumed), or None for the Triton kernels."""
+    if _tensor_cores == "off" or INTERPRET or not mma_available():
+        return None
+    card = card_name(device)
+    if _tensor_cores == "on":
+        return pick_mma_config(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count, card)
+    return tuned_mma_config(m, n, k, card)
+
+
 def _tensor_core_config(x: torch.Tensor, p: W12Weight) -> MmaConfig | None:
     """The tensor-core launch for this call under the current mode, or None for the Triton kernels."""
-    if _tensor_cores == "off" or INTERPRET or x.dim() != 2 or x.shape[1] != p.k or x.device != p.device:
+    if x.dim() != 2 or x.shape[1] != p.k or x.device != p.device or not supports(x, p):
         return None
-    if not supports(x, p) or not mma_available():
-        return None
-    m = x.shape[0]
-    card = card_name(x.device)
-    if _tensor_cores == "on":
-        return pick_mma_config(m, p.n, p.k, torch.cuda.get_device_properties(x.device).multi_processor_count, card)
-    return tuned_mma_config(m, p.n, p.k, card)
+    return tensor_core_config(x.shape[0], p.n, p.k, x.device)
 
 
 def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None = None) -> torch.Tensor:

@@ -15,23 +15,10 @@ import torch
 from specpilot_engine.batch import BatchDecoder, BatchRequest
 from specpilot_engine.decode import DecodeConfig
 from specpilot_engine.drafters.ngram import NgramDrafter
-from tests.engine.conftest import make_engine
+from tests.engine.conftest import agree_up_to_near_ties, make_engine
 from tests.engine.test_lossless import _tiny_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _agree_up_to_near_ties(model, prompts, got, want, label, margin: float = 0.1) -> None:
-    for prompt, a, b in zip(prompts, got, want, strict=True):
-        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if i is None:
-            assert len(a) == len(b), label
-            continue
-        ids = torch.tensor([prompt + b[:i]], device="cuda")
-        with torch.no_grad():
-            logits = model(ids, torch.arange(ids.shape[1], device="cuda"), model.new_cache(ids.shape[1]), 0)[0][0, -1]
-        gap = float((logits[a[i]] - logits[b[i]]).abs())
-        assert gap <= margin * float(logits.std()), (label, i, gap, float(logits.std()))
 
 
 def test_a_batch_on_cuda_gives_each_request_its_batch_one_tokens():
@@ -51,7 +38,7 @@ def test_a_batch_on_cuda_gives_each_request_its_batch_one_tokens():
                                max_len=256, stop_ids=model.cfg.stop_ids)
         result = decoder.run(requests)
         got = [result.generations[f"r{i}"].tokens for i in range(len(prompts))]
-        _agree_up_to_near_ties(model, prompts, got, reference, (name, tree))
+        agree_up_to_near_ties(model, prompts, got, reference, (name, tree))
         assert max(s.rows for s in result.steps) == 3  # the rows were full: later requests waited
         if name == "ngram":
             assert sum(s.committed for s in result.steps) > len(result.steps)  # drafts were accepted

@@ -19,6 +19,7 @@ import torch
 from specpilot_engine.api import build_engine
 from specpilot_engine.checkpoint import load_checkpoint
 from specpilot_engine.options import EngineOptions
+from tests.engine.conftest import agree_up_to_near_ties
 from tests.engine.test_checkpoint import FAMILIES, PROMPTS, make_checkpoint, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -38,22 +39,9 @@ def _tokens(engine) -> list[list[int]]:
     return [engine.generate(p, 48).tokens for p in GEN_PROMPTS]
 
 
-def _agree_up_to_near_ties(folder, got: list[list[int]], want: list[list[int]], label, margin: float = 0.1) -> None:
-    """bf16 on a GPU: a many-token step and a one-token step (or a graph and eager kernels) may round
-    differently, so two systems' greedy outputs may part where two tokens nearly tie (forcing's rule, not bit
-    equality; the lossless guarantee is fp32 on the CPU). Each pair agrees up to its first difference, and
-    there the fp32 target's logits of the two tokens lie within ``margin`` standard deviations of its logits."""
-    ref = load_checkpoint(folder, device="cuda")
-    for prompt, a, b in zip(GEN_PROMPTS, got, want, strict=True):
-        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if i is None:
-            assert len(a) == len(b), label
-            continue
-        ids = torch.tensor([prompt + b[:i]], device="cuda")
-        with torch.no_grad():
-            logits = ref(ids, torch.arange(ids.shape[1], device="cuda"), ref.new_cache(ids.shape[1]), 0)[0][0, -1]
-        gap = float((logits[a[i]] - logits[b[i]]).abs())
-        assert gap <= margin * float(logits.std()), (label, i, gap, float(logits.std()))
+def _agree_up_to_near_ties(folder, got: list[list[int]], want: list[list[int]], label) -> None:
+    """`agree_up_to_near_ties` with the fp32 checkpoint as the reference."""
+    agree_up_to_near_ties(load_checkpoint(folder, device="cuda"), GEN_PROMPTS, got, want, label)
 
 
 @pytest.fixture(params=list(FAMILIES))
