@@ -126,10 +126,12 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     # c(n) of a full chain of n drafts, measured (specpilot.harness.replay.chain_cost): n -> t(1 + n) / t(1)
     chain_cost: dict[int, float] = {}
     options: dict[str, Any] = {}  # the profiled system's options (overrides on the deployment's stock)
-    # A batched deployment (rows > 1): the measured step of ``rows`` rows of one token (batched AR), and
+    # A batched deployment (rows > 1): the measured step of ``rows`` rows of one token (batched AR), that of
+    # one row of ``rows`` tokens (the same linear work, no per-row part), and
     # c(n, rows) = t(rows x (1 + n)) / t(rows x 1) by draft count n (specpilot.harness.batch_bench.step_cost)
     rows: int = 1
     t_ar_rows_s: float = 0.0
+    t_one_row_s: float = 0.0
     batch_cost: dict[int, float] = {}
 
 

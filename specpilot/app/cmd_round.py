@@ -193,7 +193,8 @@ def describe(e: schema.Event) -> str:
             if e.step_s <= 0:
                 return "profile: failed (see the controller's log)"
             costs = ", ".join(f"c({n}) {c:.2f}" for n, c in sorted(e.batch_cost.items()))
-            rows = f"; at {e.rows} rows: AR step {e.t_ar_rows_s * 1e3:.1f} ms, {costs}" if e.rows > 1 else ""
+            one_row = f" (one row of {e.rows} tokens {e.t_one_row_s * 1e3:.1f} ms)" if e.t_one_row_s > 0 else ""
+            rows = f"; at {e.rows} rows: AR step {e.t_ar_rows_s * 1e3:.1f} ms{one_row}, {costs}" if e.rows > 1 else ""
             return f"profile: tau {e.tau:.2f}, step {e.step_s * 1e3:.1f} ms, AR step {e.t_ar_s * 1e3:.1f} ms{rows}"
         case schema.CeilingComputed():
             f = ", ".join(f"{k} {v:.2f}x" for k, v in e.factors.items())

@@ -41,9 +41,10 @@ from specpilot_engine.api import Engine
 from specpilot_engine.options import overrides_from_args
 
 
-def step_cost(model, rows: int, tokens: int, context: int, reps: int) -> float:
+def step_cost(model, rows: int, tokens: int, context: int, reps: int, padded: bool = False) -> float:
     """Median seconds of one ragged forward of ``rows`` rows of ``tokens`` new tokens each, every row at
-    ``context`` cached slots (their contents do not change the work)."""
+    ``context`` cached slots (their contents do not change the work); ``padded``: attention as one call
+    over every row (the ``batch_attention = "padded"`` step)."""
     cache = model.new_cache(context + tokens + 1, batch=rows)
     device = model.device
     ids = torch.randint(0, model.cfg.vocab_size, (rows * tokens,), device=device)
@@ -55,7 +56,7 @@ def step_cost(model, rows: int, tokens: int, context: int, reps: int) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            logits, _ = model.forward_ragged(*args)
+            logits, _ = model.forward_ragged(*args, padded=padded)
             logits.argmax(-1).tolist()  # the step's sync, as decoding has it
             if i:  # the first call pays one-off costs
                 times.append(time.perf_counter() - t0)

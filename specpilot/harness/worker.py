@@ -14,8 +14,10 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
 4. ``{"measure": {"prompt_ids": [...], "max_new_tokens": N}}`` answers with what the cost model
    needs (``specpilot.harness.replay.measure``: tokens, steps, kernel-class profile, matched drafter depths).
    Its figures are planning inputs, never verdicts. ``{"batch_cost": {"rows": B, "context": C, "drafts": [n, ...]}}``
-   answers ``{"t_ar_s": t, "c": {n: c(n, B)}}``: the forward of B rows of one token, and of 1 + n tokens
-   against it (`specpilot.harness.batch_bench.step_cost`), for the cost model's batched ceiling.
+   answers ``{"t_ar_s": t, "t_one_row_s": t1, "c": {n: c(n, B)}}``: the forward of B rows of one token, of
+   one row of B tokens (the same linear work without the per-row part), and of 1 + n tokens a row against
+   the first (`specpilot.harness.batch_bench.step_cost`, with the engine's ``batch_attention``), for the
+   cost model's batched ceiling and overhead.
 5. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
 The controller times each request from its own clock (send to reply) and keeps the reference
@@ -94,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 b = req["batch_cost"]
                 rows, context = int(b["rows"]), int(b["context"])
-                t_ar = step_cost(engine.model, rows, 1, context, reps=3)
-                send({"t_ar_s": t_ar, "c": {str(n): step_cost(engine.model, rows, 1 + int(n), context, reps=3) / t_ar
-                                            for n in b["drafts"]}})
+                cost = functools.partial(step_cost, engine.model, context=context, reps=3,
+                                         padded=engine.options.batch_attention == "padded")
+                t_ar = cost(rows, 1)
+                # one row of `rows` tokens: the same linear work as the batched AR step, without its per-row part
+                send({"t_ar_s": t_ar, "t_one_row_s": cost(1, rows),
+                      "c": {str(n): cost(rows, 1 + int(n)) / t_ar for n in b["drafts"]}})
                 continue
             if "load" in req:
                 send(serve_load(engine, req["load"]))

@@ -84,6 +84,7 @@ def test_worker_serves_a_closed_loop_load_for_a_batched_deployment(tmp_path):
             w.stdin.flush()
             cost = json.loads(w.stdout.readline())
             assert cost["t_ar_s"] > 0 and set(cost["c"]) == {"1", "4"} and all(c > 0 for c in cost["c"].values())
+            assert cost["t_one_row_s"] > 0
             w.stdin.close()
             assert w.wait(timeout=30) == 0
         finally:

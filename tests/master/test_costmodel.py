@@ -272,3 +272,12 @@ def test_the_batched_ceiling_prefers_shorter_drafts_when_rows_make_them_costly()
     with pytest.raises(ValueError):
         cm.batched_ceiling(shape=shape, hw=hw, weight_bytes=4, act_bytes=4, context=1, rows=0, t_ar_rows_s=1.0,
                            replay=replay)
+
+
+def test_the_batched_overhead_counts_the_per_row_part_of_a_step():
+    # the 17:07 round's phase 0 (session 27): a one-row overhead below 1 (a profiling artefact) hid the
+    # per-row attention calls that made 8 rows of one token 1.9x one row of 8 tokens
+    assert cm.batched_overhead(0.56, 50.4e-3, 26.5e-3) == pytest.approx(50.4 / 26.5)
+    assert cm.batched_overhead(1.5, 50.4e-3, 26.5e-3) == pytest.approx(1.5 * 50.4 / 26.5)
+    assert cm.batched_overhead(1.5, 20e-3, 25e-3) == 1.5  # rows cheaper than one row's tokens: no per-row part
+    assert cm.batched_overhead(0.56, 50.4e-3, 0.0) == 0.56  # not measured (older events): the one-row factor

@@ -273,6 +273,13 @@ def test_batching_mechanisms_are_offered_to_batched_deployments_only():
     assert offered["batch_node_budget"].factor == "tau" and offered["prefill_chunk"].factor == "overhead"
     # made for this mode, they come first
     assert [d.hints["option"] for d in batched[:3]] == ["batch_node_budget", "batch_adaptive_block", "prefill_chunk"]
+    # with the batched overhead factor (its per-row part, `costmodel.batched_overhead`) the largest, one
+    # attention call over every row is in the first wave (two directions on a CPU), before the tau mechanisms
+    known = known | {"batch_attention"}
+    batched = _plan({"tau": 1.23, "kernel": 1.26, "overhead": 1.9}, facts={**CPU, "mode": "batched"}, devices=20,
+                    known=known)
+    assert [(d.hints["option"], d.hints["values"]) for d in batched[:2]] == [("prefill_chunk", [64, 128]),
+                                                                            ("batch_attention", ["padded"])]
 
 
 def test_a_value_the_deployment_has_as_stock_is_never_proposed():

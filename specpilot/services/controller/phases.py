@@ -80,6 +80,7 @@ def measure(ev: Evaluator, system: System) -> dict:
         "chain_cost": _mean_chain_cost(replies),
         "rows": ev.workers.concurrency,
         "t_ar_rows_s": float(batch.get("t_ar_s", 0.0)),
+        "t_one_row_s": float(batch.get("t_one_row_s", 0.0)),
         "batch_cost": {int(k): round(float(v), 4) for k, v in batch.get("c", {}).items()},
     }
 
@@ -196,7 +197,8 @@ def profile(ev: Evaluator, system: System, device: str) -> schema.ProfileMeasure
         dtype=dtype, shape=shape_of(get_config(deployment.target)), replay_depths=m["replay_depths"],
         chain_depths=m["chain_depths"], launches=m["launches"], drafters=m["drafters"],
         chain_cost=m.get("chain_cost", {}), options=dict(system.options), rows=m.get("rows", 1),
-        t_ar_rows_s=m.get("t_ar_rows_s", 0.0), batch_cost=m.get("batch_cost", {}))
+        t_ar_rows_s=m.get("t_ar_rows_s", 0.0), t_one_row_s=m.get("t_one_row_s", 0.0),
+        batch_cost=m.get("batch_cost", {}))
 
 
 def peer(ev: Evaluator, reference: list[list[int]], n_requests: int) -> dict:

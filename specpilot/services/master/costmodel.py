@@ -20,7 +20,10 @@ Definitions:
   with them, so drafts cost more the more rows share a step. ``S*_B = max_N tau_best(N) · t_AR(B) /
   floor_B(N + 1)`` over the measured batched AR step ``t_AR(B)``; with the measured step costs instead of
   the floors, ``S_B = max_N tau_best(N) / c(N, B)`` is what today's kernels allow. The best ``N`` at B
-  rows is shorter than at one, and the *tau* factor is taken at it.
+  rows is shorter than at one, and the *tau* factor is taken at it. Its *overhead* factor
+  (`batched_overhead`) adds the step's per-row part: the batched AR step of B rows of one token over
+  one row of B tokens, which is the same linear work without the per-row attention calls, cache
+  writes and bookkeeping (host work that one attention call over every row removes).
 - **Kernel time** of a class is its profiled time less what its launches cost the host
   (``launches · launch_s``, both measured), but never below its floor: a class whose time is
   launches (an eager step on a GPU, where the device waits for the host) counts as *overhead*,
@@ -232,6 +235,16 @@ def batched_ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_byte
     return BatchedCeiling(rows=rows, speedup=table[budget]["floor"], budget=budget,
                           measured_speedup=measured.get(best_measured, 0.0), measured_budget=best_measured,
                           by_budget=table)
+
+
+def batched_overhead(overhead: float, t_ar_rows_s: float, t_one_row_s: float) -> float:
+    """The overhead factor of a batched step: the one-row step's ``overhead`` (taken as at least 1: below 1
+    the profiled kernel time exceeds the step, an artefact of profiling) times the per-row part
+    ``t_ar_rows_s / t_one_row_s`` (B rows of one token over one row of B tokens, at least 1); ``overhead``
+    alone when the one-row step was not measured."""
+    if t_ar_rows_s <= 0 or t_one_row_s <= 0:
+        return overhead
+    return max(1.0, overhead) * max(1.0, t_ar_rows_s / t_one_row_s)
 
 
 def class_floor_s(floors: dict[str, float], cls: str) -> float:

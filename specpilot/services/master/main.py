@@ -202,6 +202,7 @@ class RoundDriver:
             # the best draft length at these rows (today's step costs where measured) sets the tau factor
             n = b.measured_budget or b.budget
             factors["tau"] = max(best.get(n, prof.tau), prof.tau) / prof.tau if prof.tau > 0 else 1.0
+            factors["overhead"] = costmodel.batched_overhead(factors["overhead"], prof.t_ar_rows_s, prof.t_one_row_s)
         event = await self.emit(schema.CeilingComputed(
             event_id=f"{self.round_id}-ceiling", ceiling_speedup=speedup,
             factors=factors, floors_s=result.floors_s,
