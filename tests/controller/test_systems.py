@@ -39,9 +39,9 @@ def _old_data_dir(tmp_path):
 def _edit(root, path: str, text: str) -> str:
     before = (root / path).read_text()
     (root / path).write_text(text)
-    diff = Systems(root).git("diff", "--", path)
+    diff = Systems(root).git("diff", "--", path, strip=False)
     (root / path).write_text(before)
-    return diff + "\n"
+    return diff
 
 
 def test_an_old_data_directory_is_refused_then_migrated(tmp_path, monkeypatch):
@@ -100,3 +100,39 @@ def test_a_patch_written_on_an_earlier_best_is_integrated_onto_the_latest(tmp_pa
     clash = _edit(root, "specpilot_engine/tree.py", "# another first line\n" + tree)
     with pytest.raises(PatchDoesNotApply, match=r"conflicts with the best"):
         systems.integrate(best, stock, clash, "clashes with the first")
+
+
+def test_stock_follows_a_changed_checkout_and_carries_the_best(tmp_path):
+    """A data directory outlives an upgrade or an edit of the runtime: the next `ensure_stock` commits the
+    checkout's runtime as the new stock, carries each best branch onto it (or restarts one whose change no
+    longer applies) and leads the ledger's old commits to the carried ones; an unchanged checkout (caches
+    aside) keeps its stock."""
+    source = tmp_path / "checkout"
+    for d in ("specpilot_engine", "specpilot_kernels"):
+        shutil.copytree(REPO_ROOT / d, source / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pt"))
+    systems = Systems(tmp_path / "systems")
+    stock = systems.ensure_stock(source)
+    (source / "specpilot_engine" / "__pycache__").mkdir(exist_ok=True)
+    (source / "specpilot_engine" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    assert systems.ensure_stock(source) == stock  # caches are not the runtime
+
+    tree = (source / "specpilot_engine" / "tree.py").read_text()
+    carried_change = _edit(systems.root, "specpilot_engine/tree.py", "# a promoted change\n" + tree)
+    systems.advance("tiny-cpu", promoted := systems.apply(stock, carried_change, "a code promotion"))
+    decode = (source / "specpilot_engine" / "decode.py").read_text()
+    clashing = _edit(systems.root, "specpilot_engine/decode.py", decode.replace('"""', '"""A promoted docstring. ', 1))
+    systems.advance("smollm2-cpu", clash := systems.apply(stock, clashing, "a promotion the upgrade clashes with"))
+    systems.advance("smollm2-h200", stock)  # options only
+
+    (source / "specpilot_engine" / "decode.py").write_text(decode.replace('"""', '"""Upgraded. ', 1))
+    new = systems.ensure_stock(source)
+    assert new != stock and systems.git("rev-parse", f"{new}^") == stock
+    assert systems.git("show", f"{new}:specpilot_engine/decode.py").startswith('"""Upgraded. ')
+    assert systems.source_tree(source) == systems.git("rev-parse", f"{new}^{{tree}}")
+    best = systems.best("tiny-cpu")
+    assert systems.git("show", f"{best}:specpilot_engine/tree.py").startswith("# a promoted change\n")
+    assert systems.git("show", f"{best}:specpilot_engine/decode.py").startswith('"""Upgraded. ')
+    assert systems.resolve(promoted) == best and systems.resolve(stock) == new
+    assert systems.best("smollm2-cpu") == new == systems.resolve(clash)  # restarted from the new stock
+    assert systems.best("smollm2-h200") == new
+    assert systems.ensure_stock(source) == new  # once

@@ -154,7 +154,7 @@ class Controller:
         dep = event.deployment or _default_deployment()
         ev = self.evaluator(dep)
         stock = await asyncio.to_thread(ev.prepare)
-        if dep not in self.state.registered:
+        if self.state.registered.get(dep) != stock:  # first seen, or the runtime changed since (`Systems.restock`)
             await self.emit(schema.DeploymentRegistered(deployment=dep, stock_commit=stock,
                                                         spec={"device": self.device}), event)
         return ev, dep

@@ -1,7 +1,8 @@
 """Where systems live: a git repository under the controller's data directory.
 
 Stock is the project's own runtime, ``specpilot_engine/`` and ``specpilot_kernels/`` (`SYSTEM_DIRS`), committed
-when a deployment is first registered; the harness that runs it (worker, deployments, request sets) is
+when a deployment is first registered and again whenever the checkout's runtime has changed since (`restock`:
+an upgraded or edited SpecPilot; each best branch is carried onto the new stock); the harness that runs it (worker, deployments, request sets) is
 never part of a system. A repository made by SpecPilot 0.1 (whose runtime lived in ``engine/`` and
 ``kernels/``, with the worker inside) is refused with the one command that migrates it (`migrate`). A candidate is its base commit with a
 patch applied (``git apply``, never a shell); every promotion is a commit on the branch
@@ -11,6 +12,7 @@ allowed roots, so a patch cannot reach further than its headers claimed.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -22,7 +24,9 @@ from specpilot.paths import REPO_ROOT
 from specpilot.policy import ALLOWED_ROOTS
 
 SYSTEM_DIRS = ("specpilot_engine", "specpilot_kernels")
+_CACHE_PATHSPECS = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc", ":(exclude,glob)**/.pytest_cache/**")
 OLD_LAYOUT = ("engine", "kernels")  # SpecPilot 0.1's runtime folders
+log = logging.getLogger("controller")
 _GIT_ENV = {"GIT_AUTHOR_NAME": "specpilot-controller", "GIT_AUTHOR_EMAIL": "controller@specpilot.local",
             "GIT_COMMITTER_NAME": "specpilot-controller", "GIT_COMMITTER_EMAIL": "controller@specpilot.local",
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
@@ -36,21 +40,23 @@ class Systems:
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def git(self, *args: str, input: str | None = None, cwd: Path | None = None) -> str:
-        env = {**os.environ, **_GIT_ENV, "HOME": str(self.root)}
+    def git(self, *args: str, input: str | None = None, cwd: Path | None = None, env: dict | None = None,
+            strip: bool = True) -> str:
+        env = {**os.environ, **_GIT_ENV, "HOME": str(self.root), **(env or {})}
         res = subprocess.run(["git", *args], cwd=cwd or self.root, input=input, capture_output=True, text=True,
                              env=env, timeout=120)
         if res.returncode != 0:
             raise subprocess.CalledProcessError(res.returncode, ["git", *args], res.stdout, res.stderr)
-        return res.stdout.strip()
+        return res.stdout.strip() if strip else res.stdout
 
     # --- stock and branches ----------------------------------------------------------------------
 
     def ensure_stock(self, source: Path = REPO_ROOT) -> str:
-        """Commit the project's engine as stock (once); returns the stock commit."""
+        """Commit the project's engine as stock (once, then again when it changes: `restock`); returns the
+        stock commit."""
         if (self.root / ".git").exists():
             self.check_layout()
-            return self.git("rev-parse", "stock")
+            return self.restock(source)
         self.root.mkdir(parents=True, exist_ok=True)
         self.git("init", "-q", "-b", "stock")
         for d in SYSTEM_DIRS:
@@ -58,6 +64,41 @@ class Systems:
         self.git("add", "-A")
         self.git("commit", "-q", "-m", "stock: the project's runtime (specpilot_engine, specpilot_kernels)")
         return self.git("rev-parse", "HEAD")
+
+    def source_tree(self, source: Path) -> str:
+        """The git tree id of the runtime in ``source`` as stock would commit it (caches left out)."""
+        with tempfile.TemporaryDirectory(prefix="sp-stock-") as tmp:
+            env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            self.git("--work-tree", str(source), "add", "-A", "--", *SYSTEM_DIRS, *_CACHE_PATHSPECS, env=env)
+            return self.git("write-tree", env=env)
+
+    def restock(self, source: Path = REPO_ROOT) -> str:
+        """Stock follows the checkout: when the runtime in ``source`` differs from stock's, it is committed on
+        the stock branch (the old stock its parent) and each ``best/<deployment>`` is carried over, its diff
+        from the old stock applied to the new one (one that no longer applies restarts from the new stock, as
+        in `migrate`); ``refs/migrated/<old>`` leads each old commit to its carried one, so the ledger's
+        bests and patches written on the old stock resolve (`resolve`). Returns the (new) stock commit."""
+        old = self.git("rev-parse", "stock")
+        tree = self.source_tree(source)
+        if tree == self.git("rev-parse", f"{old}^{{tree}}"):
+            return old
+        new = self.git("commit-tree", tree, "-p", old, "-m", f"stock: the runtime in {source} changed")
+        self.git("update-ref", "refs/heads/stock", new)
+        self.git("reset", "-q", "--hard", "stock")  # the repository's own work tree follows its branch
+        self.git("update-ref", f"refs/migrated/{old}", new)
+        for branch in self.git("for-each-ref", "--format=%(refname:short)", "refs/heads/best/").split():
+            previous = self.git("rev-parse", branch)
+            carried = new
+            if previous != old:
+                try:
+                    carried = self.apply(new, self.diff(old, previous), f"{branch} carried to the new stock")
+                except PatchDoesNotApply as exc:
+                    log.warning("%s: its code change does not apply to the new stock, so it restarts from it "
+                                "(its options stay): %s", branch, exc)
+            self.git("update-ref", f"refs/heads/{branch}", carried)
+            self.git("update-ref", f"refs/migrated/{previous}", carried)
+        log.info("stock %s -> %s: the runtime in %s changed", old[:12], new[:12], source)
+        return new
 
     def check_layout(self) -> None:
         """Refuse a repository whose stock has 0.1's layout, naming the command that migrates it."""
@@ -75,13 +116,19 @@ class Systems:
             return self.git("rev-parse", "stock")
 
     def resolve(self, commit: str) -> str | None:
-        """``commit`` if the repository has it, else what `migrate` carried it over to, else None."""
-        for ref in (f"{commit}^{{commit}}", f"refs/migrated/{commit}"):
+        """What `migrate` or `restock` carried ``commit`` over to (through every later restock), else
+        ``commit`` if the repository has it, else None."""
+        seen: set[str] = set()
+        while commit not in seen:
+            seen.add(commit)
             try:
-                return self.git("rev-parse", "--verify", "-q", ref)
+                commit = self.git("rev-parse", "--verify", "-q", f"refs/migrated/{commit}")
             except subprocess.CalledProcessError:
-                continue
-        return None
+                break
+        try:
+            return self.git("rev-parse", "--verify", "-q", f"{commit}^{{commit}}")
+        except subprocess.CalledProcessError:
+            return None
 
     def advance(self, deployment: str, commit: str) -> str:
         """Point ``best/<deployment>`` at ``commit``; returns the previous best."""
@@ -145,7 +192,9 @@ class Systems:
         return dest
 
     def diff(self, base: str, commit: str) -> str:
-        return self.git("diff", base, commit)
+        """The unified diff from ``base`` to ``commit``, as git wrote it (a patch's last context line may be
+        a lone space: stripping would corrupt it)."""
+        return self.git("diff", base, commit, strip=False)
 
     def trees(self, commit: str) -> dict[str, str]:
         """The git tree id of each runtime root at ``commit``: equal ids, equal files (and modes)."""
@@ -166,7 +215,7 @@ def export_system(data: Path, deployment: str, dest: Path, options_of) -> dict:
     dest = export_destination(dest)
     options = options_of(best) if best != stock else {}
     systems.checkout(best, dest)
-    write_export(dest, systems.diff(stock, best) + "\n" if best != stock else "", options)
+    write_export(dest, systems.diff(stock, best) if best != stock else "", options)
     return {"deployment": deployment, "commit": best, "stock": stock, "dir": str(dest), "options": options}
 
 
