@@ -121,7 +121,8 @@ class Engine:
             policy = BatchPolicy(node_budget=self.options.batch_node_budget,
                                  adaptive_block=self.options.batch_adaptive_block,
                                  prefill_chunk=self.options.prefill_chunk,
-                                 padded_attention=self.options.batch_attention == "padded")
+                                 padded_attention=self.options.batch_attention == "padded",
+                                 max_spec_rows=self.options.batch_spec_max_rows)
             drafters = [make_drafter(self.options, self.model) for _ in range(rows)]
             self._batch = BatchDecoder(self.model, drafters, self.decode_cfg, rows, room, self.cfg.stop_ids, policy)
         return self._batch

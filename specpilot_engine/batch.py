@@ -74,6 +74,11 @@ class BatchPolicy:
     - ``adaptive_block``: each row drafts ``1 +`` its recent mean of accepted drafts a step, at most
       ``block_size`` (a row whose drafts keep missing verifies one draft a step, not ``block_size``).
     Both read the last ``window`` steps of the row.
+    - ``max_spec_rows`` > 0: a step with more decoding rows than this drafts nothing (every row verifies its
+      root alone: batched AR under full load), and speculation resumes as the batch thins. At many rows a
+      draft token costs nearly what a row's own token does (c(N, B) grows with B), so speculating then
+      loses throughput; serving engines switch it off by batch size for this reason (vLLM's
+      ``speculative_disable_by_batch_size``). Like the others it only chooses what is verified.
 
     - ``prefill_chunk`` > 0: prompts are admitted in segments inside the steps' forwards, at most this
       many prompt tokens a step (stock, 0: each prompt as one forward of its own before the step). This
@@ -88,11 +93,12 @@ class BatchPolicy:
     window: int = 8
     prefill_chunk: int = 0
     padded_attention: bool = False
+    max_spec_rows: int = 0
 
     def __post_init__(self) -> None:
-        if self.node_budget < 0 or self.window < 1 or self.prefill_chunk < 0:
-            raise ValueError(f"need node_budget >= 0, window >= 1 and prefill_chunk >= 0, got {self.node_budget}, "
-                             f"{self.window}, {self.prefill_chunk}")
+        if self.node_budget < 0 or self.window < 1 or self.prefill_chunk < 0 or self.max_spec_rows < 0:
+            raise ValueError(f"need node_budget >= 0, window >= 1, prefill_chunk >= 0 and max_spec_rows >= 0, got "
+                             f"{self.node_budget}, {self.window}, {self.prefill_chunk}, {self.max_spec_rows}")
 
 
 def acceptance_rate(accepted: Sequence[int], drafted: Sequence[int]) -> float:
@@ -313,6 +319,8 @@ class BatchDecoder:
 
     def draft_sizes(self, rows: Sequence[_Row]) -> list[int]:
         """Draft tokens each row may verify this step (chain length, or tree nodes): `BatchPolicy`."""
+        if 0 < self.policy.max_spec_rows < len(rows):
+            return [0] * len(rows)
         stock = self.cfg.tree_nodes if self.cfg.tree else self.cfg.block_size
         caps = []
         for row in rows:

@@ -97,6 +97,10 @@ class EngineOptions:
     batch_adaptive_block: bool = option(
         False, "batched: each row drafts 1 + its recent mean accepted drafts a step, at most block_size",
         sweep=(True,), factor="tau", modes=("batched",))
+    batch_spec_max_rows: int = option(
+        0, "batched: a step with more decoding rows than this drafts nothing (batched AR under full load; "
+        "speculation resumes as the batch thins; 0: always speculate)", sweep=(4, 6), factor="tau",
+        modes=("batched",), minimum=0)
 
     # --- precision: the deployment's choice, never swept.
     dtype: Literal["fp32", "bf16"] | None = option(

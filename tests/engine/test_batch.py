@@ -163,6 +163,27 @@ def test_batch_mechanisms_change_what_is_drafted_never_the_tokens(tiny_stream, p
         assert all(s.verified - s.rows <= policy["node_budget"] for s in result.steps)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculation_stops_under_full_load_and_resumes_as_the_batch_thins(tiny_stream, tree):
+    """`max_spec_rows`: a step with more decoding rows than the limit verifies every row's root alone; one
+    with fewer drafts again; every request still gets batch-1 AR's tokens."""
+    from specpilot_engine.batch import BatchPolicy
+
+    prompts = _tiny_prompts(9, n=6)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 24 + 4 * i).tokens for i, p in enumerate(prompts)]
+    cfg = DecodeConfig(block_size=4, tree=tree, tree_nodes=8)
+    dec = BatchDecoder(tiny_stream[0], [NgramDrafter(min_match=1) for _ in range(4)], cfg, rows=4, max_len=256,
+                       stop_ids=tiny_stream[0].cfg.stop_ids, policy=BatchPolicy(max_spec_rows=2))
+    # staggered lengths: the batch runs full, then thins as the short requests end
+    result = dec.run([BatchRequest(str(i), p, 24 + 4 * i) for i, p in enumerate(prompts)])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+    decoding = [s for s in result.steps if s.prefills == 0]
+    assert all(s.verified == s.rows for s in decoding if s.rows > 2)
+    assert any(s.verified > s.rows for s in decoding if s.rows <= 2)  # drafts again once two rows or fewer are left
+    with pytest.raises(ValueError):
+        BatchPolicy(max_spec_rows=-1)
+
+
 def test_a_client_that_goes_away_frees_its_row_and_the_others_are_unaffected(tiny_stream):
     """`cancel` mid-generation: the row is free at the next step (a waiting request takes it), the
     cancelled request never finishes, and every other request still gets its batch-1 tokens."""

@@ -294,3 +294,28 @@ def test_a_value_the_deployment_has_as_stock_is_never_proposed():
     ds = planner.plan(factors={"tau": 2.0}, facts=CPU, best_options={"block_size": 2}, known_options=known,
                       entries=[], history=History(), devices=20, stock_options=stock)
     assert 6 in {v for d in ds for v in d.hints.get("values", []) if d.hints.get("option") == "block_size"}
+
+
+def test_a_sweep_that_failed_before_any_patch_in_an_earlier_round_is_planned_again():
+    """Session 28: a round whose every direction failed on a stale stock (no patch made) left a later round
+    on the same ledger nothing to try. Failed directions of earlier rounds no longer count as tried; in the
+    round itself they do (a failure that repeats must not fill the waves); a swept value that was timed does."""
+    from specpilot import schema
+
+    def planned(round_id, i, option, values):
+        return schema.DirectionPlanned(round_id=round_id, direction_id=f"{round_id}-d{i}", title="", provider="sweep",
+                                       hints={"option": option, "values": values})
+
+    events = [planned("r1", 0, "batch_attention", ["padded"]),
+              schema.DirectionFailed(round_id="r1", direction_id="r1-d0", reason="WorkspaceError"),
+              planned("r1", 1, "block_size", [2, 6]),
+              schema.PatchProposed(round_id="r1", direction_id="r1-d1", patch_id="p", diff=""),
+              schema.DirectionFailed(round_id="r1", direction_id="r1-d1", reason="the second value failed"),
+              planned("r2", 0, "prefill_chunk", [64]),
+              schema.DirectionFailed(round_id="r2", direction_id="r2-d0", reason="WorkspaceError"),
+              schema.DirectionPlanned(round_id="r1", direction_id="r1-d2", title="", provider="memory",
+                                      memory_entry_id="entry-1")]
+    h = planner.history_from(events, round_id="r2")
+    assert h.tried_options == {("block_size", "2"), ("block_size", "6"), ("prefill_chunk", "64")}
+    assert h.applied_entries == {"entry-1"}
+    assert ("batch_attention", "'padded'") in planner.history_from(events, round_id="r1").tried_options

@@ -270,13 +270,9 @@ class RoundDriver:
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
         history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
                                           schema.VerdictIssued, deployment=self.deployment)
-        tried: set[tuple[str, str]] = set()
-        applied: set[str] = set()
-        for d in (e for e in history if isinstance(e, schema.DirectionPlanned)):
-            if d.provider == "sweep":  # type: ignore[attr-defined]
-                tried |= {(d.hints.get("option"), repr(v)) for v in d.hints.get("values", [])}  # type: ignore[attr-defined]
-            if d.memory_entry_id:  # type: ignore[attr-defined]
-                applied.add(d.memory_entry_id)  # type: ignore[attr-defined]
+        failed = await self.reads.events(schema.DirectionFailed, deployment=self.deployment)
+        past = planner.history_from([*history, *failed], self.round_id)
+        tried, applied = set(past.tried_options), set(past.applied_entries)
         try:
             reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
             entries = reply.get("entries", [])

@@ -23,9 +23,11 @@ tells the master how many verdicts to wait for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from specpilot import schema
 
 # A value the cost model predicts to lose more than this is not timed. The step model is crude (linear in
 # the drafted tokens; it has called a gain a loss: docs/FIGURES.md, "Lab notes moved from code"), so only
@@ -70,6 +72,22 @@ class History:
     tried_options: frozenset[tuple[str, str]] = frozenset()  # (option, repr(value)) already proposed
     applied_entries: frozenset[str] = frozenset()
     llm_directions: int = 0
+
+
+def history_from(events: Sequence[schema.Event], round_id: str) -> History:
+    """What a deployment's past directions leave for the planner (``events``: its `schema.DirectionPlanned`,
+    `schema.PatchProposed` and `schema.DirectionFailed`; others are ignored): the swept ``(option,
+    repr(value))`` pairs and the memory entries applied. A sweep direction of an earlier round that failed
+    before any patch (a host whose checkout differed, a crashed subagent) tried nothing, so a later round may
+    plan it again; in round ``round_id`` itself it counts, so a failure that repeats cannot fill the waves."""
+    planned = [e for e in events if isinstance(e, schema.DirectionPlanned)]
+    patched = {e.direction_id for e in events if isinstance(e, schema.PatchProposed)}
+    untried = {e.direction_id for e in events
+               if isinstance(e, schema.DirectionFailed) and e.round_id != round_id} - patched
+    tried = {(d.hints.get("option"), repr(v)) for d in planned if d.provider == "sweep" and d.direction_id not in untried
+             for v in d.hints.get("values", [])}
+    return History(tried_options=frozenset(tried),
+                   applied_entries=frozenset(d.memory_entry_id for d in planned if d.memory_entry_id))
 
 
 def applicable_entries(entries: list[dict[str, Any]], known_options: set[str], server: bool) -> list[dict[str, Any]]:
