@@ -96,10 +96,14 @@ def test_patches_end_to_end_on_smollm2(server):
         assert f["passed"] is False
         v = s["faulty"]["verdict.issued"][0]
         assert v["decision"] == "reject" and v["forcing_passed"] is False and v["outputs_identical"] is False
-        # lossless up to near-ties: outputs differ, forcing passes
-        f = s["near_tie"]["forcing.reported"][0]
-        assert f["passed"] is True, f
-        assert s["near_tie"]["verdict.issued"][0]["forcing_passed"] is True
+        # every near-tie flipped on purpose (~3% of tokens, stock 0%): the first forcing (the timing's 128 tokens)
+        # may lack the power to tell; the powered re-forcing (session 21: ~2,400 tokens, >= 80% power for a
+        # 1-point excess) catches it, and the verdict follows the powered one (session 28: this test expected
+        # a pass, written before the rate rule)
+        f = s["near_tie"]["forcing.reported"][-1]
+        assert f["passed"] is False and f["stats"]["power"] >= 0.8 and f["stats"]["rate_rule"]["passed"] is False, f
+        v = s["near_tie"]["verdict.issued"][0]
+        assert v["forcing_passed"] is False and v["decision"] == "reject"
         # noise was measured once, stock against stock, and recorded
         noise = asyncio.run(sql(server, "SELECT count(*) FROM events WHERE type = 'timing.measured' AND "
                                         "json_extract_string(payload, '$.kind') = 'noise'"))[0][0]
