@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -59,11 +58,12 @@ class Systems:
             return self.restock(source)
         self.root.mkdir(parents=True, exist_ok=True)
         self.git("init", "-q", "-b", "stock")
-        for d in SYSTEM_DIRS:
-            shutil.copytree(source / d, self.root / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        self.git("add", "-A")
-        self.git("commit", "-q", "-m", "stock: the project's runtime (specpilot_engine, specpilot_kernels)")
-        return self.git("rev-parse", "HEAD")
+        # the same tree `restock` compares against, so a fresh stock is never restocked at once
+        stock = self.git("commit-tree", self.source_tree(source), "-m",
+                         "stock: the project's runtime (specpilot_engine, specpilot_kernels)")
+        self.git("update-ref", "refs/heads/stock", stock)
+        self.git("reset", "-q", "--hard", "stock")
+        return stock
 
     def source_tree(self, source: Path) -> str:
         """The git tree id of the runtime in ``source`` as stock would commit it (caches left out)."""
@@ -255,8 +255,7 @@ def migrate(data: Path, source: Path = REPO_ROOT) -> list[str]:
         raise UserError(f"{aside} exists (an earlier migration?): move it away, then run this again")
     old_stock = old.git("rev-parse", "stock")
     branches = [b for b in old.git("for-each-ref", "--format=%(refname:short)", "refs/heads/best/").split() if b]
-    # git() strips its output: a patch needs its last newline back
-    diffs = {b.removeprefix("best/"): old.git("diff", old_stock, b, "--", *OLD_LAYOUT) + "\n" for b in branches}
+    diffs = {b.removeprefix("best/"): old.git("diff", old_stock, b, "--", *OLD_LAYOUT, strip=False) for b in branches}
     old_best = {b.removeprefix("best/"): old.git("rev-parse", b) for b in branches}
     root.rename(aside)
     new = Systems(root)

@@ -272,7 +272,6 @@ class RoundDriver:
                                           schema.VerdictIssued, deployment=self.deployment)
         failed = await self.reads.events(schema.DirectionFailed, deployment=self.deployment)
         past = planner.history_from([*history, *failed], self.round_id)
-        tried, applied = set(past.tried_options), set(past.applied_entries)
         try:
             reply = await self.master.bus.request(subjects.RPC_ENTRIES, {"facts": facts}, timeout=30)
             entries = reply.get("entries", [])
@@ -280,7 +279,8 @@ class RoundDriver:
             entries = []
         # An entry this deployment's own promotion taught is in its best system already: re-applying it
         # wastes a wave (docs/FIGURES.md, "Lab notes moved from code").
-        applied |= planner.entries_in_lineage(entries, {b.event_id for b in best})
+        past = dataclasses.replace(past, applied_entries=past.applied_entries
+                                   | planner.entries_in_lineage(entries, {b.event_id for b in best}))
         known = set(options.__dataclass_fields__)
         entries = planner.applicable_entries(entries, known, server=bool(deployment.server))
         predict = None
@@ -304,7 +304,7 @@ class RoundDriver:
             from specpilot.services.master.llm_planner import plan_with_llm
 
             # The evidence holds the deployment, best options, device, profile, ceiling, entries and attempts.
-            context = {"stock_options": options().to_dict(), "swept": sorted(f"{o}={v}" for o, v in tried),
+            context = {"stock_options": options().to_dict(), "swept": sorted(f"{o}={v}" for o, v in past.tried_options),
                        "evidence": told}
             usage = Usage()
             try:
@@ -319,7 +319,7 @@ class RoundDriver:
                                                 **({"event_id": usage_id} if usage_id else {})))
         return planner.plan(factors=dict(ceiling.factors) if ceiling else {}, facts=facts, best_options=best_options,
                             known_options=known, entries=entries,
-                            history=planner.History(tried_options=frozenset(tried), applied_entries=frozenset(applied)),
+                            history=past,
                             # a code patch changes our engine, not a server: servers are tuned by their options
                             coder="sweep" if deployment.server else self.started.coder, devices=devices,
                             predict=predict, options=options,
