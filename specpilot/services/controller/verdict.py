@@ -16,6 +16,7 @@ the I/O, through the `context.Service` it is given.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         return
 
     interleave = ev.interleave
+    first: tuple[stats.GainEstimate, schema.TimingMeasured] | None = None  # the interleaved timing, if retimed
     while True:
         t0 = time.monotonic()
         trial = await asyncio.to_thread(timing.paired, ev, best, candidate, None, interleave)
@@ -76,20 +78,29 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         if not why:
             break
         log.warning("patch %s: %s; timing again run by run", patch.patch_id, why)
+        # A suspect carry-over discredits the interleaved timing; a GPU win only asks for confirmation.
+        first = None if trial.carryover is not None and trial.carryover.suspect else (estimate, measured)
         interleave = False
     if trial.problem:
         await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
                                             noise=noise, timing_event_id=measured.event_id), patch)
         return
 
-    if interleave != ev.interleave:  # a confirmation run by run: a design whose noise is not measured
-        noise = stats.confirmation_noise(noise, estimate)
     identical = trial.candidate_outputs == ev.reference(best)
+    evidence, confirmation = [measured.event_id], ""
+    if first is not None:  # an interleaved GPU win, timed again run by run: does that uphold it?
+        upheld, confirmation = stats.confirms(first[0], estimate, stats.promotion_bar(noise, identical))
+        if upheld:
+            (estimate, measured), evidence = first, [first[1].event_id, measured.event_id]
+    if not measured.interleaved and ev.interleave:  # the verdict rests on a design whose noise is unmeasured
+        noise = stats.confirmation_noise(noise, estimate)
     forcing_passed = None
     if not identical:
         forcing_passed = await force(ctl, ev, patch, candidate, trial.candidate_outputs)
     decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
                             ceiling=ctl.state.ceiling.get(dep, SANITY_CEILING))
+    if confirmation:
+        decision = dataclasses.replace(decision, reason=f"{decision.reason}; run by run: {confirmation}")
     if decision.decision == "promote":
         # The round's cost model reads the latest profile, so after a promotion the old one's costs
         # and replays no longer describe the best (a stale profile misjudged the parallel drafter:
@@ -105,7 +116,7 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
                                                       patch_id=patch.patch_id, options=candidate.options,
                                                       gain=estimate.gain), verdict)
         await ctl.emit(memory_entry(ev, patch, candidate, identical,
-                                    [patch.event_id, measured.event_id, verdict.event_id, advanced.event_id]),
+                                    [patch.event_id, *evidence, verdict.event_id, advanced.event_id]),
                        advanced)
 
 
