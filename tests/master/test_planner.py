@@ -78,6 +78,24 @@ def test_memory_entries_come_first_once():
     assert d.provider == "sweep"
 
 
+def test_an_entry_found_on_another_device_kind_waits_for_this_kinds_sweeps():
+    """A CPU round's drafter block size led an H100 round and lost (2026-12-05): on a GPU it comes after
+    the GPU's own sweeps, and not in a wave whose sweeps set its options."""
+    cpu_entry = {"entry_id": "e-cpu", "delta": "", "options": {"verify": "tree"}, "origin_device_kind": "cpu"}
+    (d,) = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry])
+    assert d.provider == "sweep"
+    ds = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry], devices=20)
+    assert ds[-1].memory_entry_id == "e-cpu" or "verify" in [x.hints.get("option") for x in ds]
+    assert all(x.provider == "sweep" for x in ds[:-1])
+    tried = frozenset((o, repr(v)) for o, vs, _ in sweeps()["tau"] for v in vs)
+    (alone,) = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry], devices=20, history=History(tried_options=tried))
+    assert alone.memory_entry_id == "e-cpu"
+    (d,) = _plan({"tau": 2.0}, facts=CPU, entries=[cpu_entry])  # found on this kind: first, as before
+    assert d.memory_entry_id == "e-cpu"
+    (d,) = _plan({"tau": 2.0}, facts=GPU, entries=[{**cpu_entry, "origin_device_kind": None}])  # unknown: first
+    assert d.memory_entry_id == "e-cpu"
+
+
 def test_an_llm_coder_gets_an_open_direction_for_the_largest_factor():
     (d,) = _plan({"tau": 1.1, "overhead": 4.0}, facts=GPU, coder="anthropic")
     assert d.provider == "anthropic" and d.factor == "overhead" and "overhead" in d.title

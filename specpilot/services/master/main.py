@@ -282,7 +282,8 @@ class RoundDriver:
         past = dataclasses.replace(past, applied_entries=past.applied_entries
                                    | planner.entries_in_lineage(entries, {b.event_id for b in best}))
         known = set(options.__dataclass_fields__)
-        entries = planner.applicable_entries(entries, known, server=bool(deployment.server))
+        entries = [{**e, "origin_device_kind": _device_kind_of(e.get("deployment", ""))}
+                   for e in planner.applicable_entries(entries, known, server=bool(deployment.server))]
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
         hardware = await self.round_events(schema.HardwareMeasured)
@@ -366,6 +367,16 @@ class RoundDriver:
 
 
 # --- pure helpers ------------------------------------------------------------------------------------
+
+def _device_kind_of(deployment: str) -> str | None:
+    """The device kind of the deployment an entry was found on, when this checkout has it."""
+    from specpilot.harness.deployment import DeploymentError, load_deployment
+
+    try:
+        return load_deployment(deployment).facts().get("device_kind")
+    except (DeploymentError, OSError, ValueError):
+        return None
+
 
 def check_providers(planner_name: str, coder: str) -> None:
     """Refuse a round whose planner or coder string does not parse (keys are checked where they are used:

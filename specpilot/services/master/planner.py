@@ -132,9 +132,11 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     requires = engine_options.requirements(cls)
     shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
+    elsewhere: list[Direction] = []  # entries found on another device kind: after this kind's sweeps
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
-            out.append(Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
+            found_on = entry.get("origin_device_kind")
+            (elsewhere if found_on and found_on != facts.get("device_kind", "cpu") else out).append(Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
                                  factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
                                  rationale="validated on a deployment whose facts match this one",
                                  hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}}))
@@ -208,6 +210,12 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
         for k, v in needs.items():
             touched[k] = {v}
         out.append(d)
+    # A setting validated on another device kind is a weak prior here (a CPU round's block size led a
+    # GPU round and lost: docs/FIGURES.md, "Two rounds over the realistic stock"): it waits for this
+    # kind's own sweeps, and for a wave where no sweep sets its options.
+    for d in elsewhere:
+        if not set(d.hints["entry"].get("options") or {}) & touched.keys():
+            out.append(d)
     return out[:devices]
 
 
