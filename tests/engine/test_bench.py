@@ -77,6 +77,26 @@ def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
     assert prof["host_overhead"] > kernel_ms, prof
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_profile_of_a_graphed_system_sees_its_classes():
+    """A CUDA graph replay bypasses the modules: the classes come from the same engine run eagerly, the
+    step and the host's share from the graphed run (so the host's share is small next to eager's)."""
+    from specpilot.harness.deployment import load_engine
+
+    engine = load_engine("tiny-cuda", {"cuda_graphs": True})
+    assert engine.graphs
+    prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+    engine.generate(prompt, 32)  # warm-up: captures
+    prof = bench.profile(engine, prompt, 32)
+    assert engine.graphs  # left as it was
+    assert prof["q_proj"] > 0 and prof["norms"] > 0, prof
+    engine.graphs = False
+    eager = bench.profile(engine, prompt, 32)
+    assert prof["step_total"] < eager["step_total"], (prof, eager)
+    assert prof["q_proj"] == pytest.approx(eager["q_proj"], rel=0.5)
+
+
 def test_bench_applies_every_model_option_to_the_system_and_none_to_ar():
     # Session 10 found `--linear-backend` (and fused kernels) silently left out of the system's model.
     from specpilot.harness.bench import system_and_stock_models
