@@ -140,7 +140,9 @@ def test_decoding_with_it_emits_the_same_tokens(backend):
 @pytest.mark.slow
 @needs_kernel
 def test_smollm2_screened_equals_stock_ar(smollm2, smol_reference):
-    """On SmolLM2's real prompts, decoding through the screened head emits the stock AR tokens."""
+    """On SmolLM2's real prompts, decoding through the screened head emits the stock AR tokens. One
+    configuration (CI time): the 24-node tree, whose 25-row verifications screen the most rows at once;
+    the one-row and chain heads are the same code (`tests/engine/test_screened_head.py` above)."""
     from tests.engine.test_lossless import SMOL_CONFIGS
 
     prompts, ref = smol_reference
@@ -148,9 +150,8 @@ def test_smollm2_screened_equals_stock_ar(smollm2, smol_reference):
     stock_head = model.lm_head
     try:
         model.lm_head = ScreenedHead(stock_head)
-        for name in ("parallel-chain-b4", "ngram-tree-b8-n24-min1"):
-            engine = make_engine(smollm2, **SMOL_CONFIGS[name])
-            assert [engine.generate(p, 64).tokens for p in prompts] == ref, name
+        engine = make_engine(smollm2, **SMOL_CONFIGS["ngram-tree-b8-n24-min1"])
+        assert [engine.generate(p, 64).tokens for p in prompts] == ref
         assert model.lm_head.candidates and 0 < max(model.lm_head.candidates) <= 256
     finally:
         model.lm_head = stock_head
