@@ -209,17 +209,18 @@ def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
     return [*found, *[-1] * (k - len(found))]
 
 
-class _ChainGraph:
-    """A chain proposal's tensor work as one static computation: the net, the copy column's merge,
-    each position's best token and the copied span. A call copies its inputs into static buffers (one
-    transfer) and reads the k tokens and scores back (one sync). With ``capture`` (CUDA) the
-    computation is captured once as a CUDA graph and replayed: eagerly it is ~40 small kernels, slower
-    than a whole AR step of SmolLM2 on an H200 (docs/FIGURES.md, "Lab notes moved from code").
-    Without, it runs eagerly."""
+class _ProposalGraph:
+    """A proposal's tensor work as one static computation: the net, the copy column's merge, each
+    position's best token and the copied span (a chain), and each position's ``beam_top`` best tokens
+    (what a tree's beam reads). A call copies its inputs into static buffers (one transfer) and reads
+    both back in one tensor (one sync). With ``capture`` (CUDA) the computation is captured once as a
+    CUDA graph and replayed: eagerly it is ~40 small kernels, slower than a whole AR step of SmolLM2 on
+    an H200 (docs/FIGURES.md, "Lab notes moved from code"). Without, it runs eagerly."""
 
     def __init__(self, drafter: ParallelDrafter, capture: bool):
         net, cfg = drafter.net, drafter.cfg
         self.drafter = drafter  # its cfg is read at each computation (a capture fixes copy_min_match)
+        self.top = min(drafter.beam_top, net.out_embed.shape[0] + (1 if cfg.lookup else 0))
         device = net.out_embed.device
         n_ids = cfg.n_context + (cfg.k + 1 if cfg.lookup else 0)  # context, then the lookup's row and match
         self.ids = torch.zeros(n_ids, dtype=torch.int64, device=device)
@@ -237,7 +238,8 @@ class _ChainGraph:
                 self.out = self._compute()
 
     def _compute(self) -> Tensor:
-        """[2, k] float64: each position's token id, then the chain's cumulative probability."""
+        """[2, k * (1 + top)] float64. Row 0: the chain's token ids, then each position's ``top`` best
+        ids; row 1: the chain's cumulative probabilities, then those ids' log-probabilities."""
         cfg, net = self.drafter.cfg, self.drafter.net
         ctx = self.ids[None, : cfg.n_context]
         look = self.ids[None, cfg.n_context: cfg.n_context + cfg.k] if cfg.lookup else None
@@ -247,25 +249,39 @@ class _ChainGraph:
         tokens = ids[0].gather(-1, idx[:, None])[:, 0]
         if look is not None:
             tokens = copy_span(tokens[None], look, match, cfg.copy_min_match)[0]
-        return torch.stack([tokens.double(), best.cumsum(0).exp().double()])
+        vals, top_idx = logp[0].topk(self.top, dim=-1)
+        top_ids = ids[0].gather(-1, top_idx)
+        return torch.stack([torch.cat([tokens.double(), top_ids.flatten().double()]),
+                            torch.cat([best.cumsum(0).exp().double(), vals.flatten().double()])])
 
-    def __call__(self, hidden: Tensor, ids: list[int]) -> tuple[list[int], list[float]]:
+    def _run(self, hidden: Tensor, ids: list[int]) -> list[list[float]]:
         self.host.copy_(torch.tensor(ids, dtype=torch.int64))
         self.ids.copy_(self.host, non_blocking=True)
         self.hidden.copy_(hidden)
         if self.graph is None:
             with torch.no_grad():
-                out = self._compute()
-        else:
-            self.graph.replay()
-            out = self.out
-        tokens, scores = out.tolist()
-        return [int(t) for t in tokens], scores
+                return self._compute().tolist()
+        self.graph.replay()
+        return self.out.tolist()
+
+    def chain(self, hidden: Tensor, ids: list[int]) -> tuple[list[int], list[float]]:
+        """The k tokens of the chain and their cumulative probabilities."""
+        k = self.drafter.cfg.k
+        tokens, scores = self._run(hidden, ids)
+        return [int(t) for t in tokens[:k]], scores[:k]
+
+    def tops(self, hidden: Tensor, ids: list[int]) -> tuple[list[list[float]], list[list[int]]]:
+        """Per position, the ``top`` best log-probabilities and their token ids, best first."""
+        k, top = self.drafter.cfg.k, self.top
+        toks, vals = (row[k:] for row in self._run(hidden, ids))
+        return ([vals[d * top:(d + 1) * top] for d in range(k)],
+                [[int(t) for t in toks[d * top:(d + 1) * top]] for d in range(k)])
 
 
 class ParallelDrafter:
-    """The `specpilot_engine.drafters.Drafter` over a trained `ParallelDrafterNet`. Chain proposals run through a
-    `_ChainGraph`, captured as a CUDA graph when ``graph`` is set and the net is on CUDA."""
+    """The `specpilot_engine.drafters.Drafter` over a trained `ParallelDrafterNet`. Proposals (chains and
+    trees) run their tensor work through a `_ProposalGraph`, captured as a CUDA graph when ``graph`` is
+    set and the net is on CUDA."""
 
     def __init__(self, net: ParallelDrafterNet, beam_top: int = 4, graph: bool = False):
         self.net = net.eval()
@@ -276,7 +292,7 @@ class ParallelDrafter:
         self.index = (SuffixIndex(self.cfg.lookup_max, self.cfg.lookup_min, self.cfg.lookup_periodic)
                       if self.cfg.lookup else None)
         self.graph = graph
-        self._chain: _ChainGraph | None = None  # built at the first chain proposal (on the net's device)
+        self._graph: _ProposalGraph | None = None  # built at the first proposal (on the net's device)
 
     def reset(self) -> None:
         if self.index is not None:
@@ -295,7 +311,6 @@ class ParallelDrafter:
         ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
         net = self.net
         h = last_hidden.reshape(1, -1).to(net.out_embed.dtype)
-        look = match = None
         found = found_all = ()
         m = 0
         if self.index is not None:
@@ -307,10 +322,10 @@ class ParallelDrafter:
                 span = found_all[:span_k]
                 return [Candidate(tuple(span), (1.0,) * len(span))]
         lookup_row = padded_lookup(found, self.cfg.k) + [m] if self.index is not None else []
+        if self._graph is None:
+            self._graph = _ProposalGraph(self, capture=self.graph and h.device.type == "cuda")
         if n <= 1:
-            if self._chain is None:
-                self._chain = _ChainGraph(self, capture=self.graph and h.device.type == "cuda")
-            tokens, scores = self._chain(h, ctx + lookup_row)
+            tokens, scores = self._graph.chain(h, ctx + lookup_row)
             tokens, scores = tokens[:k], scores[:k]
             if span_k > k and self.index is not None and self.cfg.copy_min_match > 0:
                 # Past the net's block, copy on where the drafted tail recurs in the context.
@@ -318,17 +333,11 @@ class ParallelDrafter:
                                                 self.cfg.copy_min_match)
                 tokens, scores = tokens + list(extra), scores + [scores[-1]] * len(extra)
             return [Candidate(tuple(tokens), tuple(scores))]
-        if self.index is not None:
-            look = torch.tensor([lookup_row[:-1]], device=h.device)
-            match = torch.tensor([m], device=h.device)
-        logp, ids = net.candidates(net(h, torch.tensor([ctx], device=h.device), look, match, self.heads), look)
-        logp, ids = logp[0, :k], ids[0, :k]
         # Trees: a long enough match's span is one more candidate, ahead of the beam (scored first).
         spans = ([Candidate(found_all[:span_k], (1.0,) * len(found_all[:span_k]))]
-                 if look is not None and self.copies_whole(m) and found else [])
-        top = min(self.beam_top, logp.shape[-1])
-        vals, idx = logp.topk(top, dim=-1)
-        vals, toks = vals.tolist(), ids.gather(-1, idx).tolist()
+                 if self.index is not None and self.copies_whole(m) and found else [])
+        vals, toks = self._graph.tops(h, ctx + lookup_row)
+        top = self._graph.top
         # Beam over positions (independent marginals): keep the n best prefixes at each depth.
         beams: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = [(0.0, (), ())]
         for d in range(k):

@@ -162,14 +162,52 @@ def _chain_proposals_match_the_reference(model, device: str, graph: bool) -> Par
             got = d.propose(context, h, k, 1)[0].tokens
             assert got == _chain_reference(d, context, h, k), (context, k)
             hits += d.index.query(1)[1] > 0  # the net saw a lookup row
-    assert hits > 20 and d._chain is not None
+    assert hits > 20 and d._graph is not None
     return d
+
+
+def _tree_reference(d: ParallelDrafter, context: list[int], h: torch.Tensor, k: int, n: int) -> list[tuple[int, ...]]:
+    """A tree proposal written out from the net's outputs: the beam's n best prefixes over each position's
+    ``beam_top`` best tokens (the copied span, when the match is deep enough, ahead of them)."""
+    found, m = SuffixIndex(d.cfg.lookup_max, d.cfg.lookup_min, d.cfg.lookup_periodic).lookup(context, max(k, d.cfg.k))
+    look = torch.tensor([[*found[: d.cfg.k], *[-1] * (d.cfg.k - len(found[: d.cfg.k]))]], device=h.device)
+    ctx = context[-d.cfg.n_context:]
+    ctx = torch.tensor([[ctx[0]] * (d.cfg.n_context - len(ctx)) + ctx], device=h.device)
+    with torch.no_grad():
+        logp, ids = d.net.candidates(d.net(h[None], ctx, look, torch.tensor([m], device=h.device)), look)
+    vals, idx = logp[0, :k].topk(d.beam_top, dim=-1)
+    vals, toks = vals.tolist(), ids[0, :k].gather(-1, idx).tolist()
+    beams = [(0.0, ())]
+    for depth in range(k):
+        beams = sorted(((s + vals[depth][j], t + (toks[depth][j],)) for s, t in beams for j in range(d.beam_top)),
+                       key=lambda b: -b[0])[:n]
+    spans = [tuple(found[:k])] if 0 < d.cfg.copy_min_match <= m and found else []
+    return [*spans, *(t for _, t in beams)][:n]
+
+
+def _tree_proposals_match_the_reference(model, device: str, graph: bool) -> None:
+    rng = random.Random(6)
+    d = random_drafter(model, vocab=32, lookup=True, copy_min_match=3)
+    d = ParallelDrafter(d.net.to(device), graph=graph)
+    for _ in range(30):
+        context = [rng.randrange(8) for _ in range(rng.randrange(3, 40))]
+        h = torch.randn(model.cfg.dim, device=device)
+        for k, n in ((2, 3), (4, 8)):
+            d.reset()
+            got = [c.tokens for c in d.propose(context, h, k, n)]
+            assert got == _tree_reference(d, context, h, k, n), (context, k, n)
+
+
+def test_tree_proposal_is_the_beam_over_the_nets_top_tokens_on_cpu(tiny):
+    """Trees read each position's best tokens from the same static computation as chains (captured as a
+    CUDA graph there): the beam over them is what the net's outputs give."""
+    _tree_proposals_match_the_reference(tiny[0], "cpu", graph=True)
 
 
 def test_chain_proposal_equals_the_nets_picks_on_cpu(tiny):
     model, _ = tiny
     d = _chain_proposals_match_the_reference(model, "cpu", graph=True)
-    assert d._chain.graph is None  # nothing to capture off CUDA: the same computation, eagerly
+    assert d._graph.graph is None  # nothing to capture off CUDA: the same computation, eagerly
 
 
 @pytest.mark.gpu
@@ -179,7 +217,8 @@ def test_captured_chain_proposal_equals_the_nets_picks_on_cuda():
 
     model, tok = load_model("tiny", dtype="fp32", device="cuda")
     static = _chain_proposals_match_the_reference(model, "cuda", graph=True)
-    assert static._chain.graph is not None  # captured, and replayed for every proposal above
+    assert static._graph.graph is not None  # captured, and replayed for every proposal above
+    _tree_proposals_match_the_reference(model, "cuda", graph=True)
     from specpilot_engine.api import Engine
     from specpilot_engine.options import EngineOptions
 
