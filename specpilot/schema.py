@@ -121,7 +121,8 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
     launches: dict[str, float] = {}  # operator launches per step by kernel class (specpilot.harness.bench.launches)
     # Every other drafter of the target, replayed on the same outputs: {"chain_depths": [[...]] per
-    # request, "draft_s": seconds per chain proposal} (specpilot.harness.replay.alternative_drafters)
+    # request, "draft_s": seconds per chain proposal, and for other drafters "depths": its trees'}
+    # (specpilot.harness.replay.alternative_drafters)
     drafters: dict[str, dict[str, Any]] = {}
     # c(n) of a full chain of n drafts, measured (specpilot.harness.replay.chain_cost): n -> t(1 + n) / t(1)
     chain_cost: dict[int, float] = {}

@@ -44,6 +44,9 @@ def matched_depth(candidates, truth: list[int]) -> int:
 
 HIDDEN_READERS = ("parallel", "eagle")  # drafters that read the target's hidden state before the root
 ALTERNATIVE_DRAFTERS = ("ngram", "parallel", "eagle")  # replayed beside the system's own (`measure`)
+# ... also as trees: EAGLE's tree replay is left out for its cost (its head runs per node: ~8 s a
+# 128-token request on the 2-core CPU, 2026-12-05, for 1.3 tokens a step on SmolLM2).
+ALTERNATIVE_TREES = ("ngram", "parallel")
 # Settings of a drafter replayed beside the system's own value: (drafter, option) -> values.
 ALTERNATIVE_SETTINGS = {("ngram", "ngram_min_match"): (1, 2, 3)}
 
@@ -114,11 +117,12 @@ class Replay:
             calls += 1
         return (time.perf_counter() - t0) / calls if calls else 0.0
 
-    def alternative_drafters(self, depth: int = 16) -> dict[str, dict]:
+    def alternative_drafters(self, depth: int = 16, nodes: int = 64) -> dict[str, dict]:
         """For every other drafter this target has, and for the engine's drafter under each other value
         of its ``ALTERNATIVE_SETTINGS`` (keyed ``option=value``): the chain's matched depths on the same
         output and the draft time at the engine's block size (what the planner needs to predict the
-        switch)."""
+        switch); for the other drafters of ``ALTERNATIVE_TREES`` also their trees' (best in hindsight over
+        ``nodes`` candidates: a drafter whose chain loses may win as a tree)."""
         out: dict[str, dict] = {}
         for name in ALTERNATIVE_DRAFTERS:
             if name == self.engine.options.drafter:
@@ -126,6 +130,8 @@ class Replay:
             try:
                 out[name] = {"chain_depths": self.depths(name, depth, 1),
                              "draft_s": self.draft_seconds(name, max(1, self.engine.options.block_size))}
+                if name in ALTERNATIVE_TREES:
+                    out[name]["depths"] = self.depths(name, depth, nodes)
             except (FileNotFoundError, ValueError) as exc:  # no weights for this target, another target's file
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         opts = self.engine.options

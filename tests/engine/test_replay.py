@@ -69,6 +69,9 @@ def test_other_drafters_are_replayed_on_the_same_output(tiny):
     ngram = make_engine(tiny, drafter="ngram", block_size=4)
     assert others["ngram"]["chain_depths"] == matched_depths(ngram, prompt, output, depth=4, nodes=1)
     assert others["ngram"]["draft_s"] > 0
+    # and as a tree (best in hindsight): never shallower than its chain
+    assert others["ngram"]["depths"] == matched_depths(ngram, prompt, output, depth=4, nodes=64)
+    assert all(c <= t for c, t in zip(others["ngram"]["chain_depths"], others["ngram"]["depths"], strict=True))
     # the tiny target has no trained neural drafters: said, not hidden
     assert "no parallel drafter weights" in others["parallel"]["error"]
     assert set(others) == {"ngram", "parallel", "eagle"}
@@ -79,6 +82,7 @@ def test_other_drafters_are_replayed_on_the_same_output(tiny):
     loose = make_engine(tiny, drafter="ngram", block_size=4, ngram_min_match=1)
     assert own["ngram_min_match=1"]["chain_depths"] == matched_depths(loose, prompt, output, depth=4, nodes=1)
     assert own["ngram_min_match=1"]["draft_s"] > 0
+    assert "depths" not in own["ngram_min_match=1"]  # a setting of the system's own drafter: its chain
 
 
 def test_chain_cost_times_full_chains_without_disturbing_generation(tiny):

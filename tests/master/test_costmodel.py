@@ -1,5 +1,7 @@
 """The cost model on hand-computed examples: floors, replayed tree tau, ceiling and factors."""
 
+import dataclasses
+
 import pytest
 
 from specpilot.services.master import costmodel as cm
@@ -144,9 +146,14 @@ def test_another_drafter_is_predicted_from_its_replay_and_draft_time():
     # with 2 drafts (the candidate's other settings): 2.4 / (1.2 + 0.2)
     assert cm.predicted_gain(model, "drafter", "eagle", {"block_size": 2}, stock) == pytest.approx(
         (2.4 / 1.4) / (2.0 / 1.4))
-    # trees of another drafter are not predicted, nor drafters that were not replayed
+    # trees of another drafter are predicted only from a tree replay, and drafters never replayed not at all
     assert cm.predicted_gain(model, "drafter", "eagle", {"verify": "tree"}, stock) is None
     assert cm.predicted_gain(model, "drafter", "parallel", {}, stock) is None
+    # with its tree replay: 16 nodes commit 3.6 a step, the step costed as a chain of 16 (slope 0.1 an
+    # extra token from the profile: c(16) = 2.6) and the proposal as the chain's
+    trees = dataclasses.replace(model, drafter_trees={"eagle": {1: 1.8, 4: 3.1, 16: 3.6}})
+    assert cm.predicted_gain(trees, "drafter", "eagle", {"verify": "tree", "tree_nodes": 16}, stock) == pytest.approx(
+        (3.6 / (1.0 + 0.1 * 16 + 0.2)) / (2.0 / 1.4))
     # once eagle is the best (profiled), block sizes are predicted from its own replay
     assert cm.predicted_gain(model, "block_size", 2, {"drafter": "eagle"}, stock) is not None
 
@@ -281,3 +288,24 @@ def test_the_batched_overhead_counts_the_per_row_part_of_a_step():
     assert cm.batched_overhead(1.5, 50.4e-3, 26.5e-3) == pytest.approx(1.5 * 50.4 / 26.5)
     assert cm.batched_overhead(1.5, 20e-3, 25e-3) == 1.5  # rows cheaper than one row's tokens: no per-row part
     assert cm.batched_overhead(0.56, 50.4e-3, 0.0) == 0.56  # not measured (older events): the one-row factor
+
+
+def test_a_profile_brings_other_drafters_trees_to_the_envelope_and_the_predictions():
+    """The worker's per-request replies, pooled by the controller, reach the master's replays (the
+    envelope) and step model (predictions) with each other drafter's tree beside its chain."""
+    from specpilot import schema
+    from specpilot.services.controller.phases import _alternative_drafters
+    from specpilot.services.master.main import replays, step_model
+
+    replies = [{"drafters": {"parallel": {"chain_depths": [0, 2, 2, 0, 1], "depths": [0, 3, 3, 1, 1], "draft_s": 0.001},
+                             "eagle": {"chain_depths": [0, 1, 0, 0, 0], "draft_s": 0.004}}}] * 2
+    pooled = _alternative_drafters(replies)
+    assert pooled["parallel"]["depths"] == [[0, 3, 3, 1, 1]] * 2 and "depths" not in pooled["eagle"]
+    prof = schema.ProfileMeasured(deployment="d", device="cuda", t_ar_s=0.001, step_s=0.0012, n_tokens=5, tau=1.5,
+                                  replay_depths=[[0, 1, 1, 0, 0]] * 2, chain_depths=[[0, 1, 0, 0, 0]] * 2,
+                                  drafters=pooled, options={"drafter": "ngram"})
+    tables = replays(prof)
+    assert {"ngram tree", "ngram chain", "parallel chain", "parallel tree", "eagle chain"} == set(tables)
+    assert tables["parallel tree"][4] > tables["parallel chain"][4]
+    model = step_model(prof)
+    assert model.drafter_trees == {"parallel": tables["parallel tree"]}

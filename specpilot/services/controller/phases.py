@@ -148,11 +148,16 @@ def _mean_chain_cost(replies: list[dict]) -> dict[int, float]:
 
 
 def _alternative_drafters(replies: list[dict]) -> dict[str, dict]:
-    """Per other drafter replayed in every reply: its chain depths per request and mean draft seconds."""
+    """Per other drafter replayed in every reply: its chain depths per request and mean draft seconds, and
+    its tree depths per request where every reply has them."""
     per = [r.get("drafters", {}) for r in replies]
     names = set.intersection(*(set(k for k, v in d.items() if "chain_depths" in v) for d in per)) if per else set()
-    return {name: {"chain_depths": [[int(x) for x in d[name]["chain_depths"]] for d in per],
-                   "draft_s": sum(float(d[name]["draft_s"]) for d in per) / len(per)} for name in sorted(names)}
+    out = {name: {"chain_depths": [[int(x) for x in d[name]["chain_depths"]] for d in per],
+                  "draft_s": sum(float(d[name]["draft_s"]) for d in per) / len(per)} for name in sorted(names)}
+    for name in out:
+        if all("depths" in d[name] for d in per):
+            out[name]["depths"] = [[int(x) for x in d[name]["depths"]] for d in per]
+    return out
 
 
 # --- the service's handlers (functions of the controller) ----------------------------------------

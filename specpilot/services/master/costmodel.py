@@ -289,6 +289,7 @@ class StepModel:
     replay: dict[int, float]
     chain_replay: dict[int, float] = field(default_factory=dict)
     drafters: dict[str, tuple[dict[int, float], float]] = field(default_factory=dict)
+    drafter_trees: dict[str, dict[int, float]] = field(default_factory=dict)  # other drafters' tree replays
     verified_tokens: float = 0.0  # mean tokens per profiled forward, root included (0: n_tokens)
     chain_cost: dict[int, float] = field(default_factory=dict)  # measured c(n) of full chains
     profiled: dict | None = None  # the profiled system's options over stock (None: each candidate's base)
@@ -327,9 +328,13 @@ class StepModel:
         """Predicted speedup over AR with ``n`` draft tokens (chain) or tree nodes per step."""
         return self.replay_tau(n, chain) / (1.0 + self.slope * n)
 
-    def drafter_speedup(self, drafter: str, n: int) -> float:
-        """Predicted speedup over AR of a chain of ``n`` tokens from another replayed drafter."""
+    def drafter_speedup(self, drafter: str, n: int, tree: bool = False) -> float:
+        """Predicted speedup over AR of a chain of ``n`` tokens (or a tree of ``n`` nodes, from its tree
+        replay) from another replayed drafter. A tree's step is costed as a full chain of as many tokens
+        (the same rows verified) and its proposal as the chain's."""
         table, draft_s = self.drafters[drafter]
+        if tree:
+            table = self.drafter_trees[drafter]
         return _at_budget(table, n) / (self.full_chain_cost(n) + draft_s / self.t_ar_s)
 
     @property
@@ -339,7 +344,7 @@ class StepModel:
 
 def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
     """Predicted speedup of setting ``option`` to ``value`` over the current (profiled) system, or None
-    when the model cannot say (a tree of another drafter, a kernel or overhead mechanism, a drafter
+    when the model cannot say (another drafter's tree that was not replayed, a kernel or overhead mechanism, a drafter
     setting that was not replayed, an option or value this stock does not know, ...).
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
@@ -359,9 +364,9 @@ def predicted_gain(model: StepModel, option: str, value, options: dict, stock: d
         return None  # e.g. a drafter an agent's patch added: not replayed, nothing to predict
     tree, n = new.verifies_tree, new.step_tokens - 1
     if new.drafter != profiled.drafter:
-        if tree or new.drafter not in model.drafters:
-            return None  # only chains of replayed drafters are predicted
-        return model.drafter_speedup(new.drafter, n) / model.current
+        if new.drafter not in model.drafters or (tree and new.drafter not in model.drafter_trees):
+            return None  # only replayed drafters are predicted
+        return model.drafter_speedup(new.drafter, n, tree) / model.current
     if (new.verify, new.step_tokens) == (base.verify, base.step_tokens):
         # A setting of the same drafter (replayed as "option=value"): at the profiled step shape the gain
         # is the ratio of the two chains' replayed tau (same verification, about the same draft cost);

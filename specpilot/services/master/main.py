@@ -396,7 +396,8 @@ def replay(prof: schema.ProfileMeasured, chain: bool = False) -> dict[int, float
 
 def replays(prof: schema.ProfileMeasured) -> dict[str, dict[int, float]]:
     """Every replay the profile holds, by mechanism: the system's own drafter as a tree (best in hindsight)
-    and as a chain, and each other drafter (or setting) the worker replayed as a chain."""
+    and as a chain, and each other drafter (or setting) the worker replayed as a chain (other drafters also
+    as trees)."""
     own = str(prof.options.get("drafter", "")) or "own drafter"
     out = {f"{own} tree": replay(prof)}
     if prof.chain_depths:
@@ -404,16 +405,20 @@ def replays(prof: schema.ProfileMeasured) -> dict[str, dict[int, float]]:
     for name, d in prof.drafters.items():
         if d.get("chain_depths"):
             out[f"{name} chain"] = costmodel.pooled_replay(d["chain_depths"])
+        if d.get("depths"):
+            out[f"{name} tree"] = costmodel.pooled_replay(d["depths"])
     return out
 
 
 def step_model(prof: schema.ProfileMeasured) -> costmodel.StepModel:
     drafters = {name: (costmodel.pooled_replay(d["chain_depths"]), float(d.get("draft_s", 0.0)))
                 for name, d in prof.drafters.items() if d.get("chain_depths")}
+    trees = {name: costmodel.pooled_replay(d["depths"]) for name, d in prof.drafters.items() if d.get("depths")}
     return costmodel.StepModel(t_ar_s=prof.t_ar_s, step_s=prof.step_s, n_tokens=max(1, prof.n_tokens), tau=prof.tau,
                                verified_tokens=prof.verified_tokens,
                                replay=replay(prof), chain_replay=replay(prof, chain=True) if prof.chain_depths else {},
-                               drafters=drafters, chain_cost=dict(prof.chain_cost), profiled=dict(prof.options))
+                               drafters=drafters, drafter_trees=trees, chain_cost=dict(prof.chain_cost),
+                               profiled=dict(prof.options))
 
 
 def _step_inputs(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured) -> dict[str, Any]:
