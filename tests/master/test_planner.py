@@ -1,5 +1,7 @@
 """The rules planner: memory entries first, then sweeps by factor, nothing twice, regime-aware."""
 
+import dataclasses
+
 import pytest
 
 from specpilot.services.master import planner
@@ -166,6 +168,11 @@ def test_fit_to_budget_cuts_sweeps_to_what_fits():
     assert [d.hints.get("values") for d in cut] == [[2, 6, 8]]
     cut = planner.fit_to_budget([llm, sweep], remaining_s=350, candidate_s=100)
     assert cut[0] == llm and cut[1].hints["values"] == [2, 6]
+    # before any timing (a budgeted round's first wave): one candidate a timing device
+    (first,) = planner.fit_slots([sweep, llm], 1)
+    assert first.hints["values"] == [2] and first.title == "sweep block_size over [2]"
+    assert planner.fit_slots([llm, sweep], 2) == [llm, dataclasses.replace(sweep, title="sweep block_size over [2]",
+                                                                           hints={**sweep.hints, "values": [2]})]
 
 
 def test_directions_of_one_wave_do_not_undo_each_other():

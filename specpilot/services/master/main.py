@@ -238,14 +238,16 @@ class RoundDriver:
 
     async def within_budget(self, planned: list[planner.Direction]) -> list[planner.Direction]:
         """``planned`` cut to what fits the round's ``minutes`` before the sealed final, judged by the
-        earlier timings on this deployment (the first wave, with none yet, runs whole)."""
+        earlier timings on this deployment; with none yet, one candidate per timing device, so that the
+        first timings size the next wave (a whole first wave of four 8-trial candidates overran a
+        26-minute round by 5 minutes, 2026-12-05)."""
         if self.started.minutes <= 0 or not planned:
             return planned
         rows = await self.reads.events(schema.TimingMeasured, deployment=self.deployment)
         samples = [planner.TimingSample(t.wall_s, len(t.incumbent_s), t.requests) for t in rows[-8:]]  # type: ignore[attr-defined]
         estimates = planner.budget_estimates(samples, self.started.sealed_requests, self.started.sealed_trials)
         if estimates is None:
-            return planned
+            return planner.fit_slots(planned, max(1, len(self.started.devices)))
         candidate_s, sealed_s = estimates
         remaining_s = self.started.minutes * 60 - (time.time() - self.started.ts_ns / 1e9) - sealed_s
         fitted = planner.fit_to_budget(planned, remaining_s, candidate_s)

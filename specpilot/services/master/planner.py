@@ -300,6 +300,11 @@ def fit_to_budget(directions: list[Direction], remaining_s: float, candidate_s: 
     candidate at a time per timing device, so the wave's candidates share ``remaining_s //
     candidate_s`` slots per device, first directions first; [] when not even one fits."""
     slots = int(remaining_s // candidate_s) * max(1, timing_devices) if candidate_s > 0 else 1 << 30
+    return fit_slots(directions, slots)
+
+
+def fit_slots(directions: list[Direction], slots: int) -> list[Direction]:
+    """The directions cut to ``slots`` candidates, first directions first (a sweep to its first values)."""
     out = []
     for d in directions:
         if slots < 1:
