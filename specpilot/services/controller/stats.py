@@ -57,8 +57,9 @@ Contract (docs/DESIGN.md §5, steps 4-5):
   over a handful of such trials has little power. `confirms` therefore asks the confirmation only
   what it is for: is the candidate faster *alone* (the Hodges-Lehmann lower bound of its per-trial
   gains, from the exact Wilcoxon signed-rank distribution, above 0, and the estimate above the
-  promotion bar: one slow process moves them little), and is its gain alone not clearly below the interleaved one (its upper bound at or above
-  the interleaved lower bound: a candidate that only slows its neighbour fails here)? If both hold,
+  promotion bar: one slow process moves them little), and is its gain alone not clearly below the
+  interleaved one (its upper bound at or above the interleaved lower bound: a candidate that only
+  slows its neighbour fails here)? If both hold,
   the verdict rests on the interleaved timing and the deployment's noise; if not, on the
   confirmation alone, held to `confirmation_noise`.
 

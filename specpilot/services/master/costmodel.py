@@ -332,9 +332,8 @@ class StepModel:
         """Predicted speedup over AR of a chain of ``n`` tokens (or a tree of ``n`` nodes, from its tree
         replay) from another replayed drafter. A tree's step is costed as a full chain of as many tokens
         (the same rows verified) and its proposal as the chain's."""
-        table, draft_s = self.drafters[drafter]
-        if tree:
-            table = self.drafter_trees[drafter]
+        chain, draft_s = self.drafters[drafter]
+        table = self.drafter_trees[drafter] if tree else chain
         return _at_budget(table, n) / (self.full_chain_cost(n) + draft_s / self.t_ar_s)
 
     @property
@@ -344,8 +343,8 @@ class StepModel:
 
 def predicted_gain(model: StepModel, option: str, value, options: dict, stock: dict) -> float | None:
     """Predicted speedup of setting ``option`` to ``value`` over the current (profiled) system, or None
-    when the model cannot say (another drafter's tree that was not replayed, a kernel or overhead mechanism, a drafter
-    setting that was not replayed, an option or value this stock does not know, ...).
+    when the model cannot say (another drafter's tree that was not replayed, a kernel or overhead
+    mechanism, a drafter setting that was not replayed, an option or value this stock does not know, ...).
 
     ``options``: the candidate's other settings (the best's, plus what the option needs, e.g.
     ``verify = "tree"`` for ``tree_nodes``, plus a step shape the planner pairs a drafter change with);

@@ -368,10 +368,8 @@ class RoundDriver:
         log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
 
 
-# --- pure helpers ------------------------------------------------------------------------------------
-
 def _device_kind_of(deployment: str) -> str | None:
-    """The device kind of the deployment an entry was found on, when this checkout has it."""
+    """The device kind of the deployment an entry was found on, when this checkout has it (reads its TOML)."""
     from specpilot.harness.deployment import DeploymentError, load_deployment
 
     try:
@@ -379,6 +377,8 @@ def _device_kind_of(deployment: str) -> str | None:
     except (DeploymentError, OSError, ValueError):
         return None
 
+
+# --- pure helpers ------------------------------------------------------------------------------------
 
 def check_providers(planner_name: str, coder: str) -> None:
     """Refuse a round whose planner or coder string does not parse (keys are checked where they are used:

@@ -135,11 +135,12 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     elsewhere: list[Direction] = []  # entries found on another device kind: after this kind's sweeps
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
+            d = Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
+                          factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
+                          rationale="validated on a deployment whose facts match this one",
+                          hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}})
             found_on = entry.get("origin_device_kind")
-            (elsewhere if found_on and found_on != facts.get("device_kind", "cpu") else out).append(Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
-                                 factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
-                                 rationale="validated on a deployment whose facts match this one",
-                                 hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}}))
+            (elsewhere if found_on and found_on != facts.get("device_kind", "cpu") else out).append(d)
     order = sorted(factors, key=lambda f: -factors[f]) or list(sweep_table)
     llm = coder not in ("sweep", "memory", "")
     if llm and order:
