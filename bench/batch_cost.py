@@ -7,7 +7,10 @@ For each B rows and N drafts a row: the ragged forward of B rows of 1 + N new to
 rows, t(0, B) / t(0, 1), and the full-acceptance ceiling (N + 1) / c(N, B). Needs no model files.
 
     PYTHONPATH=. python bench/batch_cost.py --model llama3-8b --device cuda --dtype bf16 \
-        --batch-sizes 1,2,4,8,16,32,64 --ns 1,2,4,8,16
+        --batch-sizes 1,2,4,8,16,32,64 --ns 1,2,4,8,16 [--cuda-graphs]
+
+``--cuda-graphs``: each step as the batched decoder replays it under ``cuda_graphs`` (every row padded, one
+graph a shape; `GraphRunner.run_rows`).
 
 Prints a table, then one JSON line.
 """
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512, help="cached slots a row attends to")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay each step as a CUDA graph (CUDA only)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,11 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if min(batch_sizes + ns) < 1 or args.context < 0 or args.reps < 1:
         ap.error("batch sizes, draft counts and reps must be positive, the context >= 0")
     device = torch.device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
+        ap.error("--cuda-graphs needs a CUDA device (--device cuda)")
     model = build_random(get_config(args.model), device=device, dtype=DTYPES[args.dtype])
     model.eval()
-    table = cost_table(model, sorted(set(batch_sizes)), ns, args.context, args.reps)
+    table = cost_table(model, sorted(set(batch_sizes)), ns, args.context, args.reps, graphs=args.cuda_graphs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"c(N, B) of {args.model} ({args.dtype}, random weights) on {name}, context {args.context}; "
+    print(f"c(N, B) of {args.model} ({args.dtype}, random weights{', CUDA graphs' if args.cuda_graphs else ''}) on "
+          f"{name}, context {args.context}; "
           "maxN: (N + 1) / c(N, B), the speedup over batched AR if every draft were accepted")
     print(f"{'B':>4} {'t_AR ms':>8} {'AR vs 1':>8} " + " ".join(f"{'c(' + str(n) + ')':>7}" for n in ns)
           + " " + " ".join(f"{'max' + str(n):>7}" for n in ns))

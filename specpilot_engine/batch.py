@@ -43,14 +43,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from specpilot_engine.decode import DecodeConfig, Generation, draft
 from specpilot_engine.drafters import Drafter
-from specpilot_engine.model import Transformer, greedy_ids
+from specpilot_engine.graphs import GraphRunner
+from specpilot_engine.model import KVCache, Transformer, greedy_ids
 from specpilot_engine.tree import DraftTree
 
 
@@ -167,7 +168,8 @@ class BatchDecoder:
     row i (a drafter keeps per-request state, so rows do not share one; None: AR)."""
 
     def __init__(self, model: Transformer, drafters: Sequence[Drafter | None], cfg: DecodeConfig, rows: int,
-                 max_len: int, stop_ids: tuple[int, ...] = (), policy: BatchPolicy | None = None):
+                 max_len: int, stop_ids: tuple[int, ...] = (), policy: BatchPolicy | None = None,
+                 static_steps: Callable[[KVCache], GraphRunner] | None = None):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         if len(drafters) != rows:
@@ -175,6 +177,8 @@ class BatchDecoder:
         self.model, self.cfg, self.drafters, self.stops = model, cfg, list(drafters), set(stop_ids)
         self.policy = policy or BatchPolicy()
         self.cache = model.new_cache(max_len, batch=rows)
+        # decode steps (no prompt segment) as one static forward over every row, replayed as a CUDA graph
+        self.runner = static_steps(self.cache) if static_steps else None
         self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
         self.active: dict[int, _Row] = {}  # cache row -> the request in it
         self.steps = 0  # forwards run so far (the clock of arrival_step, joined_step, finished_step)
@@ -345,41 +349,69 @@ class BatchDecoder:
             left -= out[slot]
         return out
 
+    def _propose_together(self, rows: list[_Row]) -> dict[int, float]:
+        """Rows whose drafters can propose for many rows at once (a ``propose_rows`` and one ``shared``
+        object, as `ParallelDrafter.fork` gives) get their proposals from one batched call before the
+        per-row drafting reads them; returns each such row's share of that call's seconds."""
+        groups: dict[int, list[_Row]] = {}
+        for row in rows:
+            if row.hidden is not None and hasattr(row.drafter, "propose_rows"):
+                groups.setdefault(id(row.drafter.shared), []).append(row)
+        shares: dict[int, float] = {}
+        for group in groups.values():
+            if len(group) > 1:
+                t0 = time.perf_counter()
+                type(group[0].drafter).propose_rows([r.drafter for r in group], [r.context for r in group],
+                                                    [r.hidden for r in group], self.cfg.block_size)
+                shares.update({r.slot: (time.perf_counter() - t0) / len(group) for r in group})
+        return shares
+
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         segments = self._segments(active)
         slots = sorted(s for s in active if not active[s].prefilling)
         sizes = self.draft_sizes([active[s] for s in slots])
-        for slot, size in zip(slots, sizes, strict=True):
+        ks = {s: min(self.cfg.block_size if self.cfg.tree else size,
+                     active[s].request.max_new_tokens - len(active[s].gen.tokens) - 1)
+              for s, size in zip(slots, sizes, strict=True)}
+        nodes = {s: min(size, self.cache.max_len - active[s].start - 1) for s, size in zip(slots, sizes, strict=True)}
+        together_s = self._propose_together([active[s] for s in slots if ks[s] > 0 and nodes[s] > 0])
+        for slot in slots:
             row = active[slot]
             t0 = time.perf_counter()
-            left = row.request.max_new_tokens - len(row.gen.tokens) - 1
-            k = min(self.cfg.block_size if self.cfg.tree else size, left)
-            row.tree = draft(row.drafter, row.context, row.hidden, k, self.cfg,
-                             max_nodes=min(size, self.cache.max_len - row.start - 1))
-            row.gen.draft_s.append(time.perf_counter() - t0)
-        device = self.model.device
+            row.tree = draft(row.drafter, row.context, row.hidden, ks[slot], self.cfg, max_nodes=nodes[slot])
+            row.gen.draft_s.append(time.perf_counter() - t0 + together_s.get(slot, 0.0))
         trees = [active[s].tree for s in slots]
         lengths = [len(tree) for tree in trees]
         # the prompt segments ride after the decoding rows: causal chains whose logits matter only where a
         # prompt ends (the first token)
         pre = sorted(segments)
-        seg_tokens = [active[s].request.prompt[active[s].start: active[s].start + segments[s]] for s in pre]
-        all_lengths = lengths + [segments[s] for s in pre]
-        offsets = [sum(all_lengths[:b]) for b in range(len(all_lengths))]
-        tokens = torch.tensor([t for tree in trees for t in tree.tokens] + [t for seg in seg_tokens for t in seg],
-                              dtype=torch.int64, device=device)
-        positions = torch.cat([tree.positions(active[s].start, device) for s, tree in zip(slots, trees, strict=True)]
-                              + [torch.arange(active[s].start, active[s].start + segments[s], device=device)
-                                 for s in pre])
-        masks = [None if tree.is_chain else tree.attention_mask(device) for tree in trees] + [None] * len(pre)
         ends = [b for b, s in enumerate(pre) if active[s].start + segments[s] == len(active[s].request.prompt)]
         decode_n = sum(lengths)
-        logit_index = list(range(decode_n)) + [offsets[len(slots) + b] + segments[pre[b]] - 1 for b in ends]
         t0 = time.perf_counter()
-        logits, hidden = self.model.forward_ragged(
-            tokens, positions, self.cache, [active[s].start for s in slots + pre], all_lengths, slots + pre, masks,
-            logit_index=logit_index if pre else None, padded=self.policy.padded_attention)
-        argmax = greedy_ids(logits).tolist()  # the step's one device sync
+        T = max(lengths, default=0)
+        if self.runner is not None and not pre and all(self.runner.fits(T, row.start) for row in active.values()):
+            # every row padded to the longest tree: row s's i-th token is at s*T + i of the outputs
+            argmax_d, hidden, T = self.runner.run_rows(
+                {s: (tree, active[s].start) for s, tree in zip(slots, trees, strict=True)},
+                idle={s: row.start for s, row in active.items()})
+            offsets = [s * T for s in slots]
+            argmax = argmax_d.tolist()  # the step's one device sync
+        else:
+            device = self.model.device
+            seg_tokens = [active[s].request.prompt[active[s].start: active[s].start + segments[s]] for s in pre]
+            all_lengths = lengths + [segments[s] for s in pre]
+            offsets = [sum(all_lengths[:b]) for b in range(len(all_lengths))]
+            tokens = torch.tensor([t for tree in trees for t in tree.tokens] + [t for seg in seg_tokens for t in seg],
+                                  dtype=torch.int64, device=device)
+            positions = torch.cat([tree.positions(active[s].start, device) for s, tree in zip(slots, trees, strict=True)]
+                                  + [torch.arange(active[s].start, active[s].start + segments[s], device=device)
+                                     for s in pre])
+            masks = [None if tree.is_chain else tree.attention_mask(device) for tree in trees] + [None] * len(pre)
+            logit_index = list(range(decode_n)) + [offsets[len(slots) + b] + segments[pre[b]] - 1 for b in ends]
+            logits, hidden = self.model.forward_ragged(
+                tokens, positions, self.cache, [active[s].start for s in slots + pre], all_lengths, slots + pre,
+                masks, logit_index=logit_index if pre else None, padded=self.policy.padded_attention)
+            argmax = greedy_ids(logits).tolist()  # the step's one device sync
         forward_s = time.perf_counter() - t0
         committed = 0
         for b, slot in enumerate(pre):

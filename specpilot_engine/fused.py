@@ -119,7 +119,9 @@ class FusedAttention(nn.Module):
         B, T, _ = qkv.shape
         H, KV, hd = self.n_heads, self.n_kv, self.hd
         static = isinstance(start, StaticStep)
-        slots = start.slots if static else torch.arange(start, start + T, device=qkv.device)
+        if static and start.slots.shape[0] != 1:
+            raise ValueError("fused_kernels covers one cache row a step (batch 1); a batched deployment leaves it off")
+        slots = start.slots[0] if static else torch.arange(start, start + T, device=qkv.device)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if static:  # graph-safe step: RoPE, cache write and attention in one kernel where it pays
             y = ops.rope_attention(qkv, cos, sin, H, KV, k_cache, v_cache, slots, start.bias, start.length)

@@ -11,9 +11,16 @@ so attention costs what the live context costs, in steps of ``bucket`` slots. Gr
 lazily, the first time a shape is needed (one eager warm-up of the same function on a side stream,
 then the capture); all of them share one memory pool.
 
-Per T there is one static input buffer (int64): tokens [T], positions [T], start [1], block mask
-[T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
-the graph and reads the T argmax ids back (the one sync of the step). Outputs live in the graph's
+A cache of R rows (continuous batching, `specpilot_engine.batch`) steps every row at once: `run_rows`
+takes each busy row's (tree, start), pads every row to the longest tree's T tokens (pad tokens write their
+keys past the row's live slots, where nothing reads them before they are overwritten, and see only their
+own row), and captures one graph per ``(T, length)`` with ``length`` bucketed on the furthest row. The
+attention is one padded call over all rows (`Attention._static_attention`), as ``batch_attention =
+"padded"`` computes it eagerly.
+
+Per T there is one static input buffer (int64): tokens [R*T], positions [R*T], starts [R], block masks
+[R*T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
+the graph and reads the argmax ids back (the one sync of the step). Outputs live in the graph's
 static buffers: ``hidden`` is valid until the next step (drafters read it before that, on the same
 stream). Prefill and the cache compaction after acceptance stay eager (`specpilot_engine.decode`).
 
@@ -23,6 +30,8 @@ capture is possible (CUDA only).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -50,29 +59,44 @@ def block_mask_rows(tree: DraftTree) -> np.ndarray:
 
 
 class _Inputs:
-    """The static device buffer of one block size T and its pinned host staging copy."""
+    """The static device buffer of one block size T over R cache rows and its pinned host staging copy."""
 
-    def __init__(self, T: int, device: torch.device):
-        self.T = T
-        n = 2 * T + 1 + T * T  # tokens T, positions T, start 1, mask T*T
+    def __init__(self, T: int, rows: int, device: torch.device):
+        self.T, self.R = T, rows
+        n = rows * (2 * T + 1 + T * T)  # tokens R*T, positions R*T, starts R, masks R*T*T
         self.device_buf = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.host_buf = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.host = self.host_buf.numpy()
-        self._chain_mask = np.tril(np.ones((T, T), dtype=np.int64)).ravel()
+        self._chain_mask = np.tril(np.ones((T, T), dtype=np.int64))
 
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(tokens [1, T], positions [T], start [], block mask [T, T] int64) over the device buffer."""
-        T, b = self.T, self.device_buf
-        return b[:T].view(1, T), b[T: 2 * T], b[2 * T], b[2 * T + 1:].view(T, T)
+        """(tokens [R, T], positions, starts, block masks int64) over the device buffer; positions [T],
+        start [] and mask [T, T] for one row, else [R, T], [R] and [R, T, T]."""
+        T, R, b = self.T, self.R, self.device_buf
+        tokens, positions = b[:R * T].view(R, T), b[R * T: 2 * R * T]
+        starts, masks = b[2 * R * T: 2 * R * T + R], b[2 * R * T + R:]
+        if R == 1:
+            return tokens, positions, starts[0], masks.view(T, T)
+        return tokens, positions.view(R, T), starts, masks.view(R, T, T)
 
-    def load(self, tree: DraftTree, start: int) -> None:
-        T, h = self.T, self.host
-        h[:T] = tree.tokens
-        h[T: 2 * T] = tree.depths
-        h[T: 2 * T] += start
-        h[2 * T] = start
-        h[2 * T + 1:] = self._chain_mask if tree.is_chain else block_mask_rows(tree).ravel()
+    def load(self, blocks: Mapping[int, tuple[DraftTree, int]], starts: Sequence[int]) -> None:
+        """Row r runs ``blocks[r]`` = (tree, start); a row without a block (or the places past its tree)
+        runs pad tokens (token 0, seeing only the row's earlier slots and itself) at ``starts[r]``.."""
+        T, R, h = self.T, self.R, self.host
+        tokens, positions = h[:R * T].reshape(R, T), h[R * T: 2 * R * T].reshape(R, T)
+        row_starts, masks = h[2 * R * T: 2 * R * T + R], h[2 * R * T + R:].reshape(R, T, T)
+        row_starts[:] = starts
+        if len(blocks) < R or any(len(tree) < T for tree, _ in blocks.values()):
+            tokens[:] = 0
+            positions[:] = np.asarray(starts)[:, None] + np.arange(T)
+            masks[:] = np.eye(T, dtype=np.int64)
+        for r, (tree, start) in blocks.items():
+            n = len(tree)
+            tokens[r, :n] = tree.tokens
+            positions[r, :n] = tree.depths
+            positions[r, :n] += start
+            masks[r, :n, :n] = self._chain_mask[:n, :n] if tree.is_chain else block_mask_rows(tree)
         # The previous step's copy has finished: every step ends with a sync (argmax to the host).
         self.device_buf.copy_(self.host_buf, non_blocking=True)
 
@@ -105,23 +129,34 @@ class GraphRunner:
         return start + T <= self.cache.max_len
 
     def run(self, tree: DraftTree, start: int) -> tuple[Tensor, Tensor]:
-        """Queue one step; returns (argmax [T] int64, hidden [T, D]) on the device, valid until the
-        next call."""
-        T = len(tree)
-        if not self.fits(T, start):
-            raise ValueError(f"a block of {T} tokens at slot {start} does not fit the cache ({self.cache.max_len})")
+        """Queue one step of a one-row cache; returns (argmax [T] int64, hidden [T, D]) on the device,
+        valid until the next call."""
+        argmax, hidden, _ = self.run_rows({0: (tree, start)})
+        return argmax, hidden
+
+    def run_rows(self, blocks: Mapping[int, tuple[DraftTree, int]],
+                 idle: Mapping[int, int] | None = None) -> tuple[Tensor, Tensor, int]:
+        """Queue one step over every cache row: row r verifies ``blocks[r]`` = (tree, start); the others
+        (and a shorter tree's places up to the longest, T) run pad tokens whose keys land past the row's
+        live slots (at ``idle[r]``.., slot 0.. by default), where nothing reads them before they are
+        overwritten. Returns (argmax [R*T], hidden [R*T, D], T): row r's i-th token is at r*T + i."""
+        R, idle = self.cache.k.shape[1], idle or {}
+        T = max(len(tree) for tree, _ in blocks.values())
+        starts = [blocks[r][1] if r in blocks else idle.get(r, 0) for r in range(R)]
+        if not all(self.fits(T, s) for s in starts):
+            raise ValueError(f"a block of {T} tokens at slots {max(starts)}.. does not fit the cache ({self.cache.max_len})")
         inputs = self._inputs.get(T)
         if inputs is None:
-            inputs = self._inputs[T] = _Inputs(T, self.model.device)
-        inputs.load(tree, start)
-        length = self.length(T, start)
+            inputs = self._inputs[T] = _Inputs(T, R, self.model.device)
+        inputs.load(blocks, starts)
+        length = self.length(T, max(starts))
         if not self.capture:
-            return self._forward(inputs, length)
+            return (*self._forward(inputs, length), T)
         captured = self._graphs.get((T, length))
         if captured is None:
             captured = self._graphs[(T, length)] = self._capture(inputs, length)
         captured.graph.replay()
-        return captured.argmax, captured.hidden
+        return captured.argmax, captured.hidden, T
 
     def step(self, tree: DraftTree, start: int) -> tuple[list[int], Tensor]:
         """`run` then the argmax ids on the host (the step's one sync)."""
@@ -132,7 +167,7 @@ class GraphRunner:
     def _forward(self, inputs: _Inputs, length: int) -> tuple[Tensor, Tensor]:
         tokens, positions, start, mask = inputs.views()
         logits, hidden = self.model.forward_static(tokens, positions, start, mask != 0, self.cache, length)
-        return greedy_ids(logits[0]), hidden[0]
+        return greedy_ids(logits.flatten(0, 1)), hidden.flatten(0, 1)
 
     @torch.no_grad()
     def _capture(self, inputs: _Inputs, length: int) -> _Captured:

@@ -13,10 +13,11 @@ Contract:
 - `KVCache.compact(start, keep)` moves the slots of an accepted tree path into consecutive slots;
   everything after them is dead and will be overwritten.
 - `Transformer.forward_static(tokens, positions, start, block_mask, cache, length)` is the same
-  computation in a form a CUDA graph can capture (`specpilot_engine.graphs`): ``start`` is a device scalar,
-  K/V are written with ``index_copy_`` at slots ``start + i``, and attention reads the fixed first
-  ``length`` cache slots under an additive bias built on the device (slot < start, or a block slot
-  that ``block_mask`` allows). Every shape depends only on (T, length); nothing syncs the host.
+  computation in a form a CUDA graph can capture (`specpilot_engine.graphs`), on every row of the cache at
+  once: ``start`` is a device scalar (or one a row), K/V are written through an index at slots ``start +
+  i``, and attention reads the fixed first ``length`` cache slots under an additive bias built on the
+  device (slot < start, or a block slot that ``block_mask`` allows). Every shape depends only on (rows,
+  T, length); nothing syncs the host.
 
 Every linear layer is a plain ``nn.Linear`` attribute (``q_proj`` .. ``down_proj``, ``lm_head``) so
 a weight format can swap the module. The attention core is its own module (`Attention.core`) so
@@ -203,9 +204,15 @@ class KVCache(nn.Module):
         self.v[:, row, :, dst] = self.v[:, row, :, src]
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k/v ([B, kv_heads, T, hd]) at the slots named by a device tensor (graph-safe)."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        """Write k/v ([B, kv_heads, T, hd]) of every cache row at the slots named by a device tensor
+        ``slots`` [B, T] (graph-safe)."""
+        if slots.shape[0] == 1:  # one row: the same slots for the whole batch dimension
+            self.k[layer].index_copy_(2, slots[0], k)
+            self.v[layer].index_copy_(2, slots[0], v)
+            return
+        index = slots[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
 
     def compact(self, start: int, keep: list[int]) -> None:
         """Move slots ``start + keep[j]`` to ``start + j`` (keep is increasing, keep[j] >= j).
@@ -282,8 +289,8 @@ class SDPA(nn.Module):
 class StaticStep:
     """What a graph-safe forward needs beyond the token block (see `Transformer.forward_static`)."""
 
-    slots: Tensor  # [T] int64 cache slots of the new tokens
-    bias: Tensor  # [1, 1, G*T, length] additive attention bias (0 or -inf), rows ordered (group, token)
+    slots: Tensor  # [R, T] int64 cache slots of each cache row's new tokens
+    bias: Tensor  # [R, 1, G*T, length] additive attention bias (0 or -inf), rows ordered (group, token)
     length: int  # cache slots attention reads: 0 .. length-1 (static per graph)
 
 
@@ -524,30 +531,43 @@ class Transformer(nn.Module):
 
     def forward_static(self, tokens: Tensor, positions: Tensor, start: Tensor, block_mask: Tensor,
                        cache: KVCache, length: int) -> tuple[Tensor, Tensor]:
-        """Graph-safe forward of a block of T tokens (batch 1); returns (logits [1, T, V], hidden).
+        """Graph-safe forward of a block of T tokens on each of the cache's R rows; returns (logits
+        [R, T, V], hidden [R, T, D]).
 
-        ``start`` is a 0-d int64 device tensor (the first slot of the block), ``block_mask`` [T, T]
-        bool says which block tokens each block token sees (itself included), ``length`` (fixed per
-        captured graph, ``start + T <= length <= cache.max_len``) is how many cache slots attention
-        reads. Every shape depends on (T, length) only, and no value reaches the host.
+        tokens [R, T]; positions [T] (R = 1) or [R, T]; ``start`` a 0-d (R = 1) or [R] int64 device
+        tensor, the first slot of each row's block; ``block_mask`` [T, T] or [R, T, T] bool, which block
+        tokens each block token sees (itself included). ``length`` (fixed per captured graph, ``start + T
+        <= length <= cache.max_len`` on every row) is how many cache slots attention reads. Every shape
+        depends on (R, T, length) only, and no value reaches the host.
         """
-        T = tokens.shape[1]
-        dev = tokens.device
-        slots = start + torch.arange(T, device=dev)
-        rel = torch.arange(length, device=dev) - start  # slot - start: < 0 for the committed prefix
-        in_block = (rel >= 0) & (rel < T)
-        seen = block_mask.gather(1, rel.clamp(0, T - 1).expand(T, length))
-        allowed = (rel < 0) | (in_block & seen)  # [T, length]
-        bias = torch.zeros((T, length), dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
-        G = self.cfg.n_heads // self.cfg.n_kv_heads
-        step = StaticStep(slots, bias.repeat(G, 1).view(1, 1, G * T, length), length)
+        R, T = tokens.shape
+        if R != cache.k.shape[1]:
+            raise ValueError(f"a static step runs every cache row: {R} token rows, {cache.k.shape[1]} cache rows")
+        starts = start.view(R)
+        slots = starts[:, None] + torch.arange(T, device=tokens.device)  # [R, T]
+        step = StaticStep(slots, self._static_bias(starts, block_mask.view(R, T, T), length), length)
         cos = self.rope_cos[positions].to(self.dtype)
         sin = self.rope_sin[positions].to(self.dtype)
+        if positions.ndim == 2:  # per-row positions: broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x = self.embed(tokens)
         for layer in self.layers:  # cuDNN allowed: one length per captured graph, planned once
             x = layer(x, cos, sin, cache, step, None, False)
         hidden = self.norm(x)
         return self.lm_head(hidden), hidden
+
+    def _static_bias(self, starts: Tensor, block_mask: Tensor, length: int) -> Tensor:
+        """[R, 1, G*T, length] additive bias (0 or -inf) of R blocks of T tokens at slots ``starts`` [R]..:
+        a token sees its row's slots before its block and the block tokens ``block_mask`` [R, T, T] allows,
+        tiled over the G query heads of a KV head (row g*T + t)."""
+        R, T, _ = block_mask.shape
+        rel = torch.arange(length, device=starts.device)[None, :] - starts[:, None]  # [R, length]: < 0 before
+        in_block = (rel >= 0) & (rel < T)
+        seen = block_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(R, T, length))
+        allowed = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen)  # [R, T, length]
+        bias = torch.zeros((R, T, length), dtype=self.dtype, device=starts.device).masked_fill_(~allowed, float("-inf"))
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        return bias.repeat(1, G, 1).unsqueeze(1)
 
     def _padded_rows(self, cache: KVCache, starts: list[int], lengths: list[int], rows: list[int],
                      masks: list[Tensor | None], offsets: list[int]) -> PaddedRows:

@@ -110,15 +110,18 @@ class EngineOptions:
 
     # --- overhead: host and launch time between kernels.
     cuda_graphs: bool = option(
-        False, "replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA",
-        sweep=(True,), factor="overhead", devices=("cuda",), modes=("batch1",))  # the batched decoder runs eager
+        False, "replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA. Batched: "
+        "a step without prompt segments runs every row padded to the longest tree, its attention one padded "
+        "call (as batch_attention = padded: bits may differ from per-row attention)",
+        sweep=(True,), factor="overhead", devices=("cuda",))
     fused_kernels: bool = option(
-        False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused)",
-        sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True)
+        False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused; "
+        "batch 1 only)", sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True,
+        modes=("batch1",))
     fused_gemv: bool = option(
         False, "with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in", sweep=(True,),
         factor="overhead", devices=("cuda",), model=True, requires={"fused_kernels": True},
-        may_change_outputs=True)
+        may_change_outputs=True, modes=("batch1",))
     prefill_chunk: int = option(
         0, "batched: prompts join in segments of at most this many tokens a step, inside the steps' forwards "
         "(0: each prompt as a forward of its own before the step)", sweep=(64, 128), factor="overhead",

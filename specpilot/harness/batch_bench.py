@@ -4,13 +4,15 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
 - Per system, the same dev requests sent by ``--clients`` closed-loop clients (default: the deployment's
   concurrency, which is also the decoder's rows; more clients than rows queue, never crash, and the table
   says how many waited): output tokens/s, time to first token and per-request latency (p50/p99), tau
-  (tokens committed per row a step), draft tokens verified per row a step, and the forward's seconds by
-  rows in flight. Systems: batched AR (no drafter), the deployment's stock speculation, and the system
+  (tokens committed per row a step), draft tokens verified per row a step, the forward's seconds by
+  rows in flight, and the host's share of the steps (their time outside the forward: prefills, drafting,
+  acceptance). Systems: batched AR (no drafter), the deployment's stock speculation, and the system
   (stock with the option flags) when it differs; speedups over batched AR and over stock speculation;
   whether each one's tokens equal batched AR's (lossless: equal wherever the rows are batch-invariant).
 - ``c(N, B)``: the forward of B rows of N + 1 new tokens each (a root and N drafts) over a context of the
   requests' mean prompt length plus half the output, against the forward of B rows of one token (batched
-  AR's step), median of ``--reps``; and AR's own cost by rows, ``t(0, B) / t(0, 1)``. The ceiling of
+  AR's step), median of ``--reps`` (replayed as CUDA graphs when the system runs them); and AR's own cost by
+  rows, ``t(0, B) / t(0, 1)``. The ceiling of
   speculation at B rows with N drafts, were every draft accepted, is ``(N + 1) / c(N, B)``: where it is
   under the target, no drafter reaches it on this machine.
 
@@ -38,54 +40,67 @@ from specpilot.errors import UserError
 from specpilot.harness.loadgen import closed_loop
 from specpilot.harness.requests import encode_requests, fit_context
 from specpilot_engine.api import Engine
+from specpilot_engine.graphs import graphs_supported
 from specpilot_engine.options import overrides_from_args
 
 
-def step_cost(model, rows: int, tokens: int, context: int, reps: int, padded: bool = False) -> float:
+def step_cost(model, rows: int, tokens: int, context: int, reps: int, padded: bool = False,
+              graphs: bool = False) -> float:
     """Median seconds of one ragged forward of ``rows`` rows of ``tokens`` new tokens each, every row at
     ``context`` cached slots (their contents do not change the work); ``padded``: attention as one call
-    over every row (the ``batch_attention = "padded"`` step)."""
+    over every row (the ``batch_attention = "padded"`` step); ``graphs``: the step as the batched decoder
+    replays it under ``cuda_graphs`` (`GraphRunner.run_rows`, every row a chain)."""
+    from specpilot_engine.graphs import GraphRunner
+    from specpilot_engine.tree import DraftTree
+
     cache = model.new_cache(context + tokens + 1, batch=rows)
     device = model.device
     ids = torch.randint(0, model.cfg.vocab_size, (rows * tokens,), device=device)
-    positions = torch.arange(context, context + tokens, device=device).repeat(rows)
-    args = (ids, positions, cache, [context] * rows, [tokens] * rows, list(range(rows)), [None] * rows)
+    if graphs:
+        runner = GraphRunner(model, cache)
+        chains = {r: (DraftTree(ids[r * tokens:(r + 1) * tokens].tolist(), list(range(-1, tokens - 1))), context)
+                  for r in range(rows)}
+        step = lambda: runner.run_rows(chains)[0]  # noqa: E731
+    else:
+        positions = torch.arange(context, context + tokens, device=device).repeat(rows)
+        args = (ids, positions, cache, [context] * rows, [tokens] * rows, list(range(rows)), [None] * rows)
+        step = lambda: model.forward_ragged(*args, padded=padded)[0].argmax(-1)  # noqa: E731
     times = []
     with torch.no_grad():
         for i in range(reps + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            logits, _ = model.forward_ragged(*args, padded=padded)
-            logits.argmax(-1).tolist()  # the step's sync, as decoding has it
-            if i:  # the first call pays one-off costs
+            step().tolist()  # the step's sync, as decoding has it
+            if i:  # the first call pays one-off costs (a graph's capture)
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def cost_table(model, batch_sizes: list[int], ns: list[int], context: int, reps: int) -> dict:
-    """``t(N, B)`` in ms and ``c(N, B) = t(N, B) / t(0, B)`` for B rows of N drafts plus a root each."""
+def cost_table(model, batch_sizes: list[int], ns: list[int], context: int, reps: int, graphs: bool = False) -> dict:
+    """``t(N, B)`` in ms and ``c(N, B) = t(N, B) / t(0, B)`` for B rows of N drafts plus a root each
+    (``graphs``: replayed as CUDA graphs, `step_cost`)."""
     from rich.progress import Progress
 
     from specpilot.harness.bench import _console
 
     rows = []
-    step_cost(model, max(batch_sizes), max(ns, default=0) + 1, context, reps=1)  # allocator and kernels warm
+    step_cost(model, max(batch_sizes), max(ns, default=0) + 1, context, reps=1, graphs=graphs)  # warm-up
     with Progress(transient=True, console=_console()) as progress:
         task = progress.add_task("c(N, B)", total=len(batch_sizes) * (len(ns) + 1))
         ar1 = None
         for b in batch_sizes:
-            ar = step_cost(model, b, 1, context, reps)
+            ar = step_cost(model, b, 1, context, reps, graphs=graphs)
             ar1 = ar1 or ar
             progress.advance(task)
             row = {"b": b, "t_ar_ms": 1e3 * ar, "ar_scaling": ar / ar1, "c": {}, "ceiling": {}}
             for n in ns:
-                c = step_cost(model, b, n + 1, context, reps) / ar
+                c = step_cost(model, b, n + 1, context, reps, graphs=graphs) / ar
                 row["c"][str(n)] = c
                 row["ceiling"][str(n)] = (n + 1) / c
                 progress.advance(task)
             rows.append(row)
-    return {"context": context, "reps": reps, "rows": rows}
+    return {"context": context, "reps": reps, "graphs": graphs, "rows": rows}
 
 
 def server_closed_loop(server, prompts: list[list[int]], clients: int, max_new: int) -> dict:
@@ -213,7 +228,8 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         s["lossless"] = outputs[name] == outputs["batched AR"]
     if ns:
         context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
-        result["cost"] = cost_table(model, batch_sizes, ns, context, args.reps)
+        graphs = opts.cuda_graphs and graphs_supported(device)  # c(N, B) of the steps the system runs
+        result["cost"] = cost_table(model, batch_sizes, ns, context, args.reps, graphs=graphs)
     peer_rows = llamacpp_peer_result(args, dep, device,
                                      lambda spec: llamacpp_peer(prompts, max_new, clients, spec, tok))
     if peer_rows is not None:
@@ -236,12 +252,13 @@ def _table(result: dict) -> None:
     t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
                     f"{result['requests']} requests x {result['max_new_tokens']} tokens, {result['device']}")
     for col in ("system", "tok/s", "x batched AR", "x stock", "tau", "drafts/row", "p50 s", "p99 s", "TTFT p50 s",
-                "TTFT p99 s", "lossless", "step s by rows"):
+                "TTFT p99 s", "host", "lossless", "step s by rows"):
         t.add_column(col, justify="right")
     for name, s in result["systems"].items():
         t.add_row(name, f"{s['tok_s']:.1f}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
                   f"{s['tau']:.2f}", f"{s['verified_per_row'] - 1:.2f}", f"{s['latency_p50_s']:.2f}",
-                  f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}", str(s["lossless"]),
+                  f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",
+                  f"{s['host_share']:.0%}", str(s["lossless"]),
                   json.dumps(s["step_s_by_rows"]))
     console.print(t)
     if "queued" in result:

@@ -41,6 +41,7 @@ class LoadResult:
     requests: list[RequestRecord] = field(default_factory=list)
     step_rows: list[int] = field(default_factory=list)
     step_forward_s: list[float] = field(default_factory=list)
+    step_wall_s: list[float] = field(default_factory=list)  # the whole step: joins, drafting, forward, acceptance
     step_committed: list[int] = field(default_factory=list)
     step_verified: list[int] = field(default_factory=list)  # the rows' tokens (roots and drafts) a forward
     max_waiting: int = 0  # most requests queued for a row at once (clients beyond the decoder's rows)
@@ -66,6 +67,9 @@ class LoadResult:
             "verified_per_row": sum(self.step_verified) / max(1, sum(self.step_rows)),
             "max_waiting": self.max_waiting,
             "step_s_by_rows": {str(k): round(statistics.median(v), 5) for k, v in sorted(by_rows.items())},
+            # the share of the steps' time outside the target's forward (prefills, drafting, acceptance): on
+            # a GPU the host work that graphs do not remove
+            "host_share": 1 - sum(self.step_forward_s) / sum(self.step_wall_s) if sum(self.step_wall_s) > 0 else 0.0,
         }
 
 
@@ -98,11 +102,14 @@ def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: in
     for _ in range(min(concurrency, total)):
         send()
     while decoder.busy:
+        t_step = time.perf_counter()
         record = decoder.step()
+        t_step = time.perf_counter() - t_step
         result.max_waiting = max(result.max_waiting, len(decoder.waiting))  # still without a row after the joins
         if record is not None:
             result.step_rows.append(record.rows)
             result.step_forward_s.append(record.forward_s)
+            result.step_wall_s.append(t_step)
             result.step_committed.append(record.committed)
             result.step_verified.append(record.verified)
         for rid, gen in decoder.finished():

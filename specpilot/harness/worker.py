@@ -16,7 +16,7 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
    Its figures are planning inputs, never verdicts. ``{"batch_cost": {"rows": B, "context": C, "drafts": [n, ...]}}``
    answers ``{"t_ar_s": t, "t_one_row_s": t1, "c": {n: c(n, B)}}``: the forward of B rows of one token, of
    one row of B tokens (the same linear work without the per-row part), and of 1 + n tokens a row against
-   the first (`specpilot.harness.batch_bench.step_cost`, with the engine's ``batch_attention``), for the
+   the first (`specpilot.harness.batch_bench.step_cost`, with the engine's ``batch_attention`` and graphs), for the
    cost model's batched ceiling and overhead.
 5. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 b = req["batch_cost"]
                 rows, context = int(b["rows"]), int(b["context"])
                 cost = functools.partial(step_cost, engine.model, context=context, reps=3,
-                                         padded=engine.options.batch_attention == "padded")
+                                         padded=engine.options.batch_attention == "padded", graphs=engine.graphs)
                 t_ar = cost(rows, 1)
                 # one row of `rows` tokens: the same linear work as the batched AR step, without its per-row part
                 send({"t_ar_s": t_ar, "t_one_row_s": cost(1, rows),

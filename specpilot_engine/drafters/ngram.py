@@ -7,7 +7,10 @@ tokens that followed it. Training-free; it shines on code and on answers that qu
 Scores (for trees): a continuation prefix seen after c of the H most recent occurrences of an
 m-token match scores ``(m / max_match) * c / H``: longer matches and more frequent continuations
 rank first; ties go to the most recent occurrence. Chains (``n == 1``) use the longest match only.
-Stateless between calls (the context is re-scanned each step; that is O(len(context)) numpy work).
+Each call scans the context for the last token's earlier occurrences (one O(len(context)) numpy pass),
+then narrows them to longer matches; the context's array is kept between calls and only the tokens
+committed since are converted (a request's drafter serves ~30-100 calls a second per row of a batch, so
+the host time a call matters on a GPU).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specpilot_engine.tree import Candidate
 
@@ -25,20 +27,43 @@ class NgramDrafter:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.max_match, self.min_match, self.max_hits = max_match, min_match, max_hits
+        self.reset()
 
     def reset(self) -> None:
-        pass
+        self._seq: list[int] = []  # the context seen last, and the same tokens as an array (capacity doubles)
+        self._buf = np.zeros(256, dtype=np.int64)
+
+    def _array(self, context: list[int]) -> np.ndarray:
+        """``context`` as an int64 array, converting only the tokens past the last call's context when it
+        extends that one (a request's context grows by its committed tokens; another starts over)."""
+        n = len(self._seq)
+        if len(context) < n or context[:n] != self._seq:
+            self._seq, n = [], 0
+        new = context[n:]
+        if len(context) > len(self._buf):
+            self._buf = np.concatenate([self._buf[:n], np.zeros(2 * len(context) - n, dtype=np.int64)])
+        self._buf[n:len(context)] = new
+        self._seq.extend(new)
+        return self._buf[:len(context)]
 
     def propose(self, context: list[int], last_hidden=None, k: int = 4, n: int = 1) -> list[Candidate]:
         if k <= 0:
             return []
-        ctx = np.asarray(context, dtype=np.int64)
+        ctx = self._array(context)
         L = len(ctx)
         found: dict[tuple[int, ...], tuple[float, ...]] = {}
-        for m in range(min(self.max_match, L - 1), self.min_match - 1, -1):
-            # Windows that end before the last token, so each hit has at least one follower.
-            windows = sliding_window_view(ctx[: L - 1], m)
-            hits = np.flatnonzero((windows == ctx[L - m:]).all(axis=1))[::-1][: self.max_hits]
+        # by_length[m - 1]: where earlier occurrences of the context's last m tokens end, each before the
+        # last token (so each has at least one follower); each length narrows the one before
+        ends = np.flatnonzero(ctx[: L - 1] == ctx[L - 1]) if L > 1 else np.zeros(0, dtype=np.int64)
+        by_length = [ends]
+        for back in range(1, min(self.max_match, L - 1)):
+            if ends.size == 0:
+                break
+            ends = ends[ends >= back]
+            ends = ends[ctx[ends - back] == ctx[L - 1 - back]]
+            by_length.append(ends)
+        for m in range(min(self.max_match, L - 1, len(by_length)), self.min_match - 1, -1):
+            hits = (by_length[m - 1] - (m - 1))[::-1][: self.max_hits]  # window starts, most recent first
             if hits.size == 0:
                 continue
             conts = [tuple(ctx[i + m: i + m + k].tolist()) for i in hits]  # most recent first

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -210,80 +211,99 @@ def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
 
 
 class _ProposalGraph:
-    """A proposal's tensor work as one static computation: the net, the copy column's merge, each
-    position's best token and the copied span (a chain), and each position's ``beam_top`` best tokens
-    (what a tree's beam reads). A call copies its inputs into static buffers (one transfer) and reads
-    both back in one tensor (one sync). With ``capture`` (CUDA) the computation is captured once as a
-    CUDA graph and replayed: eagerly it is ~40 small kernels, slower than a whole AR step of SmolLM2 on
-    an H200 (docs/FIGURES.md, "Lab notes moved from code"). Without, it runs eagerly."""
+    """A proposal's tensor work over ``rows`` rows as one static computation: the net, the copy column's
+    merge, each position's best token and the copied span (a chain), and each position's ``beam_top`` best
+    tokens (what a tree's beam reads). A call copies its inputs into static buffers (one transfer) and reads
+    every row's answer back in one tensor (one sync). With ``capture`` (CUDA) the computation is captured
+    once as a CUDA graph and replayed (rows a call does not use are padded); eagerly it is ~40 small
+    kernels, slower than a whole AR step of SmolLM2 on an H200 (docs/FIGURES.md, "Lab notes moved from
+    code"). Without, it runs eagerly over exactly the rows given."""
 
-    def __init__(self, drafter: ParallelDrafter, capture: bool):
+    def __init__(self, drafter: ParallelDrafter, capture: bool, rows: int = 1):
         net, cfg = drafter.net, drafter.cfg
         self.drafter = drafter  # its cfg is read at each computation (a capture fixes copy_min_match)
         self.top = min(drafter.beam_top, net.out_embed.shape[0] + (1 if cfg.lookup else 0))
         device = net.out_embed.device
         n_ids = cfg.n_context + (cfg.k + 1 if cfg.lookup else 0)  # context, then the lookup's row and match
-        self.ids = torch.zeros(n_ids, dtype=torch.int64, device=device)
-        self.host = torch.zeros(n_ids, dtype=torch.int64, pin_memory=capture)
-        self.hidden = torch.zeros(1, cfg.dim, dtype=net.out_embed.dtype, device=device)
+        self.rows = rows
+        self.ids = torch.zeros(rows, n_ids, dtype=torch.int64, device=device)
+        self.host = torch.zeros(rows, n_ids, dtype=torch.int64, pin_memory=capture)
+        self.hidden = torch.zeros(rows, cfg.dim, dtype=net.out_embed.dtype, device=device)
         self.graph = None
         if capture:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side), torch.no_grad():
-                self._compute()  # warm-up off the capture (allocations, lazy initialisation)
+                self._compute(rows)  # warm-up off the capture (allocations, lazy initialisation)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph), torch.no_grad():
-                self.out = self._compute()
+                self.out = self._compute(rows)
 
-    def _compute(self) -> Tensor:
-        """[2, k * (1 + top)] float64. Row 0: the chain's token ids, then each position's ``top`` best
-        ids; row 1: the chain's cumulative probabilities, then those ids' log-probabilities."""
+    def _compute(self, rows: int) -> Tensor:
+        """[rows, 2, k * (1 + top)] float64. Row 0 of a row's answer: the chain's token ids, then each
+        position's ``top`` best ids; row 1: the chain's cumulative probabilities, then those ids'
+        log-probabilities."""
         cfg, net = self.drafter.cfg, self.drafter.net
-        ctx = self.ids[None, : cfg.n_context]
-        look = self.ids[None, cfg.n_context: cfg.n_context + cfg.k] if cfg.lookup else None
-        match = self.ids[-1:] if cfg.lookup else None
-        logp, ids = net.candidates(net(self.hidden, ctx, look, match, self.drafter.heads), look)
-        best, idx = logp[0].max(dim=-1)
-        tokens = ids[0].gather(-1, idx[:, None])[:, 0]
+        ids = self.ids[:rows]
+        ctx = ids[:, : cfg.n_context]
+        look = ids[:, cfg.n_context: cfg.n_context + cfg.k] if cfg.lookup else None
+        match = ids[:, -1] if cfg.lookup else None
+        logp, cand = net.candidates(net(self.hidden[:rows], ctx, look, match, self.drafter.heads), look)
+        best, idx = logp.max(dim=-1)  # [rows, k]
+        tokens = cand.gather(-1, idx[..., None])[..., 0]
         if look is not None:
-            tokens = copy_span(tokens[None], look, match, cfg.copy_min_match)[0]
-        vals, top_idx = logp[0].topk(self.top, dim=-1)
-        top_ids = ids[0].gather(-1, top_idx)
-        return torch.stack([torch.cat([tokens.double(), top_ids.flatten().double()]),
-                            torch.cat([best.cumsum(0).exp().double(), vals.flatten().double()])])
+            tokens = copy_span(tokens, look, match, cfg.copy_min_match)
+        vals, top_idx = logp.topk(self.top, dim=-1)  # [rows, k, top]
+        top_ids = cand.gather(-1, top_idx)
+        return torch.stack([torch.cat([tokens.double(), top_ids.flatten(1).double()], dim=1),
+                            torch.cat([best.cumsum(1).exp().double(), vals.flatten(1).double()], dim=1)], dim=1)
 
-    def _run(self, hidden: Tensor, ids: list[int]) -> list[list[float]]:
-        self.host.copy_(torch.tensor(ids, dtype=torch.int64))
+    def run(self, hidden: Sequence[Tensor], ids: Sequence[list[int]]) -> list[list[list[float]]]:
+        """Each row's answer (`_compute`) for the net's inputs of up to ``rows`` rows."""
+        n = len(ids)
+        self.host[:n] = torch.tensor(ids, dtype=torch.int64)
         self.ids.copy_(self.host, non_blocking=True)
-        self.hidden.copy_(hidden)
+        if n == 1:
+            self.hidden[0].copy_(hidden[0].reshape(-1))
+        else:
+            self.hidden[:n] = torch.stack([h.reshape(-1) for h in hidden])
         if self.graph is None:
             with torch.no_grad():
-                return self._compute().tolist()
+                return self._compute(n).tolist()
         self.graph.replay()
-        return self.out.tolist()
+        return self.out[:n].tolist()
 
-    def chain(self, hidden: Tensor, ids: list[int]) -> tuple[list[int], list[float]]:
-        """The k tokens of the chain and their cumulative probabilities."""
+    def chain(self, answer: list[list[float]]) -> tuple[list[int], list[float]]:
+        """The k tokens of the chain and their cumulative probabilities, from one row's answer."""
         k = self.drafter.cfg.k
-        tokens, scores = self._run(hidden, ids)
+        tokens, scores = answer
         return [int(t) for t in tokens[:k]], scores[:k]
 
-    def tops(self, hidden: Tensor, ids: list[int]) -> tuple[list[list[float]], list[list[int]]]:
+    def tops(self, answer: list[list[float]]) -> tuple[list[list[float]], list[list[int]]]:
         """Per position, the ``top`` best log-probabilities and their token ids, best first."""
         k, top = self.drafter.cfg.k, self.top
-        toks, vals = (row[k:] for row in self._run(hidden, ids))
+        toks, vals = (row[k:] for row in answer)
         return ([vals[d * top:(d + 1) * top] for d in range(k)],
                 [[int(t) for t in toks[d * top:(d + 1) * top]] for d in range(k)])
+
+
+class _Shared:
+    """What the drafters of a batch's rows share: the net's batched proposal graph (built at the first
+    batched call, over the most rows asked for so far)."""
+
+    def __init__(self):
+        self.batch: _ProposalGraph | None = None
 
 
 class ParallelDrafter:
     """The `specpilot_engine.drafters.Drafter` over a trained `ParallelDrafterNet`. Proposals (chains and
     trees) run their tensor work through a `_ProposalGraph`, captured as a CUDA graph when ``graph`` is
-    set and the net is on CUDA."""
+    set and the net is on CUDA. The rows of a batched decoder each have their own drafter (`fork`: the same
+    net, their own lookup index); `propose_rows` runs the net once for all of them."""
 
-    def __init__(self, net: ParallelDrafterNet, beam_top: int = 4, graph: bool = False):
+    def __init__(self, net: ParallelDrafterNet, beam_top: int = 4, graph: bool = False,
+                 shared: _Shared | None = None):
         self.net = net.eval()
         self.cfg = net.cfg
         with torch.no_grad():
@@ -293,39 +313,85 @@ class ParallelDrafter:
                       if self.cfg.lookup else None)
         self.graph = graph
         self._graph: _ProposalGraph | None = None  # built at the first proposal (on the net's device)
+        self.shared = shared or _Shared()  # drafters with the same `shared` propose for many rows at once
+        self._ready: tuple[int, tuple, int, list[list[float]]] | None = None  # propose_rows' answer
+
+    def fork(self) -> ParallelDrafter:
+        """A drafter for another row of a batch: the same net (and batched graph), its own lookup index."""
+        return ParallelDrafter(self.net, self.beam_top, self.graph, self.shared)
 
     def reset(self) -> None:
         if self.index is not None:
             self.index.reset()
+        self._ready = None
 
     def copies_whole(self, match: int) -> bool:
         """Whether a lookup that matched ``match`` tokens deep is proposed as a whole span."""
         return 0 < self.cfg.copy_min_match <= match
 
+    @property
+    def _captures(self) -> bool:
+        """Whether proposals run as captured CUDA graphs (``graph`` set and the net on CUDA)."""
+        return self.graph and self.net.out_embed.device.type == "cuda"
+
+    def _inputs(self, context: list[int], last_hidden: Tensor, span_k: int) -> tuple[Tensor, list[int], tuple, int]:
+        """(hidden [1, d], the net's id row, the lookup's tokens (up to the span; the net reads the first
+        ``cfg.k``), its match)."""
+        ctx = context[-self.cfg.n_context:]
+        ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
+        h = last_hidden.reshape(1, -1).to(self.net.out_embed.dtype)
+        found_all, m = self.index.lookup(context, max(span_k, self.cfg.k)) if self.index is not None else ((), 0)
+        lookup_row = padded_lookup(found_all[: self.cfg.k], self.cfg.k) + [m] if self.index is not None else []
+        return h, ctx + lookup_row, found_all, m
+
+    def _proposals(self) -> _ProposalGraph:
+        if self._graph is None:
+            self._graph = _ProposalGraph(self, capture=self._captures)
+        return self._graph
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_rows(drafters: Sequence[ParallelDrafter], contexts: Sequence[list[int]],
+                     hiddens: Sequence[Tensor], k: int) -> None:
+        """Run the net once for many rows whose drafters share one net (`fork`): each drafter's next
+        `propose` on that context (any k up to ``k``) reads its row of the answer instead of running the
+        net alone. One replay and one sync for all of them on a GPU; the same answers as one row at a time
+        (up to the kernels' rounding at another row count)."""
+        first = drafters[0]
+        shared = first.shared
+        if any(d.shared is not shared for d in drafters):
+            raise ValueError("propose_rows batches drafters that share one net (ParallelDrafter.fork)")
+        if shared.batch is None or shared.batch.rows < len(drafters):
+            shared.batch = None  # release the old graph first
+            # rows rounded up to a power of two: a batch filling up captures a few graphs, not one a row
+            shared.batch = _ProposalGraph(first, capture=first._captures, rows=1 << (len(drafters) - 1).bit_length())
+        inputs = [d._inputs(c, h, k) for d, c, h in zip(drafters, contexts, hiddens, strict=True)]
+        answers = shared.batch.run([i[0] for i in inputs], [i[1] for i in inputs])
+        for d, c, (_, _, found_all, m), answer in zip(drafters, contexts, inputs, answers, strict=True):
+            d._ready = (len(c), found_all, m, answer)
+
     @torch.no_grad()
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
+        ready, self._ready = self._ready, None
         if last_hidden is None or k <= 0:
             return []
         span_k, k = k, min(k, self.cfg.k)
-        ctx = context[-self.cfg.n_context:]
-        ctx = [ctx[0]] * (self.cfg.n_context - len(ctx)) + ctx
-        net = self.net
-        h = last_hidden.reshape(1, -1).to(net.out_embed.dtype)
-        found = found_all = ()
-        m = 0
-        if self.index is not None:
-            found, m = self.index.lookup(context, max(span_k, self.cfg.k))
-            found_all, found = found, found[: self.cfg.k]
-            if n <= 1 and self.copies_whole(m) and len(found) >= k:
-                # A chain whose every position is copied: the net's picks would all be replaced. The
-                # span may run on past the net's k, to the asked length.
-                span = found_all[:span_k]
-                return [Candidate(tuple(span), (1.0,) * len(span))]
-        lookup_row = padded_lookup(found, self.cfg.k) + [m] if self.index is not None else []
-        if self._graph is None:
-            self._graph = _ProposalGraph(self, capture=self.graph and h.device.type == "cuda")
+        if ready is not None and ready[0] == len(context):
+            _, found_all, m, answer = ready
+        else:
+            h, ids, found_all, m = self._inputs(context, last_hidden, span_k)
+            answer = None
+        found = found_all[: self.cfg.k]
+        if self.index is not None and n <= 1 and self.copies_whole(m) and len(found) >= k:
+            # A chain whose every position is copied: the net's picks would all be replaced. The
+            # span may run on past the net's k, to the asked length.
+            span = found_all[:span_k]
+            return [Candidate(tuple(span), (1.0,) * len(span))]
+        graph = self._proposals()
+        if answer is None:
+            (answer,) = graph.run([h], [ids])
         if n <= 1:
-            tokens, scores = self._graph.chain(h, ctx + lookup_row)
+            tokens, scores = graph.chain(answer)
             tokens, scores = tokens[:k], scores[:k]
             if span_k > k and self.index is not None and self.cfg.copy_min_match > 0:
                 # Past the net's block, copy on where the drafted tail recurs in the context.
@@ -336,8 +402,8 @@ class ParallelDrafter:
         # Trees: a long enough match's span is one more candidate, ahead of the beam (scored first).
         spans = ([Candidate(found_all[:span_k], (1.0,) * len(found_all[:span_k]))]
                  if self.index is not None and self.copies_whole(m) and found else [])
-        vals, toks = self._graph.tops(h, ctx + lookup_row)
-        top = self._graph.top
+        vals, toks = graph.tops(answer)
+        top = graph.top
         # Beam over positions (independent marginals): keep the n best prefixes at each depth.
         beams: list[tuple[float, tuple[int, ...], tuple[float, ...]]] = [(0.0, (), ())]
         for d in range(k):

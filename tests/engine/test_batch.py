@@ -14,6 +14,7 @@ from specpilot_engine.api import apply_model_options
 from specpilot_engine.batch import BatchDecoder, BatchRequest
 from specpilot_engine.decode import DecodeConfig
 from specpilot_engine.drafters.ngram import NgramDrafter
+from specpilot_engine.graphs import GraphRunner
 from specpilot_engine.options import EngineOptions
 from tests.engine.conftest import make_engine
 from tests.engine.test_lossless import _tiny_prompts
@@ -115,6 +116,7 @@ def test_closed_loop_clients_get_every_answer_and_the_load_is_measured(tiny_stre
     assert s["requests"] == 7 and s["output_tokens"] == sum(map(len, (r.tokens for r in load.requests)))
     assert s["latency_p99_s"] >= s["latency_p50_s"] > 0 and s["tok_s"] > 0 and s["tau"] >= 1.0
     assert set(s["step_s_by_rows"]) <= {"1", "2", "3"}
+    assert 0 < s["host_share"] < 1 and len(load.step_wall_s) == len(load.step_forward_s)
     with pytest.raises(ValueError, match="concurrency >= 1"):
         closed_loop(dec, prompts, concurrency=0, max_new_tokens=4, total=1)
 
@@ -230,6 +232,25 @@ def test_segmented_prompt_admission_rides_in_the_steps(tiny_stream, chunk, draft
         assert g.first_token_at >= g.submitted_at and g.prefill_s > 0
 
 
+def _three_rows_step(model):
+    """Two caches of 4 rows where rows 3, 0, 1 hold a prompt each and row 2 stays empty, and one step for
+    those rows: a chain of 3, a tree of 4 (``tree``, its depths 0 1 1 2) and a chain of 5 after their
+    prompts; returns (caches, starts, lengths, rows, tokens, depths, tree)."""
+    import torch
+
+    prompts = _tiny_prompts(23, n=3)
+    caches = [model.new_cache(128, batch=4) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            for row, p in zip((3, 0, 1), prompts, strict=True):
+                model.forward_ragged(torch.tensor(p), torch.arange(len(p)), cache, [0], [len(p)], [row], [None])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    starts, lengths, rows = [len(p) for p in prompts], [3, 4, 5], [3, 0, 1]
+    tokens = torch.randint(0, 250, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    depths = [torch.arange(3), torch.tensor([0, 1, 1, 2]), torch.arange(5)]
+    return caches, starts, lengths, rows, tokens, depths, tree
+
+
 def test_padded_attention_is_the_per_row_attention_in_one_call(tiny_stream):
     """`forward_ragged(padded=True)`: rows out of cache order, a cache row with no tokens, a chain, a tree
     and a prompt segment in one step give the per-row forward's logits (to fp32 rounding: the sum over keys
@@ -237,18 +258,10 @@ def test_padded_attention_is_the_per_row_attention_in_one_call(tiny_stream):
     import torch
 
     model = tiny_stream[0]
-    prompts = _tiny_prompts(23, n=3)
-    caches = [model.new_cache(128, batch=4) for _ in range(2)]
+    caches, starts, lengths, rows, tokens, depths, tree = _three_rows_step(model)
+    positions = torch.cat([s + d for s, d in zip(starts, depths, strict=True)])
+    masks = [None, tree, None]
     with torch.no_grad():
-        for cache in caches:  # rows 3, 0, 1 hold their prompts; row 2 stays empty
-            for row, p in zip((3, 0, 1), prompts, strict=True):
-                model.forward_ragged(torch.tensor(p), torch.arange(len(p)), cache, [0], [len(p)], [row], [None])
-        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        starts, lengths, rows = [len(prompts[0]), len(prompts[1]), len(prompts[2])], [3, 4, 5], [3, 0, 1]
-        tokens = torch.randint(0, 250, (sum(lengths),), generator=torch.Generator().manual_seed(0))
-        positions = torch.cat([torch.arange(starts[0], starts[0] + 3), starts[1] + torch.tensor([0, 1, 1, 2]),
-                               torch.arange(starts[2], starts[2] + 5)])
-        masks = [None, tree, None]
         per_row, _ = model.forward_ragged(tokens, positions, caches[0], starts, lengths, rows, masks)
         padded, _ = model.forward_ragged(tokens, positions, caches[1], starts, lengths, rows, masks, padded=True)
     assert torch.allclose(per_row, padded, rtol=1e-5, atol=1e-5)
@@ -274,3 +287,79 @@ def test_padded_attention_in_a_batch_keeps_each_requests_tokens(tiny_stream, dra
     result = dec.run([BatchRequest(str(i), p, n, arrival_step=2 * i)
                       for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))])
     assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+
+
+def test_static_rows_forward_is_the_per_row_forward(tiny_stream):
+    """`forward_static` over every cache row (the batched CUDA-graph step, run eagerly): an idle row, a
+    chain shorter than the step's T (padded), a tree, rows out of order; each real token's logits are the
+    per-row forward's (to fp32 rounding), its keys land in the same slots, and the pads leave the rows'
+    live slots untouched."""
+    import torch
+
+    model = tiny_stream[0]
+    caches, starts, lengths, rows, tokens, depths, tree = _three_rows_step(model)
+    positions = torch.cat([s + d for s, d in zip(starts, depths, strict=True)])
+    with torch.no_grad():
+        per_row, _ = model.forward_ragged(tokens, positions, caches[0], starts, lengths, rows, [None, tree, None])
+        T, offsets = 5, [0, 3, 7]
+        static_tokens = torch.zeros(4, T, dtype=torch.int64)
+        static_positions = torch.arange(T).repeat(4, 1)
+        static_masks = torch.eye(T, dtype=torch.bool).repeat(4, 1, 1)
+        static_starts = torch.zeros(4, dtype=torch.int64)
+        for row, start, n, o, d, mask in zip(rows, starts, lengths, offsets, depths,
+                                             [torch.ones(3, 3, dtype=torch.bool).tril(), tree,
+                                              torch.ones(5, 5, dtype=torch.bool).tril()], strict=True):
+            static_tokens[row, :n] = tokens[o:o + n]
+            static_positions[row] = start + torch.arange(T)
+            static_positions[row, :n] = start + d
+            static_masks[row, :n, :n] = mask
+            static_starts[row] = start
+        logits, _ = model.forward_static(static_tokens, static_positions, static_starts, static_masks, caches[1], 64)
+    for row, start, n, o in zip(rows, starts, lengths, offsets, strict=True):
+        assert torch.allclose(logits[row, :n], per_row[o:o + n], rtol=1e-5, atol=1e-5), row
+        live = slice(0, start + n)
+        assert torch.allclose(caches[0].k[:, row, :, live], caches[1].k[:, row, :, live], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="every cache row"):
+        model.forward_static(static_tokens[:2], static_positions[:2], static_starts[:2], static_masks[:2], caches[1], 64)
+
+
+class _CountingRunner(GraphRunner):
+    """A runner that records each static step's (busy rows, T)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runs: list[tuple[int, int]] = []
+
+    def run_rows(self, blocks, idle=None):
+        argmax, hidden, T = super().run_rows(blocks, idle)
+        self.runs.append((len(blocks), T))
+        return argmax, hidden, T
+
+
+@pytest.mark.parametrize("drafter,tree,chunk", [("none", False, 0), ("ngram", False, 0), ("ngram", True, 0),
+                                                 ("ngram", False, 16)])
+def test_static_steps_keep_each_requests_tokens(tiny_stream, drafter, tree, chunk):
+    """The batched decoder's graph path (``cuda_graphs``), run without capture: every decode step is one
+    static forward over all rows, padded to the longest tree, across attention-length buckets; with
+    prompt segments those steps run the ragged forward. Each request gets batch-1 AR's tokens on these
+    prompts (forced, not trusted, in a round: the padded sum over keys may round differently)."""
+    from specpilot_engine.batch import BatchPolicy
+
+    prompts = _tiny_prompts(29, n=6)
+    max_new = [24, 3, 30, 12, 28, 20]
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, n).tokens
+                 for p, n in zip(prompts, max_new, strict=True)]
+    model = tiny_stream[0]
+    drafters = [NgramDrafter(min_match=1) if drafter == "ngram" else None for _ in range(3)]
+    dec = BatchDecoder(model, drafters, DecodeConfig(block_size=4, tree=tree, tree_nodes=8), rows=3, max_len=256,
+                       stop_ids=model.cfg.stop_ids, policy=BatchPolicy(prefill_chunk=chunk),
+                       static_steps=lambda cache: _CountingRunner(model, cache, bucket=16, capture=False))
+    runs = dec.runner.runs
+    result = dec.run([BatchRequest(str(i), p, n, arrival_step=2 * i)
+                      for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+    decode_steps = [s for s in result.steps if s.rows and not s.prompt_tokens]
+    assert len(runs) == len(decode_steps) > 0  # every decode step, and only those, ran the static forward
+    assert any(rows < 3 for rows, _ in runs)  # with idle rows
+    if drafter == "ngram":
+        assert any(t > 1 for _, t in runs)

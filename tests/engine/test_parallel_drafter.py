@@ -229,6 +229,81 @@ def test_captured_chain_proposal_equals_the_nets_picks_on_cuda():
     assert [sp.generate(p, 40).tokens for p in prompts] == [ar.generate(p, 40).tokens for p in prompts]
 
 
+def _rows_propose_as_one_by_one(model, device: str, graph: bool) -> None:
+    """`propose_rows` (one batched pass for the forked drafters of a batch's rows) gives each row the chain
+    and the tree its drafter proposes alone, whatever k it then asks for, and a context other than the
+    batched one runs alone again."""
+    rng = random.Random(7)
+    net = random_drafter(model, vocab=32, lookup=True, copy_min_match=3).net.to(device)
+    alone = ParallelDrafter(net, graph=graph)
+    first = ParallelDrafter(net, graph=graph)
+    rows = [first, *(first.fork() for _ in range(4))]
+    assert all(d.net is net and d.shared is first.shared for d in rows) and len({id(d.index) for d in rows}) == 5
+    for step in range(12):
+        contexts = [[rng.randrange(8) for _ in range(rng.randrange(3, 40))] for _ in rows]
+        hiddens = [torch.randn(model.cfg.dim, device=device) for _ in rows]
+        n = 1 if step % 2 else 6
+        batched = 3 + step % 3
+        ParallelDrafter.propose_rows(rows[:batched], contexts[:batched], hiddens[:batched], 6)
+        for d, context, h in zip(rows, contexts, hiddens, strict=True):  # rows past the batch propose alone
+            k = rng.choice([2, 4, 6])
+            alone.reset()
+            want = alone.propose(context, h, k, n)
+            got = d.propose(context, h, k, n)
+            assert [c.tokens for c in got] == [c.tokens for c in want], (step, k, n)
+            assert all(c.scores == pytest.approx(w.scores, rel=1e-5) for c, w in zip(got, want, strict=True))
+            assert d._ready is None  # read once
+    if graph and device == "cuda":
+        assert first.shared.batch.graph is not None
+    with pytest.raises(ValueError, match="share one net"):
+        ParallelDrafter.propose_rows([first, alone], contexts[:2], hiddens[:2], 4)
+
+
+def test_rows_of_a_batch_propose_in_one_pass_as_they_would_alone_on_cpu(tiny):
+    _rows_propose_as_one_by_one(tiny[0], "cpu", graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_of_a_batch_propose_in_one_captured_pass_on_cuda():
+    from specpilot_engine.weights import load_model
+
+    _rows_propose_as_one_by_one(load_model("tiny", dtype="fp32", device="cuda")[0], "cuda", graph=True)
+
+
+def test_a_batch_of_parallel_drafters_drafts_in_one_pass_and_stays_lossless(tiny):
+    """In the batched decoder the rows' forked parallel drafters propose through one `propose_rows` call a
+    step (chains and trees), and every request still gets batch-1 AR's tokens."""
+    from specpilot_engine.batch import BatchDecoder, BatchRequest
+    from specpilot_engine.decode import DecodeConfig
+    from tests.engine.test_lossless import _tiny_prompts
+
+    model, _ = tiny
+    prompts = _tiny_prompts(11, n=6)
+    max_new = [30, 12, 30, 20, 5, 26]
+    reference = [make_engine(tiny, drafter="none").generate(p, n).tokens for p, n in zip(prompts, max_new, strict=True)]
+    calls = []
+    propose_rows = ParallelDrafter.propose_rows
+
+    class Counting(ParallelDrafter):
+        @staticmethod
+        def propose_rows(drafters, contexts, hiddens, k):
+            calls.append(len(drafters))
+            propose_rows(drafters, contexts, hiddens, k)
+
+    for tree in (False, True):
+        calls.clear()
+        first = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
+        first = Counting(first.net)
+        drafters = [first, *(first.fork() for _ in range(2))]
+        dec = BatchDecoder(model, drafters, DecodeConfig(block_size=4, tree=tree, tree_nodes=8), rows=3, max_len=256,
+                           stop_ids=model.cfg.stop_ids)
+        result = dec.run([BatchRequest(str(i), p, n, arrival_step=i) for i, (p, n) in
+                          enumerate(zip(prompts, max_new, strict=True))])
+        assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference, tree
+        assert calls and max(calls) == 3  # full steps drafted all three rows in one pass
+
+
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
     model, _ = tiny
     d = random_drafter(model, vocab=16, lookup=True)

@@ -110,6 +110,28 @@ def test_launch_bound_classes_count_as_overhead():
     assert product(seen) == pytest.approx(product(blind))  # the same gap, attributed differently
 
 
+def test_a_step_of_many_small_kernels_is_floored_by_their_latency():
+    """A graphed GPU step of a small model: 240 kernels at 2 us each outweigh the bytes it reads, so the
+    ceiling divides by the latency floor (a bigger tree costs no more: it picks the largest budget whose
+    replay pays), and a step already near that floor has no *kernel* factor left; with no kernel floor
+    (CPU) the byte floors stand."""
+    shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
+    hw = cm.Hardware(bandwidth_bytes_s=1e12, flops_s=1e14)
+    bytes_floor = sum(cm.floors_s(cm.step_work(shape, 5, 10, 2, 2), hw).values())
+    launches = {"q_proj": 40.0, "attention": 100.0, "norms": 100.0, "drafter": 999.0}  # 240 of the step's classes
+    latency = 240 * 2e-6
+    assert latency > 10 * bytes_floor
+    step_s = 1.25 * latency
+    args = dict(shape=shape, hw=hw, weight_bytes=2, act_bytes=2, context=10, t_ar_s=step_s, step_s=step_s, tau=1.0,
+                n_tokens=1, profile_s={"q_proj": 1.1 * latency}, replay={1: 1.5, 4: 2.0})
+    c = cm.ceiling(**args, launches=launches, kernel_floor_s=2e-6)
+    assert c.latency_floor_s == pytest.approx(latency)
+    assert c.budget == 4 and c.speedup == pytest.approx(2.0 * step_s / latency)
+    assert c.factors["kernel"] == pytest.approx(1.1)
+    cpu = cm.ceiling(**args, launches=launches)
+    assert cpu.latency_floor_s == 0.0 and cpu.speedup > 10 * c.speedup and cpu.factors["kernel"] > 10
+
+
 def test_ceiling_picks_the_best_budget_and_refuses_nonsense():
     shape = cm.Shape(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, intermediate=128)
     kw = dict(shape=shape, hw=HW, weight_bytes=4, act_bytes=4, context=10, t_ar_s=1e-3, step_s=1e-3, tau=1.0,

@@ -3,8 +3,9 @@
 Trusted code in the controller's process: a large device-to-device copy (bytes read + written
 over the best of several repeats), a square matmul in the deployment's dtype, and a run of tiny
 in-place additions issued back to back (the host's cost of one eager operator launch: on a GPU the
-floor of a kernel the host must issue, on a CPU one dispatch). The cost model divides by these, so
-they are measured, never looked up.
+floor of a kernel the host must issue, on a CPU one dispatch); on a GPU the same additions replayed as
+one CUDA graph too (``kernel_floor_s``: the device's own floor of a kernel, launches taken off the host).
+The cost model divides by these, so they are measured, never looked up.
 """
 
 from __future__ import annotations
@@ -77,7 +78,19 @@ def measure(device: str = "cpu", dtype: str = "fp32", threads: int | None = None
             tiny.add_(1.0)
 
     launch_s = best_of(launch_run) / n_launches
+    kernel_floor_s, graphed = 0.0, ""
+    if cuda:  # the same additions captured once and replayed: what a kernel costs the device with no host in the way
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            launch_run()  # warm-up on a side stream, as capture asks
+        torch.cuda.current_stream(dev).wait_stream(side)
+        with torch.cuda.graph(graph):
+            launch_run()
+        kernel_floor_s = best_of(graph.replay) / n_launches
+        graphed = ", replayed as one CUDA graph"
     return {"device": device_label(device), "bandwidth_bytes_s": 2 * n_bytes / copy_s, "flops_s": 2 * size**3 / mm_s,
-            "launch_s": launch_s,
+            "launch_s": launch_s, "kernel_floor_s": kernel_floor_s,
             "method": f"best of {repeats}: copy of {n_bytes >> 20} MiB (read + write), {size}^3 matmul in {dtype}, "
-                      f"{n_launches} one-element additions"}
+                      f"{n_launches} one-element additions{graphed}"}

@@ -24,6 +24,11 @@ Definitions:
   (`batched_overhead`) adds the step's per-row part: the batched AR step of B rows of one token over
   one row of B tokens, which is the same linear work without the per-row attention calls, cache
   writes and bookkeeping (host work that one attention call over every row removes).
+- **Latency floor.** A kernel costs the device a few microseconds however little it reads
+  (``kernel_floor_s``, measured by replaying tiny kernels as one CUDA graph), so a step of K kernels costs
+  at least ``K · kernel_floor_s``; a step's floor is the larger of that and its classes' summed floors. On
+  a small model on a GPU (SmolLM2: ~240 kernels a step, 270 MB of bf16 weights) the latency floor is the
+  larger one, and the ceiling and the *kernel* factor read it (CPU: no such floor).
 - **Kernel time** of a class is its profiled time less what its launches cost the host
   (``launches · launch_s``, both measured), but never below its floor: a class whose time is
   launches (an eager step on a GPU, where the device waits for the host) counts as *overhead*,
@@ -166,6 +171,7 @@ class Ceiling:
     factors: dict[str, float]  # tau, kernel, overhead of the current system
     floors_s: dict[str, float]  # per kernel class, of the current step
     current_speedup: float  # tau / (step / t_AR) of the current system
+    latency_floor_s: float = 0.0  # the step's kernels at the device's floor of a kernel (module doc)
 
     @property
     def largest_factor(self) -> str:
@@ -175,19 +181,21 @@ class Ceiling:
 def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float, context: int,
             t_ar_s: float, step_s: float, tau: float, n_tokens: int, profile_s: dict[str, float],
             replay: dict[int, float], draft_floor_s: float = 0.0, launches: dict[str, float] | None = None,
-            launch_s: float = 0.0, head_bytes: float | None = None) -> Ceiling:
+            launch_s: float = 0.0, head_bytes: float | None = None, kernel_floor_s: float = 0.0) -> Ceiling:
     """The ceiling and the factors of the current system.
 
     ``step_s``/``tau``/``n_tokens``: the current system's mean step time, tokens per step and
     tokens per verification (root included); ``profile_s``: seconds per step by kernel class (the
     keys of `KERNEL_CLASSES` that were measured; others are ignored); ``replay``: `replay_tau`;
-    ``launches``: operator launches per step by class, ``launch_s``: the host time of one launch."""
+    ``launches``: operator launches per step by class, ``launch_s``: the host time of one launch;
+    ``kernel_floor_s``: the device time of one tiny kernel in a graph (the latency floor, module doc)."""
     if t_ar_s <= 0 or step_s <= 0 or tau <= 0:
         raise ValueError("t_ar_s, step_s and tau must be positive")
+    latency_s = latency_floor_s(launches or {}, kernel_floor_s)
     options = {}
     for budget, tau_n in replay.items():
         work = step_work(shape, budget + 1, context, weight_bytes, act_bytes, head_bytes)
-        pass_s = draft_floor_s + sum(floors_s(work, hw).values())
+        pass_s = draft_floor_s + max(latency_s, sum(floors_s(work, hw).values()))
         options[budget] = (tau_n * t_ar_s / pass_s, tau_n)
     budget = max(options, key=lambda b: options[b][0])
     speedup, tau_best = options[budget]
@@ -196,11 +204,16 @@ def ceiling(*, shape: Shape, hw: Hardware, weight_bytes: float, act_bytes: float
                    for k, t in profile_s.items() if k in KERNEL_CLASSES)
     factors = {
         "tau": max(tau_best, tau) / tau,
-        "kernel": kernel_s / sum(current_floors.values()) if kernel_s > 0 else 1.0,
+        "kernel": kernel_s / max(latency_s, sum(current_floors.values())) if kernel_s > 0 else 1.0,
         "overhead": step_s / kernel_s if kernel_s > 0 else 1.0,
     }
     return Ceiling(speedup=speedup, budget=budget, tau_best=tau_best, factors=factors, floors_s=current_floors,
-                   current_speedup=tau * t_ar_s / step_s)
+                   current_speedup=tau * t_ar_s / step_s, latency_floor_s=latency_s)
+
+
+def latency_floor_s(launches: dict[str, float], kernel_floor_s: float) -> float:
+    """The least a step of the profiled classes' kernels costs the device, one ``kernel_floor_s`` a launch."""
+    return kernel_floor_s * sum(n for k, n in launches.items() if k in KERNEL_CLASSES)
 
 
 @dataclass(frozen=True)

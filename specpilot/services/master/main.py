@@ -205,7 +205,7 @@ class RoundDriver:
             factors["overhead"] = costmodel.batched_overhead(factors["overhead"], prof.t_ar_rows_s, prof.t_one_row_s)
         event = await self.emit(schema.CeilingComputed(
             event_id=f"{self.round_id}-ceiling", ceiling_speedup=speedup,
-            factors=factors, floors_s=result.floors_s,
+            factors=factors, floors_s=result.floors_s, latency_floor_s=result.latency_floor_s,
             replay_tau={str(k): v for k, v in best.items()}, replay_by={str(k): v for k, v in by.items()},
             batched=batched, causation_id=prof.event_id))
         result = dataclasses.replace(result, speedup=speedup, factors=factors)
@@ -438,7 +438,7 @@ def compute_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,
     (`costmodel.envelope` of `replays`)."""
     return costmodel.ceiling(**_step_inputs(prof, hw), t_ar_s=prof.t_ar_s, step_s=prof.step_s, tau=prof.tau,
                              n_tokens=max(1, prof.n_tokens), profile_s=dict(prof.classes_s), replay=replay_tau,
-                             launches=dict(prof.launches), launch_s=hw.launch_s)
+                             launches=dict(prof.launches), launch_s=hw.launch_s, kernel_floor_s=hw.kernel_floor_s)
 
 
 def compute_batched_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMeasured,

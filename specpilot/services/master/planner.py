@@ -127,8 +127,9 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     cls = options or engine_options.EngineOptions
     mode = facts.get("mode") or "batch1"
     sweep_table = engine_options.sweeps(cls, mode=mode, dtype=facts.get("dtype"))
-    # the mechanisms made for this serving mode (the batching ones on a batched deployment) go first
-    own_mode = {name for name, i in engine_options.infos(cls).items() if tuple(i.modes) == (mode,)}
+    # the batching mechanisms go first on a batched deployment (on batch 1 the sweeps keep field order)
+    own_mode = {name for name, i in engine_options.infos(cls).items()
+                if mode != "batch1" and tuple(i.modes) == (mode,)}
     requires = engine_options.requirements(cls)
     shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
