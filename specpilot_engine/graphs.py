@@ -61,8 +61,9 @@ def block_mask_rows(tree: DraftTree) -> np.ndarray:
 class _Inputs:
     """The static device buffer of one block size T over R cache rows and its pinned host staging copy."""
 
-    def __init__(self, T: int, rows: int, device: torch.device):
+    def __init__(self, T: int, rows: int, device: torch.device, max_position: int):
         self.T, self.R = T, rows
+        self.max_position = max_position  # the RoPE table's last row: a pad's position never passes it
         n = rows * (2 * T + 1 + T * T)  # tokens R*T, positions R*T, starts R, masks R*T*T
         self.device_buf = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -89,7 +90,9 @@ class _Inputs:
         row_starts[:] = starts
         if len(blocks) < R or any(len(tree) < T for tree, _ in blocks.values()):
             tokens[:] = 0
-            positions[:] = np.asarray(starts)[:, None] + np.arange(T)
+            # a pad's position is never read back (its output is dropped, its key overwritten), but it
+            # indexes the RoPE table, which a cache row rounded up past the model's context outruns
+            positions[:] = np.minimum(np.asarray(starts)[:, None] + np.arange(T), self.max_position)
             masks[:] = np.eye(T, dtype=np.int64)
         for r, (tree, start) in blocks.items():
             n = len(tree)
@@ -147,7 +150,7 @@ class GraphRunner:
             raise ValueError(f"a block of {T} tokens at slots {max(starts)}.. does not fit the cache ({self.cache.max_len})")
         inputs = self._inputs.get(T)
         if inputs is None:
-            inputs = self._inputs[T] = _Inputs(T, R, self.model.device)
+            inputs = self._inputs[T] = _Inputs(T, R, self.model.device, self.model.cfg.max_seq_len - 1)
         inputs.load(blocks, starts)
         length = self.length(T, max(starts))
         if not self.capture:

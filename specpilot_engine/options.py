@@ -113,7 +113,7 @@ class EngineOptions:
         False, "replay decode steps as captured CUDA graphs (specpilot_engine.graphs); no-op off CUDA. Batched: "
         "a step without prompt segments runs every row padded to the longest tree, its attention one padded "
         "call (as batch_attention = padded: bits may differ from per-row attention)",
-        sweep=(True,), factor="overhead", devices=("cuda",))
+        sweep=(True,), factor="overhead", devices=("cuda",), may_change_outputs=True)
     fused_kernels: bool = option(
         False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused; "
         "batch 1 only)", sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True,

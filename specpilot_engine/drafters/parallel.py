@@ -387,9 +387,11 @@ class ParallelDrafter:
             # span may run on past the net's k, to the asked length.
             span = found_all[:span_k]
             return [Candidate(tuple(span), (1.0,) * len(span))]
-        graph = self._proposals()
         if answer is None:
+            graph = self._proposals()
             (answer,) = graph.run([h], [ids])
+        else:  # read with the batched graph: a row's own graph is never built (a capture syncs the device)
+            graph = self.shared.batch
         if n <= 1:
             tokens, scores = graph.chain(answer)
             tokens, scores = tokens[:k], scores[:k]

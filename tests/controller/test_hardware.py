@@ -10,7 +10,11 @@ from specpilot.services.controller import hardware
 
 
 def test_the_cpu_is_measured_and_has_no_kernel_floor():
-    hw = hardware.measure("cpu", "fp32", threads=1, repeats=2)
+    threads = torch.get_num_threads()
+    try:
+        hw = hardware.measure("cpu", "fp32", threads=1, repeats=2)
+    finally:  # measure sets the process's torch threads: the rest of the suite keeps its own
+        torch.set_num_threads(threads)
     assert hw["bandwidth_bytes_s"] > 1e8 and hw["flops_s"] > 1e8  # a copy and a matmul ran
     assert 0 < hw["launch_s"] < 1e-3
     assert hw["kernel_floor_s"] == 0.0 and "graph" not in hw["method"]

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs
 def ctl(tmp_path_factory):
     data = tmp_path_factory.mktemp("ctl")
     kw = {"n_requests": 2, "max_new_tokens": 16, "trials": 2, "threads": 1,
-          "limits": Limits(wall_s=20.0, memory_bytes=3 << 30, pids=64)}  # a tiny worker starts in ~3 s
+          "limits": Limits(wall_s=12.0, memory_bytes=3 << 30, pids=64)}  # a tiny worker starts in ~3 s
     return Controller(data, None, evaluator_kw=kw)
 
 

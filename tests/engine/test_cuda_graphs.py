@@ -129,12 +129,23 @@ def test_static_forward_matches_eager_forward_on_cpu(tiny_cpu):
         m(prompt, torch.arange(20), c, 0)
     tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, 3, 3])
     logits, hidden = m(torch.tensor([tree.tokens]), tree.positions(20), caches[0], 20, tree.attention_mask())
-    inputs = _Inputs(len(tree), 1, torch.device("cpu"))
+    inputs = _Inputs(len(tree), 1, torch.device("cpu"), m.cfg.max_seq_len - 1)
     inputs.load({0: (tree, 20)}, [20])
     tokens, positions, start, mask = inputs.views()
     logits2, hidden2 = m.forward_static(tokens, positions, start, mask != 0, caches[1], 32)
     torch.testing.assert_close(logits2, logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].k[:, :, :, :26], caches[0].k[:, :, :, :26], rtol=1e-6, atol=1e-6)
+
+
+def test_pad_positions_stay_inside_the_rope_table():
+    """A cache row rounded up past the model's context: an idle row's pads near its end index the RoPE
+    table no further than its last row (a device-side assert on CUDA otherwise); real tokens keep theirs."""
+    tree = DraftTree([5, 6, 7], [-1, 0, 1])
+    inputs = _Inputs(4, 2, torch.device("cpu"), max_position=99)
+    inputs.load({0: (tree, 10)}, [10, 98])
+    _, positions, _, _ = inputs.views()
+    assert positions[0].tolist() == [10, 11, 12, 13]
+    assert positions[1].tolist() == [98, 99, 99, 99]
 
 
 # ---------------------------------------------------------------------------------------------
