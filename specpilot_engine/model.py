@@ -565,9 +565,13 @@ class Transformer(nn.Module):
         in_block = (rel >= 0) & (rel < T)
         seen = block_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(R, T, length))
         allowed = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen)  # [R, T, length]
-        bias = torch.zeros((R, T, length), dtype=self.dtype, device=starts.device).masked_fill_(~allowed, float("-inf"))
-        G = self.cfg.n_heads // self.cfg.n_kv_heads
-        return bias.repeat(1, G, 1).unsqueeze(1)
+        return self._row_bias(allowed)
+
+    def _row_bias(self, allowed: Tensor) -> Tensor:
+        """[R, 1, G*T, L] additive bias (0 or -inf) of ``allowed`` [R, T, L], tiled over the G query heads of
+        a KV head (row g*T + t), as the grouped SDPA path takes it."""
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return bias.repeat(1, self.cfg.n_heads // self.cfg.n_kv_heads, 1).unsqueeze(1)
 
     def _padded_rows(self, cache: KVCache, starts: list[int], lengths: list[int], rows: list[int],
                      masks: list[Tensor | None], offsets: list[int]) -> PaddedRows:
@@ -591,11 +595,9 @@ class Transformer(nn.Module):
             scatter.extend(range(row * T, row * T + n))
             write_rows.extend([row] * n)
             write_slots.extend(range(start, start + n))
-        G = self.cfg.n_heads // self.cfg.n_kv_heads
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
         as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
         return PaddedRows(write_rows=as_index(write_rows), write_slots=as_index(write_slots), gather=gather.to(dev),
-                          scatter=as_index(scatter), bias=bias.repeat(1, G, 1).unsqueeze(1), length=length, tokens=T)
+                          scatter=as_index(scatter), bias=self._row_bias(allowed), length=length, tokens=T)
 
     def _sdpa_backends(self):
         return sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
