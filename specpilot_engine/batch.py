@@ -12,11 +12,17 @@ Each request lives in its own row of one KV cache ([layers, rows, kv_heads, max_
 own length. A step:
 
 1. **Join.** Requests that have arrived take free rows, in arrival order (a request that finds no free
-   row waits: the queue never drops one). Stock admits a new request's whole prompt as one forward of its
-   own, before the step (`prefill`), as batch-1 decoding does. With ``BatchPolicy.prefill_chunk`` the
-   prompts of joining rows instead ride in the step's forward, at most that many prompt tokens a step
-   over all of them (first come, first served), beside the other rows' drafts; a row drafts once its
-   whole prompt has run and given its first token.
+   row waits: the queue never drops one). Stock admits each new request's whole prompt at once, before the
+   step: the prompts joining at one step run together in one ragged forward (at most `PREFILL_TOKENS`
+   tokens a forward; a longer prompt runs alone), as a serving engine batches its prefills. Under decode
+   graphs (``static_steps``) each prompt instead replays a captured prefill of its own: the prompt as a
+   causal chain padded to a `PREFILL_BUCKET` multiple on a one-row scratch cache, whose K/V is then
+   copied into the joining row. An eager forward is launch-bound on a GPU (17 ms for one SmolLM2 prompt on
+   an H100, 2026-12-06), and a prompt's K/V bits then depend on the prompt alone, not on which requests
+   joined beside it (bf16 GEMMs differ by shape). With
+   ``BatchPolicy.prefill_chunk`` the prompts of joining rows instead ride in the step's forward, at most
+   that many prompt tokens a step over all of them (first come, first served), beside the other rows'
+   drafts; a row drafts once its whole prompt has run and given its first token.
 2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
    best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
    verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).
@@ -36,7 +42,7 @@ its parent, so speculation stays lossless here as in batch 1.
 This module knows nothing about options parsing, text or timing harnesses. A request's `BatchGeneration`
 records its tokens, committed and verified tokens a step, the steps on which it joined and finished, and
 the clock (``time.perf_counter``) when it was submitted, got its first token and finished; a step's
-`StepRecord` the rows in flight and the forward's seconds.
+`StepRecord` the rows in flight and the seconds of its prefills, drafting and forward.
 """
 
 from __future__ import annotations
@@ -53,6 +59,24 @@ from specpilot_engine.drafters import Drafter
 from specpilot_engine.graphs import GraphRunner
 from specpilot_engine.model import KVCache, Transformer, greedy_ids
 from specpilot_engine.tree import DraftTree
+
+PREFILL_TOKENS = 8192  # prompt tokens one stock prefill forward runs at most (its activations stay small)
+PREFILL_BUCKET = 64  # a graphed prompt is padded to a multiple of this many tokens (one graph a bucket)
+
+
+def _prefill_groups(joining: list) -> list[list]:
+    """The joining (slot, request, submitted_at) in arrival order, cut into forwards of at most
+    `PREFILL_TOKENS` prompt tokens (a longer prompt alone)."""
+    groups: list[list] = []
+    tokens = 0
+    for item in joining:
+        n = len(item[1].prompt)
+        if not groups or tokens + n > PREFILL_TOKENS:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(item)
+        tokens += n
+    return groups
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,8 @@ class StepRecord:
     forward_s: float
     prefills: int = 0  # requests admitted into rows at this step (stock: their prompts run before it)
     prompt_tokens: int = 0  # prompt tokens run inside this step's forward (segmented admission)
+    prefill_s: float = 0.0  # seconds of the joining prompts' forwards before the step (stock admission)
+    draft_s: float = 0.0  # seconds the rows' drafters took this step
 
 
 @dataclass
@@ -179,6 +205,8 @@ class BatchDecoder:
         self.cache = model.new_cache(max_len, batch=rows)
         # decode steps (no prompt segment) as one static forward over every row, replayed as a CUDA graph
         self.runner = static_steps(self.cache) if static_steps else None
+        # prompts as static chains on a one-row scratch cache whose K/V is then copied into the joining row
+        self.prefill_runner = static_steps(model.new_cache(max_len, batch=1)) if static_steps else None
         self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
         self.active: dict[int, _Row] = {}  # cache row -> the request in it
         self.steps = 0  # forwards run so far (the clock of arrival_step, joined_step, finished_step)
@@ -238,6 +266,7 @@ class BatchDecoder:
     def step(self) -> StepRecord | None:
         """Join waiting requests into free rows (their prompts run), then one forward over every row in
         flight; None when no row was in flight after the joins."""
+        joining: list[tuple[int, BatchRequest, float]] = []
         prefills = 0
         free = [i for i in range(self.rows) if i not in self.active]
         while self.waiting and free:
@@ -246,30 +275,70 @@ class BatchDecoder:
             prefills += 1
             if self.policy.prefill_chunk:  # its prompt runs inside the coming steps' forwards
                 self.active[slot] = self._new_row(slot, request, at)
-                continue
-            row = self._prefill(slot, request, at)
-            if self._done(row):
-                self._finish(row)
             else:
-                self.active[row.slot] = row
+                joining.append((slot, request, at))
+        t0 = time.perf_counter()
+        graphed = self.prefill_runner is not None
+        for group in ([[j] for j in joining] if graphed else _prefill_groups(joining)):
+            for row in self._prefill(group):
+                if self._done(row):
+                    self._finish(row)
+                else:
+                    self.active[row.slot] = row
+        prefill_s = time.perf_counter() - t0 if joining else 0.0
         if not self.active:
             return None
         record = self._step(self.active, prefills)
+        record.prefill_s = prefill_s
         for slot in [s for s, row in self.active.items() if self._done(row)]:
             self._finish(self.active.pop(slot))
         self.steps += 1
         return record
 
     @torch.no_grad()
-    def _prefill(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
-        tokens = torch.tensor(r.prompt, dtype=torch.int64, device=self.model.device)
-        positions = torch.arange(len(r.prompt), device=self.model.device)
+    def _prefill(self, joining: list[tuple[int, BatchRequest, float]]) -> list[_Row]:
+        """The joining requests' whole prompts in one ragged forward (each its own cache row from slot 0, causal);
+        each row commits its first token."""
+        if len(joining) == 1 and self.prefill_runner is not None:
+            slot, request, at = joining[0]
+            n = len(request.prompt)
+            T = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+            if self.prefill_runner.fits(T, 0):
+                return [self._prefill_graphed(slot, request, at, T)]
+        device = self.model.device
+        prompts = [r.prompt for _, r, _ in joining]
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
         t0 = time.perf_counter()
-        logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [0], [len(r.prompt)], [slot], [None],
-                                                   last_only=True)
-        row = self._new_row(slot, r, submitted_at)
+        logits, hidden = self.model.forward_ragged(tokens, positions, self.cache, [0] * len(prompts),
+                                                   [len(p) for p in prompts], [slot for slot, _, _ in joining],
+                                                   [None] * len(prompts), last_only=True)
+        first = greedy_ids(logits).tolist()  # the forward's one device sync
+        seconds = time.perf_counter() - t0
+        rows, end = [], 0
+        for (slot, request, at), prompt, token in zip(joining, prompts, first, strict=True):
+            end += len(prompt)
+            row = self._new_row(slot, request, at)
+            row.prefill_s = seconds
+            self._first_token(row, token, hidden[end - 1])
+            rows.append(row)
+        return rows
+
+    def _prefill_graphed(self, slot: int, request: BatchRequest, submitted_at: float, T: int) -> _Row:
+        """One prompt as a causal chain padded to T tokens on the scratch cache (a captured step; the pads
+        come after the prompt, so nothing of the prompt sees them), its n slots of K/V then copied into the
+        joining cache row."""
+        prompt, n = request.prompt, len(request.prompt)
+        t0 = time.perf_counter()
+        chain = DraftTree.chain(prompt[0], list(prompt[1:]) + [0] * (T - n))
+        argmax, hidden = self.prefill_runner.run(chain, 0)
+        scratch = self.prefill_runner.cache
+        self.cache.k[:, slot, :, :n] = scratch.k[:, 0, :, :n]
+        self.cache.v[:, slot, :, :n] = scratch.v[:, 0, :, :n]
+        first = int(argmax[n - 1])  # the prefill's one device sync
+        row = self._new_row(slot, request, submitted_at)
         row.prefill_s = time.perf_counter() - t0
-        self._first_token(row, int(greedy_ids(logits[0])), hidden[-1])
+        self._first_token(row, first, hidden[n - 1].clone())  # the graph's output is overwritten by its next replay
         return row
 
     def _new_row(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
@@ -374,12 +443,14 @@ class BatchDecoder:
                      active[s].request.max_new_tokens - len(active[s].gen.tokens) - 1)
               for s, size in zip(slots, sizes, strict=True)}
         nodes = {s: min(size, self.cache.max_len - active[s].start - 1) for s, size in zip(slots, sizes, strict=True)}
+        t_draft = time.perf_counter()
         together_s = self._propose_together([active[s] for s in slots if ks[s] > 0 and nodes[s] > 0])
         for slot in slots:
             row = active[slot]
             t0 = time.perf_counter()
             row.tree = draft(row.drafter, row.context, row.hidden, ks[slot], self.cfg, max_nodes=nodes[slot])
             row.gen.draft_s.append(time.perf_counter() - t0 + together_s.get(slot, 0.0))
+        draft_s = time.perf_counter() - t_draft
         trees = [active[s].tree for s in slots]
         lengths = [len(tree) for tree in trees]
         # the prompt segments ride after the decoding rows: causal chains whose logits matter only where a
@@ -442,4 +513,4 @@ class BatchDecoder:
             row.gen.verify_s.append(forward_s)
             committed += len(row.gen.tokens) - before
         return StepRecord(rows=len(slots), verified=sum(lengths), committed=committed, forward_s=forward_s,
-                          prefills=prefills, prompt_tokens=sum(segments.values()))
+                          prefills=prefills, prompt_tokens=sum(segments.values()), draft_s=draft_s)

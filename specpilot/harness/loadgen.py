@@ -42,6 +42,8 @@ class LoadResult:
     step_rows: list[int] = field(default_factory=list)
     step_forward_s: list[float] = field(default_factory=list)
     step_wall_s: list[float] = field(default_factory=list)  # the whole step: joins, drafting, forward, acceptance
+    step_prefill_s: list[float] = field(default_factory=list)  # the joining prompts' forwards before the step
+    step_draft_s: list[float] = field(default_factory=list)  # the rows' drafting
     step_committed: list[int] = field(default_factory=list)
     step_verified: list[int] = field(default_factory=list)  # the rows' tokens (roots and drafts) a forward
     max_waiting: int = 0  # most requests queued for a row at once (clients beyond the decoder's rows)
@@ -70,7 +72,19 @@ class LoadResult:
             # the share of the steps' time outside the target's forward (prefills, drafting, acceptance): on
             # a GPU the host work that graphs do not remove
             "host_share": 1 - sum(self.step_forward_s) / sum(self.step_wall_s) if sum(self.step_wall_s) > 0 else 0.0,
+            "time_split": self.time_split(),
         }
+
+    def time_split(self) -> dict[str, float]:
+        """Where the steps' wall time went, as shares: the joining prompts' forwards (prefill), drafting, the
+        decode forward, and the rest (acceptance, bookkeeping)."""
+        wall = sum(self.step_wall_s)
+        if wall <= 0:
+            return {}
+        parts = {"prefill": sum(self.step_prefill_s), "draft": sum(self.step_draft_s),
+                 "forward": sum(self.step_forward_s)}
+        parts["other"] = max(0.0, wall - sum(parts.values()))
+        return {k: round(v / wall, 4) for k, v in parts.items()}
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -110,6 +124,8 @@ def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: in
             result.step_rows.append(record.rows)
             result.step_forward_s.append(record.forward_s)
             result.step_wall_s.append(t_step)
+            result.step_prefill_s.append(record.prefill_s)
+            result.step_draft_s.append(record.draft_s)
             result.step_committed.append(record.committed)
             result.step_verified.append(record.verified)
         for rid, gen in decoder.finished():

@@ -72,6 +72,31 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_mates(tiny_stream):
         assert mixed.tokens == alone.tokens and mixed.committed == alone.committed, rows
 
 
+def test_requests_joining_at_one_step_prefill_in_one_forward(tiny_stream, monkeypatch):
+    """Stock admission: the prompts that join at one step run as one ragged forward (cut at
+    `PREFILL_TOKENS` tokens; a longer prompt alone), and each request still gets its batch-1 tokens."""
+    import specpilot_engine.batch as batch
+
+    prompts = _tiny_prompts(7, n=7)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 12).tokens for p in prompts]
+    model = tiny_stream[0]
+    calls: list[list[int]] = []  # the cache rows of each forward
+    forward_ragged = model.forward_ragged
+    monkeypatch.setattr(model, "forward_ragged", lambda *a, **k: calls.append(list(a[5])) or forward_ragged(*a, **k))
+    for limit, first_forwards in ((batch.PREFILL_TOKENS, [[0, 1, 2, 3, 4]]), (1, [[0], [1], [2], [3], [4]])):
+        monkeypatch.setattr(batch, "PREFILL_TOKENS", limit)
+        calls.clear()
+        dec = _decoder(model, 5, "ngram")
+        for i, p in enumerate(prompts):
+            dec.submit(BatchRequest(f"r{i}", p, 12))
+        record = dec.step()
+        assert calls[:len(first_forwards)] == first_forwards and record.prefills == 5 and record.prefill_s > 0
+        while dec.busy:
+            dec.step()
+        got = dict(dec.finished())
+        assert [got[f"r{i}"].tokens for i in range(7)] == reference, limit
+
+
 def test_smollm2_batched_equals_batch_one(smollm2, smol_reference):
     """SmolLM2 with the stream backend, eight dev prompts over four rows with the n-gram tree: each
     request's tokens equal batch-1 AR decoding's with the same linears."""
@@ -117,6 +142,9 @@ def test_closed_loop_clients_get_every_answer_and_the_load_is_measured(tiny_stre
     assert s["latency_p99_s"] >= s["latency_p50_s"] > 0 and s["tok_s"] > 0 and s["tau"] >= 1.0
     assert set(s["step_s_by_rows"]) <= {"1", "2", "3"}
     assert 0 < s["host_share"] < 1 and len(load.step_wall_s) == len(load.step_forward_s)
+    split = s["time_split"]
+    assert set(split) == {"prefill", "draft", "forward", "other"} and abs(sum(split.values()) - 1) < 1e-3
+    assert split["prefill"] > 0 and split["draft"] > 0 and split["forward"] > 0
     with pytest.raises(ValueError, match="concurrency >= 1"):
         closed_loop(dec, prompts, concurrency=0, max_new_tokens=4, total=1)
 
@@ -340,8 +368,9 @@ class _CountingRunner(GraphRunner):
                                                  ("ngram", False, 16)])
 def test_static_steps_keep_each_requests_tokens(tiny_stream, drafter, tree, chunk):
     """The batched decoder's graph path (``cuda_graphs``), run without capture: every decode step is one
-    static forward over all rows, padded to the longest tree, across attention-length buckets; with
-    prompt segments those steps run the ragged forward. Each request gets batch-1 AR's tokens on these
+    static forward over all rows, padded to the longest tree, across attention-length buckets; a joining
+    prompt runs as a static chain padded to a bucket on a one-row scratch cache; with prompt segments those
+    steps run the ragged forward. Each request gets batch-1 AR's tokens on these
     prompts (forced, not trusted, in a round: the padded sum over keys may round differently)."""
     from specpilot_engine.batch import BatchPolicy
 
@@ -363,3 +392,5 @@ def test_static_steps_keep_each_requests_tokens(tiny_stream, drafter, tree, chun
     assert any(rows < 3 for rows, _ in runs)  # with idle rows
     if drafter == "ngram":
         assert any(t > 1 for _, t in runs)
+    if not chunk:  # the joins (one at a time here) ran as padded static chains on the scratch cache
+        assert len(dec.prefill_runner.runs) == len(prompts) and {t for _, t in dec.prefill_runner.runs} == {64}
