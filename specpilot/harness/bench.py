@@ -76,6 +76,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", default=None,
                     help="batched deployments: rows B of the c(N, B) table (default: 1,2,4,<concurrency>)")
     ap.add_argument("--reps", type=positive_int, default=5, help="batched deployments: timed forwards a c(N, B) cell")
+    ap.add_argument("--runs", type=positive_int, default=1,
+                    help="batched deployments: closed-loop loads a system, interleaved across systems; the median "
+                         "one is reported (one GPU run's throughput moved ~10%% between loads, 2026-12-06)")
     ap.add_argument("--server-options", default="{}",
                     help="server deployments: JSON of the system's [server.options] settings, e.g. "
                          "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")
