@@ -31,7 +31,8 @@ capture is possible (CUDA only).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +46,26 @@ DEFAULT_BUCKET = 256  # cache slots per attention-length bucket
 
 def graphs_supported(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+Outputs = TypeVar("Outputs")
+
+
+def capture(compute: Callable[[], Outputs], device: torch.device | str,
+            pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """``compute`` run once on a side stream (cuBLAS handles and workspaces, kernel selection, lazy
+    allocations: the warm-up the torch.cuda.graphs docs ask for), then captured: (graph, the outputs each
+    replay rewrites). ``compute`` runs twice, so it must write nothing the second run does not write again."""
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side), torch.no_grad():
+        compute()
+    main.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        outputs = compute()
+    return graph, outputs
 
 
 def block_mask_rows(tree: DraftTree) -> np.ndarray:
@@ -172,20 +193,10 @@ class GraphRunner:
         logits, hidden = self.model.forward_static(tokens, positions, start, mask != 0, self.cache, length)
         return greedy_ids(logits.flatten(0, 1)), hidden.flatten(0, 1)
 
-    @torch.no_grad()
     def _capture(self, inputs: _Inputs, length: int) -> _Captured:
-        # Warm up on a side stream (cuBLAS handles and workspaces, kernel selection) as the
-        # torch.cuda.graphs docs ask. The warm-up computes this very step: it writes the same K/V
-        # to the same slots as the replay that follows, so it changes nothing.
-        main = torch.cuda.current_stream(self.model.device)
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self._forward(inputs, length)
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            argmax, hidden = self._forward(inputs, length)
+        # The warm-up computes this very step: it writes the same K/V to the same slots as the replay
+        # that follows, so it changes nothing.
+        graph, (argmax, hidden) = capture(lambda: self._forward(inputs, length), self.model.device, self.pool)
         self.captures += 1
         return _Captured(graph, argmax, hidden)
 

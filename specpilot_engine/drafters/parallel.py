@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specpilot_engine import graphs
 from specpilot_engine.drafters.ngram import SuffixIndex
 from specpilot_engine.tree import Candidate
 
@@ -231,14 +232,7 @@ class _ProposalGraph:
         self.hidden = torch.zeros(rows, cfg.dim, dtype=net.out_embed.dtype, device=device)
         self.graph = None
         if capture:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), torch.no_grad():
-                self._compute(rows)  # warm-up off the capture (allocations, lazy initialisation)
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.no_grad():
-                self.out = self._compute(rows)
+            self.graph, self.out = graphs.capture(lambda: self._compute(rows), device)
 
     def _compute(self, rows: int) -> Tensor:
         """[rows, 2, k * (1 + top)] float64. Row 0 of a row's answer: the chain's token ids, then each
