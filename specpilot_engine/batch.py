@@ -64,10 +64,10 @@ PREFILL_TOKENS = 8192  # prompt tokens one stock prefill forward runs at most (i
 PREFILL_BUCKET = 64  # a graphed prompt is padded to a multiple of this many tokens (one graph a bucket)
 
 
-def _prefill_groups(joining: list) -> list[list]:
+def _prefill_groups(joining: list[tuple[int, BatchRequest, float]]) -> list[list[tuple[int, BatchRequest, float]]]:
     """The joining (slot, request, submitted_at) in arrival order, cut into forwards of at most
     `PREFILL_TOKENS` prompt tokens (a longer prompt alone)."""
-    groups: list[list] = []
+    groups: list[list[tuple[int, BatchRequest, float]]] = []
     tokens = 0
     for item in joining:
         n = len(item[1].prompt)
@@ -297,8 +297,9 @@ class BatchDecoder:
 
     @torch.no_grad()
     def _prefill(self, joining: list[tuple[int, BatchRequest, float]]) -> list[_Row]:
-        """The joining requests' whole prompts in one ragged forward (each its own cache row from slot 0, causal);
-        each row commits its first token."""
+        """The joining requests' whole prompts in one ragged forward (each its own cache row from slot 0, causal),
+        or one prompt as a captured prefill (`_prefill_graphed`) when there are decode graphs and its bucket
+        fits the cache; each row commits its first token."""
         if len(joining) == 1 and self.prefill_runner is not None:
             slot, request, at = joining[0]
             n = len(request.prompt)
