@@ -46,7 +46,8 @@ def test_a_batch_on_cuda_gives_each_request_its_batch_one_tokens():
 
 def test_batched_cuda_graphs_replay_the_static_step():
     """``cuda_graphs`` in a batch: decode steps replay one captured graph per (T, length) over every row
-    (`GraphRunner.run_rows`); each request's tokens equal the same static step run eagerly bit for bit
+    (`GraphRunner.run_rows`), and each prompt's prefill a captured chain on the scratch row; each request's
+    tokens equal the same static steps run eagerly bit for bit
     (a replay is that computation) and batch-1 AR's up to near-ties; the engine builds its batched decoder
     with the graphs when the option is on."""
     from specpilot_engine.graphs import GraphRunner
@@ -71,6 +72,7 @@ def test_batched_cuda_graphs_replay_the_static_step():
             got[capture] = [result.generations[f"r{i}"].tokens for i in range(len(prompts))]
             if capture:
                 assert decoder.runner.captures == len(decoder.runner.shapes) > 0
+                assert decoder.prefill_runner.captures > 0  # the prompts' prefills were replayed too
         assert got[True] == got[False], (name, tree)
         agree_up_to_near_ties(model, prompts, got[True], reference, (name, tree))
     engine = make_engine((model, tok), drafter="ngram", cuda_graphs=True)
