@@ -274,7 +274,9 @@ def _table(result: dict) -> None:
                 "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless", "step ms by rows"):
         t.add_column(col, justify="right")
     for name, s in result["systems"].items():
-        t.add_row(name, f"{s['tok_s']:.1f}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
+        runs = s.get("tok_s_runs", [])
+        spread = f" ({min(runs):.0f}-{max(runs):.0f})" if len(runs) > 1 else ""  # every load's, when several ran
+        t.add_row(name, f"{s['tok_s']:.1f}{spread}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
                   f"{s['tau']:.2f}", f"{s['verified_per_row'] - 1:.2f}", f"{s['latency_p50_s']:.2f}",
                   f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",
                   f"{s['host_share']:.0%}", "/".join(f"{v:.0%}" for v in s.get("time_split", {}).values()),
