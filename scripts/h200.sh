@@ -15,7 +15,7 @@
 #           `specpilot.harness.bench` and `.train`. The CLI (a round, noise) also imports duckdb, nats-py
 #           and cryptography (cffi, pycparser): with a 44 MiB part they pass 64 MiB, so carry the whole
 #           .whl in a call of its own)
-#   device: bash scripts/h200.sh stash                            (carry .whl and one part per call)
+#   device: bash scripts/h200.sh stash                            (installs what a call carried; joins the parts)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh gpu-check   (graphs/fused/kernel-floor CUDA tests, graphed c(N, B) of SmolLM2 and 8B)
 #           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)

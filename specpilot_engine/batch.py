@@ -19,10 +19,10 @@ own length. A step:
    causal chain padded to a `PREFILL_BUCKET` multiple on a one-row scratch cache, whose K/V is then
    copied into the joining row. An eager forward is launch-bound on a GPU (17 ms for one SmolLM2 prompt on
    an H100, 2026-12-06), and a prompt's K/V bits then depend on the prompt alone, not on which requests
-   joined beside it (bf16 GEMMs differ by shape). With
-   ``BatchPolicy.prefill_chunk`` the prompts of joining rows instead ride in the step's forward, at most
-   that many prompt tokens a step over all of them (first come, first served), beside the other rows'
-   drafts; a row drafts once its whole prompt has run and given its first token.
+   joined beside it (bf16 GEMMs differ by shape). With ``BatchPolicy.prefill_chunk`` the prompts of
+   joining rows instead ride in the step's forward, at most that many prompt tokens a step over all of
+   them (first come, first served), beside the other rows' drafts; a row drafts once its whole prompt has
+   run and given its first token.
 2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
    best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
    verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).

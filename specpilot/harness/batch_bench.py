@@ -6,9 +6,10 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   says how many waited): output tokens/s, time to first token and per-request latency (p50/p99), tau
   (tokens committed per row a step), draft tokens verified per row a step, the forward's seconds by
   rows in flight, the host's share of the steps (their time outside the forward: prefills, drafting,
-  acceptance) and the steps' time split (prefill, draft, forward, other). Systems: batched AR (no drafter), the deployment's stock speculation, and the system
-  (stock with the option flags) when it differs; speedups over batched AR and over stock speculation;
-  whether each one's tokens equal batched AR's (lossless: equal wherever the rows are batch-invariant).
+  acceptance) and the steps' time split (prefill, draft, forward, other). Systems: batched AR (no
+  drafter), the deployment's stock speculation, and the system (stock with the option flags) when it
+  differs; speedups over batched AR and over stock speculation; whether each one's tokens equal batched
+  AR's (lossless: equal wherever the rows are batch-invariant).
 - ``c(N, B)``: the forward of B rows of N + 1 new tokens each (a root and N drafts) over a context of the
   requests' mean prompt length plus half the output, against the forward of B rows of one token (batched
   AR's step), median of ``--reps`` (replayed as CUDA graphs when the system runs them); and AR's own cost by
@@ -219,8 +220,9 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         # warm up kernels, rows and drafters; with CUDA graphs the whole load once, so that every graph the
         # timed run replays (prompt buckets, blocks, attention lengths) is captured before it, as a serving
         # engine captures its graphs at start-up
-        warm = prompts if decoder.runner is not None else prompts[:rows]
-        closed_loop(decoder, warm, min(clients, rows), max_new if decoder.runner is not None else 8, len(warm))
+        graphed = decoder.runner is not None
+        warm = prompts if graphed else prompts[:rows]
+        closed_loop(decoder, warm, min(clients, rows), max_new if graphed else 8, len(warm))
     for run in range(args.runs):  # interleaved: a drift of the machine touches every system alike
         for name, decoder in decoders.items():
             load = closed_loop(decoder, prompts, clients, max_new, len(prompts))
