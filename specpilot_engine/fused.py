@@ -29,7 +29,12 @@ references (same values as stock up to the concatenated GEMMs' reduction order);
 Triton kernels round every intermediate as stock does, except the norm's reduction order and
 ``exp`` (and with ``fused_gemv`` the GEMVs' reduction order; specpilot_kernels/fused/README.md), so outputs
 may differ at near-ties and a system with this option must pass token forcing. Eager and
-graph-safe (`StaticStep`) forwards are both supported, chains and trees alike. Linear modules stay
+graph-safe (`StaticStep`) forwards are both supported, chains and trees alike, and so are batched ones
+(`specpilot_engine.batch`): a static step over R cache rows runs the RoPE kernel with each row's slots,
+then one attention call over the rows (the stock layer's `CacheAttention._static_read`); a packed ragged
+forward rotates as stock rounds it and attends per row or padded, as the stock layer does; a
+graph-safe block of more than `ops.ATTENTION_KERNEL_MAX_ROWS` query rows (a captured prefill) takes
+the RoPE kernel and SDPA too. Linear modules stay
 ``nn.Linear`` (named ``qkv_proj``, ``gate_up_proj``, ``o_proj``, ``down_proj``), so weight formats
 and backends that swap linears apply after fusion.
 """
@@ -41,8 +46,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from specpilot_engine.model import SDPA, Block, KVCache, RMSNorm, StaticStep, Transformer
+from specpilot_engine.model import (
+    Block,
+    CacheAttention,
+    KVCache,
+    RaggedStep,
+    RMSNorm,
+    StaticStep,
+    Transformer,
+)
 from specpilot_kernels import fused as ops
+from specpilot_kernels.fused.reference import rotate
 
 Stream = Tensor | tuple[Tensor, Tensor | None]  # h, or (h, a delta still to be added to it)
 
@@ -100,32 +114,36 @@ class FinalNorm(AddRMSNorm):
         return super().forward(h, delta)[0]
 
 
-class FusedAttention(nn.Module):
+class FusedAttention(CacheAttention):
     def __init__(self, block: Block, gemv: bool = False):
-        super().__init__()
         attn = block.attn
-        self.layer, self.n_heads, self.n_kv, self.hd = attn.layer, attn.n_heads, attn.n_kv, attn.hd
+        super().__init__(attn.layer, attn.n_heads, attn.n_kv, attn.hd, attn.core)
         self.qkv_proj = _concat_linear(attn.q_proj, attn.k_proj, attn.v_proj, gemv=gemv)
         self.o_proj = _linear(attn.o_proj.weight.detach(), gemv) if gemv else attn.o_proj
-        self.core: SDPA = attn.core
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep | RaggedStep,
                 mask: Tensor | None, causal: bool) -> Tensor:
         return self.attend(self.qkv_proj(x), cos, sin, cache, start, mask, causal)
 
-    def attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
+    def attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep | RaggedStep,
                mask: Tensor | None, causal: bool) -> Tensor:
         """The layer after its QKV projection: RoPE, cache write, attention, o_proj."""
         B, T, _ = qkv.shape
         H, KV, hd = self.n_heads, self.n_kv, self.hd
-        static = isinstance(start, StaticStep)
-        if static and start.slots.shape[0] != 1:
-            raise ValueError("fused_kernels covers one cache row a step (batch 1); a batched deployment leaves it off")
-        slots = start.slots[0] if static else torch.arange(start, start + T, device=qkv.device)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
-        if static:  # graph-safe step: RoPE, cache write and attention in one kernel where it pays
-            y = ops.rope_attention(qkv, cos, sin, H, KV, k_cache, v_cache, slots, start.bias, start.length)
+        if isinstance(start, StaticStep):
+            # graph-safe step: RoPE, cache write and attention in one kernel where it pays (one cache row,
+            # a decode step's few tokens); R cache rows: the RoPE kernel writes each row's slots, then SDPA
+            slots = start.slots[0] if start.slots.shape[0] == 1 else start.slots
+            return self.o_proj(ops.rope_attention(qkv, cos, sin, H, KV, k_cache, v_cache, slots, start.bias,
+                                                  start.length))
+        if isinstance(start, RaggedStep):
+            # a packed batch of rows (eager batched steps, prompt segments): RoPE as stock rounds it, then the
+            # per-row (or padded) attention the stock layer runs
+            q, k, v = qkv.view(B, T, H + 2 * KV, hd).transpose(1, 2).split([H, KV, KV], dim=1)
+            y = self._ragged(rotate(q, cos, sin), rotate(k, cos, sin), v, cache, start)
             return self.o_proj(y)
+        slots = torch.arange(start, start + T, device=qkv.device)
         q = ops.rope_qkv(qkv, cos, sin, H, KV, k_cache, v_cache, slots)
         end = start + T
         y = self.core(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal).transpose(1, 2)

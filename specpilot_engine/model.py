@@ -330,50 +330,36 @@ class PaddedRows:
     tokens: int  # T
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.layer, self.n_heads, self.n_kv, self.hd = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = SDPA()
+class CacheAttention(nn.Module):
+    """Attention of a layer's rotated queries over its KV cache rows, for each kind of step (`StaticStep`,
+    `RaggedStep`); shared by the stock `Attention` and the fused one (`specpilot_engine.fused`)."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
-                mask: Tensor | None, causal: bool) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(start, StaticStep):
-            return self.o_proj(self._static_attention(q, k, v, cache, start))
-        if isinstance(start, RaggedStep):
-            if start.padded is not None:
-                return self.o_proj(self._padded_attention(q, k, v, cache, start.padded))
-            return self.o_proj(self._ragged_attention(q, k, v, cache, start))
-        k, v = cache.update(self.layer, start, k, v)
-        y = self.core(q, k, v, mask, causal)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+    def __init__(self, layer: int, n_heads: int, n_kv: int, hd: int, core: SDPA):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv, self.hd = layer, n_heads, n_kv, hd
+        self.core = core
 
     def _static_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
-        """Graph-safe attention: K/V written through an index tensor, then every query of a KV head's
-        group reads the fixed first ``step.length`` slots as one batch of G*T rows (no K/V repeat)."""
+        """Graph-safe attention: K/V written through an index tensor, then `_static_read`."""
+        cache.write(self.layer, step.slots, k, v)
+        return self._static_read(q, cache, step)
+
+    def _static_read(self, q: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
+        """Every query of a KV head's group reads the fixed first ``step.length`` slots (the block's K/V
+        already written) as one batch of G*T rows (no K/V repeat); returns [B, T, H*hd]."""
         B, H, T, hd = q.shape
         G = H // self.n_kv
-        cache.write(self.layer, step.slots, k, v)
         keys = cache.k[self.layer, :, :, : step.length]
         values = cache.v[self.layer, :, :, : step.length]
         y = self.core(q.reshape(B, self.n_kv, G * T, hd), keys, values, step.bias, False, gqa=False)
         # [B, KV, G*T, hd] -> [B, T, KV, G, hd] -> [B, T, H*hd] (head h = kv * G + g, as enable_gqa)
         return y.view(B, self.n_kv, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
 
+    def _ragged(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: RaggedStep) -> Tensor:
+        """A packed block's attention: one padded call (``step.padded``) or one call a row."""
+        if step.padded is not None:
+            return self._padded_attention(q, k, v, cache, step.padded)
+        return self._ragged_attention(q, k, v, cache, step)
 
     def _ragged_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: RaggedStep) -> Tensor:
         """Over a packed block (q [1, H, N, hd], the rows' tokens back to back): each row's tokens attend
@@ -387,7 +373,6 @@ class Attention(nn.Module):
             out = self.core(q[:, :, o:o + n], keys, values, mask, causal)
             y[0, o:o + n] = out[0].transpose(0, 1).reshape(n, H * hd)
         return y
-
 
     def _padded_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, p: PaddedRows) -> Tensor:
         """Over a packed block (q [1, H, N, hd]): the new keys written with one indexed store, then every
@@ -404,6 +389,35 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.bias)
         y = y.view(R, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, H * hd)  # [R*T, H*hd]
         return y.index_select(0, p.scatter).unsqueeze(0)
+
+
+class Attention(CacheAttention):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, SDPA())
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, start: int | StaticStep,
+                mask: Tensor | None, causal: bool) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(start, StaticStep):
+            return self.o_proj(self._static_attention(q, k, v, cache, start))
+        if isinstance(start, RaggedStep):
+            return self.o_proj(self._ragged(q, k, v, cache, start))
+        k, v = cache.update(self.layer, start, k, v)
+        y = self.core(q, k, v, mask, causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
 
 class MLP(nn.Module):

@@ -116,8 +116,8 @@ class EngineOptions:
         sweep=(True,), factor="overhead", devices=("cuda",), may_change_outputs=True)
     fused_kernels: bool = option(
         False, "fused norm/RoPE/SiLU kernels and concatenated QKV, gate/up GEMMs (specpilot_engine.fused; "
-        "batch 1 only)", sweep=(True,), factor="overhead", devices=("cuda",), model=True, may_change_outputs=True,
-        modes=("batch1",))
+        "batched: every cache row's RoPE and cache writes in one kernel)", sweep=(True,), factor="overhead",
+        devices=("cuda",), model=True, may_change_outputs=True)
     fused_gemv: bool = option(
         False, "with fused_kernels: Triton GEMVs at small M, norm and SiLU·mul folded in", sweep=(True,),
         factor="overhead", devices=("cuda",), model=True, requires={"fused_kernels": True},

@@ -43,12 +43,19 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
 # One program per KV head walks the whole context in `rope_attention`'s kernel: good for a short
 # context and few heads (SmolLM2's decode steps); beyond this many slots SDPA does the attention.
 ATTENTION_KERNEL_MAX_SLOTS = 1024
+# ... and it holds a KV head's G*T query rows in registers: a decode step's few tokens, not a prompt
+# (a captured prefill of hundreds of tokens takes the RoPE kernel and SDPA instead).
+ATTENTION_KERNEL_MAX_ROWS = 128
 
 
 def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
                    v_cache: Tensor, slots: Tensor, bias: Tensor, length: int) -> Tensor:
-    """RoPE + cache write + a decode step's attention, [B, T, H*hd]; see `reference.rope_attention`."""
-    if uses_triton(qkv) and length <= ATTENTION_KERNEL_MAX_SLOTS and cos.ndim == 2:
+    """RoPE + cache write + a decode step's attention, [B, T, H*hd]; see `reference.rope_attention`.
+    ``slots`` [T] (every cache row the same) or [B, T] (a batched step: each row its own, its positions
+    in cos/sin [B, 1, T, hd])."""
+    one_block = cos.ndim == 2 and slots.ndim == 1
+    rows = n_heads // n_kv * qkv.shape[1]
+    if uses_triton(qkv) and one_block and length <= ATTENTION_KERNEL_MAX_SLOTS and rows <= ATTENTION_KERNEL_MAX_ROWS:
         from .kernel import rope_attention as fused
         return fused(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length)
     if uses_triton(qkv):  # the RoPE kernel, then SDPA

@@ -73,7 +73,7 @@ def _rotated(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
-                     T, n_heads, n_kv, cos_sb, cos_st, cache_sb, cache_sh, cache_ss,
+                     T, n_heads, n_kv, cos_sb, cos_st, slots_sb, cache_sb, cache_sh, cache_ss,
                      HALF: tl.constexpr):
     row = tl.program_id(0)  # b * T + t
     head = tl.program_id(1)  # q heads, then k heads, then v heads
@@ -90,7 +90,7 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr,
     if head < n_heads:
         dst = q_ptr + ((b * n_heads + head) * T + t).to(tl.int64) * hd
     else:
-        slot = tl.load(slots_ptr + t)
+        slot = tl.load(slots_ptr + b * slots_sb + t)
         kv_head = (head - n_heads) % n_kv
         offset = b.to(tl.int64) * cache_sb + kv_head * cache_sh + slot * cache_ss
         if head < n_heads + n_kv:
@@ -111,10 +111,14 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_c
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("cos and sin must share strides and be contiguous in head_dim")
     cos_sb, cos_st = (0, cos.stride(0)) if cos.ndim == 2 else (cos.stride(0), cos.stride(-2))
+    if slots.shape[-1] != T or (slots.ndim == 2 and slots.shape[0] != B) or slots.ndim > 2:
+        raise ValueError(f"slots must be [{T}] or [{B}, {T}], got {tuple(slots.shape)}")
+    slots = slots.contiguous()
+    slots_sb = T if slots.ndim == 2 else 0  # [B, T]: each cache row its own slots
     q = torch.empty(B, n_heads, T, hd, dtype=qkv.dtype, device=qkv.device)
     with on_device(qkv):
         _rope_qkv_kernel[(B * T, n_heads + 2 * n_kv)](
-            qkv.contiguous(), cos, sin, q, k_cache, v_cache, slots, T, n_heads, n_kv, cos_sb, cos_st,
+            qkv.contiguous(), cos, sin, q, k_cache, v_cache, slots, T, n_heads, n_kv, cos_sb, cos_st, slots_sb,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=hd // 2, num_warps=1,
             enable_fp_fusion=False)
     return q

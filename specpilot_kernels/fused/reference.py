@@ -10,8 +10,9 @@ cannot: reduction order of the norm, ``exp``).
   the weight in the dtype. Returns ``(normed, h')``.
 - `rope_qkv(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots)`: split a fused QKV projection
   ``[B, T, (H + 2 KV) * hd]`` into heads, rotate q and k ("rotate half" RoPE, products and sum
-  each rounded to the dtype), write k and v into the cache at ``slots`` and return q
-  ``[B, H, T, hd]`` (contiguous).
+  each rounded to the dtype), write k and v into the cache at ``slots`` (``[T]``: the same slots in
+  every cache row; ``[B, T]``: each row its own, a batched step) and return q ``[B, H, T, hd]``
+  (contiguous).
 - `rope_attention(qkv, cos, sin, n_heads, n_kv, k_cache, v_cache, slots, bias, length)`: `rope_qkv`
   and the graph-safe attention of a decode step (`specpilot_engine.model.StaticStep`'s additive bias over the
   first ``length`` cache slots) in one op; returns ``[B, T, H * hd]``. The Triton kernel computes
@@ -48,13 +49,20 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv: int, k_cache: Tensor,
              v_cache: Tensor, slots: Tensor) -> Tensor:
     """qkv [B, T, (H+2KV)*hd]; cos/sin [T, hd] or [B, 1, T, hd] in qkv's dtype; k_cache/v_cache
-    [B, KV, max_len, hd] (one layer's); slots [T] int64. Returns q [B, H, T, hd]."""
+    [B, KV, max_len, hd] (one layer's); slots [T] int64 (every cache row the same) or [B, T] (cache row b
+    at its own). Returns q [B, H, T, hd]."""
     B, T, width = qkv.shape
     hd = width // (n_heads + 2 * n_kv)
     heads = qkv.view(B, T, n_heads + 2 * n_kv, hd).transpose(1, 2)
     q, k, v = heads.split([n_heads, n_kv, n_kv], dim=1)
-    k_cache.index_copy_(2, slots, rotate(k, cos, sin))
-    v_cache.index_copy_(2, slots, v)
+    k = rotate(k, cos, sin)
+    if slots.ndim == 1:
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+    else:
+        index = slots[:, None, :, None].expand_as(k)
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
     return rotate(q, cos, sin).contiguous()
 
 

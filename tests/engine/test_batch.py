@@ -394,3 +394,37 @@ def test_static_steps_keep_each_requests_tokens(tiny_stream, drafter, tree, chun
         assert any(t > 1 for _, t in runs)
     if not chunk:  # the joins (one at a time here) ran as padded static chains on the scratch cache
         assert len(dec.prefill_runner.runs) == len(prompts) and {t for _, t in dec.prefill_runner.runs} == {64}
+
+
+@pytest.fixture(scope="module")
+def tiny_fused(tiny):
+    """The tiny model with ``fused_kernels`` (its PyTorch references off CUDA), then the stream linears."""
+    model, tok = copy.deepcopy(tiny)
+    opts = EngineOptions(fused_kernels=True, linear_backend="stream").resolved(dtype="fp32")
+    return apply_model_options(model, opts), tok
+
+
+@pytest.mark.parametrize("static,tree,chunk", [(True, False, 0), (True, True, 0), (True, False, 16),
+                                               (False, False, 0)])
+def test_fused_kernels_over_many_rows_keep_each_requests_tokens(tiny_stream, tiny_fused, static, tree, chunk):
+    """``fused_kernels`` in a batch: the graph path's static steps (each cache row's RoPE and cache writes
+    by slot, then one attention over the rows), the scratch-row prefill, prompt segments and the eager
+    ragged forwards all give each request the stock model's batch-1 AR tokens (fp32, CPU references)."""
+    from specpilot_engine.batch import BatchPolicy
+    from specpilot_engine.fused import is_fused
+
+    prompts = _tiny_prompts(31, n=5)
+    max_new = [20, 5, 26, 14, 22]
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, n).tokens
+                 for p, n in zip(prompts, max_new, strict=True)]
+    model = tiny_fused[0]
+    assert is_fused(model)
+    drafters = [NgramDrafter(min_match=1) for _ in range(3)]
+    runner = (lambda cache: _CountingRunner(model, cache, bucket=16, capture=False)) if static else None
+    dec = BatchDecoder(model, drafters, DecodeConfig(block_size=4, tree=tree, tree_nodes=8), rows=3, max_len=256,
+                       stop_ids=model.cfg.stop_ids, policy=BatchPolicy(prefill_chunk=chunk), static_steps=runner)
+    result = dec.run([BatchRequest(str(i), p, n, arrival_step=i)
+                      for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))])
+    assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
+    if static:
+        assert any(rows > 1 for rows, _ in dec.runner.runs)  # steps of several rows ran the static forward

@@ -44,17 +44,22 @@ def test_a_batch_on_cuda_gives_each_request_its_batch_one_tokens():
             assert sum(s.committed for s in result.steps) > len(result.steps)  # drafts were accepted
 
 
-def test_batched_cuda_graphs_replay_the_static_step():
+@pytest.mark.parametrize("fused", [False, True])
+def test_batched_cuda_graphs_replay_the_static_step(fused):
     """``cuda_graphs`` in a batch: decode steps replay one captured graph per (T, length) over every row
     (`GraphRunner.run_rows`), and each prompt's prefill a captured chain on the scratch row; each request's
     tokens equal the same static steps run eagerly bit for bit
     (a replay is that computation) and batch-1 AR's up to near-ties; the engine builds its batched decoder
-    with the graphs when the option is on."""
+    with the graphs when the option is on. ``fused``: the same with ``fused_kernels`` (the RoPE kernel
+    writing each row's slots, then one attention over the rows; prefills through the RoPE kernel and SDPA)."""
+    from specpilot_engine.fused import fuse_model
     from specpilot_engine.graphs import GraphRunner
     from specpilot_engine.weights import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model, tok = load_model("tiny", dtype="fp32", device="cuda")
+    if fused:
+        fuse_model(model)
     prompts = _tiny_prompts(3, n=8)
     max_new = [40, 24, 40, 8, 33, 40, 1, 17]
     reference = [make_engine((model, tok), drafter="none").generate(p, n).tokens

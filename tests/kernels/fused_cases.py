@@ -23,6 +23,7 @@ def kernel_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "h": rand(3, 5, 577), "delta": rand(3, 5, 577), "norm_w": rand(577),
         "qkv": rand(B, T, (H + 2 * KV) * hd), "cos": rand(T, hd), "sin": rand(T, hd),
         "cos_rows": rand(B, 1, T, hd), "sin_rows": rand(B, 1, T, hd), "slots": torch.tensor([7, 9, 8]),
+        "slots_rows": torch.tensor([[7, 9, 8], [3, 4, 5]]),
         "cache": torch.zeros(B, KV, 16, hd), "gate_up": rand(2, 3, 2 * 1500),
         "cache_filled": rand(1, KV, 16, hd), "qkv_one": rand(1, T, (H + 2 * KV) * hd), "bias": step_bias(),
         "cache_long": rand(1, KV, 256, hd), "bias_long": step_bias(length=200, start=190),
@@ -53,6 +54,10 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
         k, v = x["cache"].clone(), x["cache"].clone()
         out["q" + suffix] = ops.rope_qkv(x["qkv"], x["cos" + suffix], x["sin" + suffix], *HEADS, k, v, x["slots"])
         out["k" + suffix], out["v" + suffix] = k, v
+    # a batched step: each cache row writes its own slots
+    k, v = x["cache"].clone(), x["cache"].clone()
+    out["q_slots_rows"] = ops.rope_qkv(x["qkv"], x["cos_rows"], x["sin_rows"], *HEADS, k, v, x["slots_rows"])
+    out["k_slots_rows"], out["v_slots_rows"] = k, v
     out["silu"] = ops.silu_mul(x["gate_up"])
     k, v = x["cache_filled"].clone(), x["cache_filled"].clone() * 0.5
     slots = torch.tensor([7, 8, 9], device=x["qkv_one"].device)
@@ -95,6 +100,17 @@ def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
         tree = DraftTree([9, 4, 5, 6], [-1, 0, 0, 1])
         runner = GraphRunner(model, cache, bucket=16, capture=False)
         out["tree_argmax"], out["tree_hidden"] = runner.run(tree, 24)
+        # continuous batching over 3 cache rows: a ragged prefill of two prompts, a padded ragged step,
+        # then a graph-safe step of a tree (row 0) and a chain (row 2) beside an idle row
+        rows = model.new_cache(64, batch=3)
+        a, b = list(range(10, 27)), list(range(40, 51))
+        out["rows_prefill"], _ = model.forward_ragged(torch.tensor(a + b), torch.cat([torch.arange(17), torch.arange(11)]),
+                                                      rows, [0, 0], [17, 11], [0, 2], [None, None])
+        out["rows_padded"], _ = model.forward_ragged(torch.tensor([5, 6, 7]), torch.tensor([17, 18, 11]), rows, [17, 11],
+                                                     [2, 1], [0, 2], [None, None], padded=True)
+        runner = GraphRunner(model, rows, bucket=16, capture=False)
+        argmax, hidden, _ = runner.run_rows({0: (tree, 19), 2: (DraftTree.chain(8, [3, 2]), 12)}, idle={1: 0})
+        out["rows_argmax"], out["rows_hidden"] = argmax, hidden
     return out
 
 

@@ -23,7 +23,7 @@ from specpilot_kernels.fused import reference
 from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "attn_k", "attn_v", "gemv_h", "gemv_h3", "gemv_h1",
+EXACT = ("h", "q", "k", "v", "q_rows", "k_rows", "v_rows", "q_slots_rows", "k_slots_rows", "v_slots_rows", "attn_k", "attn_v", "gemv_h", "gemv_h3", "gemv_h1",
          "gemv_h2")
 CLOSE = ("norm", "norm_no_delta", "silu", "attn", "attn_long")  # another reduction order, or another exp
 # a dot over 577 terms in another order than F.linear's
@@ -54,6 +54,10 @@ def test_interpreted_kernels_match_reference(interpreted):
     # the cache rows the slots name were written, the others not
     written = got["k"].abs().sum(-1) != 0
     assert written[:, :, [7, 8, 9]].all() and not written[:, :, :7].any() and not written[:, :, 10:].any()
+    # per-row slots: row 0 at 7..9, row 1 at 3..5, nothing else
+    written = got["k_slots_rows"].abs().sum(-1) != 0
+    assert written[0, :, 7:10].all() and written[0, :, :7].sum() == 0 and written[0, :, 10:].sum() == 0
+    assert written[1, :, 3:6].all() and written[1, :, :3].sum() == 0 and written[1, :, 6:].sum() == 0
 
 
 def test_interpreted_split_attention_matches_reference(interpreted):
@@ -72,9 +76,10 @@ def test_interpreted_fused_model_matches_stock(interpreted, variant):
     through the norm + GEMV kernel, the 20-row prefill through the unfolded path) against stock."""
     stock = model_forwards(fused=False)
     got = interpreted[variant]
-    for name in ("prefill", "chain", "step", "tree_hidden"):
+    for name in ("prefill", "chain", "step", "tree_hidden", "rows_prefill", "rows_padded", "rows_hidden"):
         torch.testing.assert_close(got[name], stock[name], rtol=1e-5, atol=1e-5)
     assert torch.equal(got["tree_argmax"], stock["tree_argmax"])
+    assert torch.equal(got["rows_argmax"], stock["rows_argmax"])
 
 
 def test_reference_fused_model_is_stock_bit_for_bit():
