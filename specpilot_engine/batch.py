@@ -111,7 +111,12 @@ class BatchPolicy:
       bits may differ from a whole-prompt prefill's: forcing, not construction, says it is lossless.
     - ``padded_attention``: a step's attention as one call over every cache row (`model.PaddedRows`), not
       one call a row: fewer launches and host work a step, but the sum over keys runs over the longest
-      row's slots, so its bits may differ too (forcing decides)."""
+      row's slots, so its bits may differ too (forcing decides).
+    - ``device_drafts``: with decode graphs and parallel drafters drafting chains, the net's picks stay on
+      the GPU and the verify step reads them in place (`ParallelDrafter.chains_on_device`, `GraphRunner.run_rows`'s
+      ``drafts``): one device sync a step instead of two, and no per-row proposal on the host. Rows whose
+      lookup is copied whole still draft on the host; no copied continuation runs past the net's k. It only
+      chooses what is drafted: the target still accepts its own argmax."""
 
     node_budget: int = 0
     adaptive_block: bool = False
@@ -119,6 +124,7 @@ class BatchPolicy:
     prefill_chunk: int = 0
     padded_attention: bool = False
     max_spec_rows: int = 0
+    device_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.node_budget < 0 or self.window < 1 or self.prefill_chunk < 0 or self.max_spec_rows < 0:
@@ -436,6 +442,40 @@ class BatchDecoder:
                 shares.update({r.slot: (time.perf_counter() - t0) / len(group) for r in group})
         return shares
 
+    def _draft_on_device(self, active: dict[int, _Row], slots: list[int], ks: dict[int, int],
+                         nodes: dict[int, int]) -> tuple[dict[int, int], torch.Tensor | None] | None:
+        """``device_drafts``: set every drafting row's chain (`ParallelDrafter.chains_on_device`), the net's
+        picks as placeholders to be filled on the device; returns (cache row -> its row of the drafts,
+        the drafts [n, k] or None when no row needs the net) for `GraphRunner.run_rows`, or None (the host
+        drafts) when the policy is off, there are no decode graphs, the step verifies trees, a row's
+        drafter cannot, or the step will not fit the graphs."""
+        if not self.policy.device_drafts or self.runner is None or self.cfg.tree:
+            return None
+        drafting = [s for s in slots if ks[s] > 0 and nodes[s] > 0]
+        drafters = [active[s].drafter for s in drafting]
+        if not drafting or not all(hasattr(d, "chains_on_device") for d in drafters):
+            return None
+        T = 1 + max(ks[s] for s in drafting)  # the longest block this step can have
+        if not all(self.runner.fits(T, row.start) for row in active.values()):
+            return None  # the step runs eagerly: the host drafts
+        spans, drafts = type(drafters[0]).chains_on_device(drafters, [active[s].context for s in drafting],
+                                                           [active[s].hidden for s in drafting],
+                                                           [ks[s] for s in drafting])
+        rows_of: dict[int, int] = {}
+        by_slot = dict(zip(drafting, spans, strict=True))
+        for slot in slots:
+            row = active[slot]
+            root = row.context[-1]
+            if slot not in by_slot:
+                row.tree = DraftTree.chain(root, [])
+            elif (span := by_slot[slot]) is not None:
+                row.tree = DraftTree.chain(root, span[: min(ks[slot], nodes[slot])])
+            else:
+                rows_of[slot] = len(rows_of)
+                n = min(ks[slot], nodes[slot], drafts.shape[1])
+                row.tree = DraftTree.chain(root, [0] * n)  # placeholders: the device fills them in
+        return rows_of, drafts  # drafts None: every drafting row copied a span, nothing waits on the device
+
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         segments = self._segments(active)
         slots = sorted(s for s in active if not active[s].prefilling)
@@ -445,13 +485,18 @@ class BatchDecoder:
               for s, size in zip(slots, sizes, strict=True)}
         nodes = {s: min(size, self.cache.max_len - active[s].start - 1) for s, size in zip(slots, sizes, strict=True)}
         t_draft = time.perf_counter()
-        together_s = self._propose_together([active[s] for s in slots if ks[s] > 0 and nodes[s] > 0])
-        for slot in slots:
-            row = active[slot]
-            t0 = time.perf_counter()
-            row.tree = draft(row.drafter, row.context, row.hidden, ks[slot], self.cfg, max_nodes=nodes[slot])
-            row.gen.draft_s.append(time.perf_counter() - t0 + together_s.get(slot, 0.0))
+        on_device = self._draft_on_device(active, slots, ks, nodes) if not segments else None
+        if on_device is None:
+            together_s = self._propose_together([active[s] for s in slots if ks[s] > 0 and nodes[s] > 0])
+            for slot in slots:
+                row = active[slot]
+                t0 = time.perf_counter()
+                row.tree = draft(row.drafter, row.context, row.hidden, ks[slot], self.cfg, max_nodes=nodes[slot])
+                row.gen.draft_s.append(time.perf_counter() - t0 + together_s.get(slot, 0.0))
         draft_s = time.perf_counter() - t_draft
+        if on_device is not None:
+            for slot in slots:
+                active[slot].gen.draft_s.append(draft_s / len(slots))
         trees = [active[s].tree for s in slots]
         lengths = [len(tree) for tree in trees]
         # the prompt segments ride after the decoding rows: causal chains whose logits matter only where a
@@ -465,9 +510,20 @@ class BatchDecoder:
             # every row padded to the longest tree: row s's i-th token is at s*T + i of the outputs
             argmax_d, hidden, T = self.runner.run_rows(
                 {s: (tree, active[s].start) for s, tree in zip(slots, trees, strict=True)},
-                idle={s: row.start for s, row in active.items()})
+                idle={s: row.start for s, row in active.items()},
+                drafts=on_device if on_device is not None and on_device[1] is not None else None)
             offsets = [s * T for s in slots]
-            argmax = argmax_d.tolist()  # the step's one device sync
+            if on_device is None or on_device[1] is None:
+                argmax = argmax_d.tolist()  # the step's one device sync
+            else:  # the verify's argmax and the drafts it verified, in one read: still the step's one sync
+                rows_of, drafts = on_device
+                read = torch.cat([argmax_d, drafts.flatten()]).tolist()
+                argmax, width = read[: argmax_d.shape[0]], drafts.shape[1]
+                for slot, j in rows_of.items():
+                    tree = active[slot].tree
+                    got = read[argmax_d.shape[0] + j * width: argmax_d.shape[0] + (j + 1) * width]
+                    active[slot].tree = DraftTree.chain(tree.tokens[0], got[: len(tree) - 1])
+                trees = [active[s].tree for s in slots]
         else:
             device = self.model.device
             seg_tokens = [active[s].request.prompt[active[s].start: active[s].start + segments[s]] for s in pre]

@@ -85,7 +85,9 @@ class _Inputs:
     def __init__(self, T: int, rows: int, device: torch.device, max_position: int):
         self.T, self.R = T, rows
         self.max_position = max_position  # the RoPE table's last row: a pad's position never passes it
-        n = rows * (2 * T + 1 + T * T)  # tokens R*T, positions R*T, starts R, masks R*T*T
+        # tokens R*T, positions R*T, starts R, masks R*T*T, then (not read by the graph) each row's index
+        # into the device drafts `run_rows` puts in place (-1: none)
+        n = rows * (2 * T + 1 + T * T) + rows
         self.device_buf = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.host_buf = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -97,17 +99,23 @@ class _Inputs:
         start [] and mask [T, T] for one row, else [R, T], [R] and [R, T, T]."""
         T, R, b = self.T, self.R, self.device_buf
         tokens, positions = b[:R * T].view(R, T), b[R * T: 2 * R * T]
-        starts, masks = b[2 * R * T: 2 * R * T + R], b[2 * R * T + R:]
+        starts, masks = b[2 * R * T: 2 * R * T + R], b[2 * R * T + R: -R]
         if R == 1:
             return tokens, positions, starts[0], masks.view(T, T)
         return tokens, positions.view(R, T), starts, masks.view(R, T, T)
 
-    def load(self, blocks: Mapping[int, tuple[DraftTree, int]], starts: Sequence[int]) -> None:
+    def load(self, blocks: Mapping[int, tuple[DraftTree, int]], starts: Sequence[int],
+             device_rows: Mapping[int, int] | None = None) -> None:
         """Row r runs ``blocks[r]`` = (tree, start); a row without a block (or the places past its tree)
-        runs pad tokens (token 0, seeing only the row's earlier slots and itself) at ``starts[r]``.."""
+        runs pad tokens (token 0, seeing only the row's earlier slots and itself) at ``starts[r]``..
+        ``device_rows[r] = j``: row r's drafts are row j of drafts on the device (`fill`)."""
         T, R, h = self.T, self.R, self.host
         tokens, positions = h[:R * T].reshape(R, T), h[R * T: 2 * R * T].reshape(R, T)
-        row_starts, masks = h[2 * R * T: 2 * R * T + R], h[2 * R * T + R:].reshape(R, T, T)
+        row_starts, masks = h[2 * R * T: 2 * R * T + R], h[2 * R * T + R: -R].reshape(R, T, T)
+        fill = h[-R:]
+        fill[:] = -1
+        for r, j in (device_rows or {}).items():
+            fill[r] = j
         row_starts[:] = starts
         if len(blocks) < R or any(len(tree) < T for tree, _ in blocks.values()):
             tokens[:] = 0
@@ -123,6 +131,18 @@ class _Inputs:
             masks[r, :n, :n] = self._chain_mask[:n, :n] if tree.is_chain else block_mask_rows(tree)
         # The previous step's copy has finished: every step ends with a sync (argmax to the host).
         self.device_buf.copy_(self.host_buf, non_blocking=True)
+
+    def fill(self, drafts: Tensor) -> None:
+        """Put row j of ``drafts`` [n, w] (device token ids) at places 1.. of the rows `load` named for it,
+        on the device (no sync): their blocks are chains of the root and those drafts. Places past a row's
+        own chain are pads whatever token they hold."""
+        T, R, b = self.T, self.R, self.device_buf
+        w = min(drafts.shape[1], T - 1)
+        if w < 1:
+            return
+        tokens, index = b[:R * T].view(R, T), b[-R:]
+        picked = drafts[index.clamp(min=0), :w]  # [R, w]; rows without drafts read row 0 and keep their own
+        tokens[:, 1:1 + w] = torch.where(index[:, None] >= 0, picked, tokens[:, 1:1 + w])
 
 
 class _Captured:
@@ -158,12 +178,15 @@ class GraphRunner:
         argmax, hidden, _ = self.run_rows({0: (tree, start)})
         return argmax, hidden
 
-    def run_rows(self, blocks: Mapping[int, tuple[DraftTree, int]],
-                 idle: Mapping[int, int] | None = None) -> tuple[Tensor, Tensor, int]:
+    def run_rows(self, blocks: Mapping[int, tuple[DraftTree, int]], idle: Mapping[int, int] | None = None,
+                 drafts: tuple[Mapping[int, int], Tensor] | None = None) -> tuple[Tensor, Tensor, int]:
         """Queue one step over every cache row: row r verifies ``blocks[r]`` = (tree, start); the others
         (and a shorter tree's places up to the longest, T) run pad tokens whose keys land past the row's
         live slots (at ``idle[r]``.., slot 0.. by default), where nothing reads them before they are
-        overwritten. Returns (argmax [R*T], hidden [R*T, D], T): row r's i-th token is at r*T + i."""
+        overwritten. ``drafts`` = (rows, tokens): row r's chain takes its draft tokens from row ``rows[r]``
+        of ``tokens`` [n, w] on the device (its block's own tokens past the root are placeholders), so the
+        drafts never pass through the host before the step. Returns (argmax [R*T], hidden [R*T, D], T): row
+        r's i-th token is at r*T + i."""
         R, idle = self.cache.k.shape[1], idle or {}
         T = max(len(tree) for tree, _ in blocks.values())
         starts = [blocks[r][1] if r in blocks else idle.get(r, 0) for r in range(R)]
@@ -172,7 +195,9 @@ class GraphRunner:
         inputs = self._inputs.get(T)
         if inputs is None:
             inputs = self._inputs[T] = _Inputs(T, R, self.model.device, self.model.cfg.max_seq_len - 1)
-        inputs.load(blocks, starts)
+        inputs.load(blocks, starts, drafts[0] if drafts else None)
+        if drafts:
+            inputs.fill(drafts[1])
         length = self.length(T, max(starts))
         if not self.capture:
             return (*self._forward(inputs, length), T)

@@ -126,6 +126,11 @@ class EngineOptions:
         0, "batched: prompts join in segments of at most this many tokens a step, inside the steps' forwards "
         "(0: each prompt as a forward of its own before the step)", sweep=(64, 128), factor="overhead",
         modes=("batched",), may_change_outputs=True)
+    batch_device_drafts: bool = option(
+        False, "batched, with CUDA graphs and the parallel drafter's chains: the net's picks stay on the GPU and "
+        "the verify step reads them in place (one sync a step, no per-row proposal on the host; no copied "
+        "continuation past the net's k)", sweep=(True,), factor="overhead", devices=("cuda",), modes=("batched",),
+        requires={"drafter": "parallel", "verify": "chain", "cuda_graphs": True})
     batch_attention: Literal["per_row", "padded"] = option(
         "per_row", "batched: a step's attention as one call a row (stock) or one padded call over all rows "
         "(fewer launches; the sum over keys spans the longest row, so bits may differ)", sweep=("padded",),

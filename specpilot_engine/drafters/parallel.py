@@ -253,8 +253,9 @@ class _ProposalGraph:
         return torch.stack([torch.cat([tokens.double(), top_ids.flatten(1).double()], dim=1),
                             torch.cat([best.cumsum(1).exp().double(), vals.flatten(1).double()], dim=1)], dim=1)
 
-    def run(self, hidden: Sequence[Tensor], ids: Sequence[list[int]]) -> list[list[list[float]]]:
-        """Each row's answer (`_compute`) for the net's inputs of up to ``rows`` rows."""
+    def launch(self, hidden: Sequence[Tensor], ids: Sequence[list[int]]) -> Tensor:
+        """Queue `_compute` for the net's inputs of up to ``rows`` rows; returns their answers on the device
+        (no sync), valid until the next call."""
         n = len(ids)
         self.host[:n] = torch.tensor(ids, dtype=torch.int64)
         self.ids.copy_(self.host, non_blocking=True)
@@ -264,9 +265,13 @@ class _ProposalGraph:
             self.hidden[:n] = torch.stack([h.reshape(-1) for h in hidden])
         if self.graph is None:
             with torch.no_grad():
-                return self._compute(n).tolist()
+                return self._compute(n)
         self.graph.replay()
-        return self.out[:n].tolist()
+        return self.out[:n]
+
+    def run(self, hidden: Sequence[Tensor], ids: Sequence[list[int]]) -> list[list[list[float]]]:
+        """Each row's answer (`_compute`) for the net's inputs of up to ``rows`` rows, on the host."""
+        return self.launch(hidden, ids).tolist()
 
     def chain(self, answer: list[list[float]]) -> tuple[list[int], list[float]]:
         """The k tokens of the chain and their cumulative probabilities, from one row's answer."""
@@ -288,6 +293,14 @@ class _Shared:
 
     def __init__(self):
         self.batch: _ProposalGraph | None = None
+
+    def graph(self, drafter: ParallelDrafter, rows: int) -> _ProposalGraph:
+        """The batched proposal graph, over at least ``rows`` rows."""
+        if self.batch is None or self.batch.rows < rows:
+            self.batch = None  # release the old graph first
+            # rows rounded up to a power of two: a batch filling up captures a few graphs, not one a row
+            self.batch = _ProposalGraph(drafter, capture=drafter._captures, rows=1 << (rows - 1).bit_length())
+        return self.batch
 
 
 class ParallelDrafter:
@@ -355,14 +368,39 @@ class ParallelDrafter:
         shared = first.shared
         if any(d.shared is not shared for d in drafters):
             raise ValueError("propose_rows batches drafters that share one net (ParallelDrafter.fork)")
-        if shared.batch is None or shared.batch.rows < len(drafters):
-            shared.batch = None  # release the old graph first
-            # rows rounded up to a power of two: a batch filling up captures a few graphs, not one a row
-            shared.batch = _ProposalGraph(first, capture=first._captures, rows=1 << (len(drafters) - 1).bit_length())
         inputs = [d._inputs(c, h, k) for d, c, h in zip(drafters, contexts, hiddens, strict=True)]
-        answers = shared.batch.run([i[0] for i in inputs], [i[1] for i in inputs])
+        answers = shared.graph(first, len(drafters)).run([i[0] for i in inputs], [i[1] for i in inputs])
         for d, c, (_, _, found_all, m), answer in zip(drafters, contexts, inputs, answers, strict=True):
             d._ready = (len(c), found_all, m, answer)
+
+    @staticmethod
+    @torch.no_grad()
+    def chains_on_device(drafters: Sequence[ParallelDrafter], contexts: Sequence[list[int]],
+                         hiddens: Sequence[Tensor], ks: Sequence[int]) -> tuple[list[tuple[int, ...] | None], Tensor | None]:
+        """A batch's chains without reading the net's picks back (``batch_device_drafts``): row i drafts up
+        to ``ks[i]`` tokens. A row whose lookup is proposed whole gets that span here, on the host (what
+        `propose` returns first); every other row's chain is the net's ``cfg.k`` picks (copy_span applied),
+        left on the device as one int64 tensor [those rows, cfg.k] in row order (None when no row needs the
+        net), which the verify step reads in place. Unlike `propose`, no copied continuation runs past the
+        net's k: it would need the picks on the host."""
+        first = drafters[0]
+        if any(d.shared is not first.shared for d in drafters):
+            raise ValueError("chains_on_device batches drafters that share one net (ParallelDrafter.fork)")
+        spans: list[tuple[int, ...] | None] = []
+        net_inputs = []
+        for d, c, h, k in zip(drafters, contexts, hiddens, ks, strict=True):
+            d._ready = None
+            h_row, ids, found_all, m = d._inputs(c, h, k)
+            if d.index is not None and d.copies_whole(m) and len(found_all[: d.cfg.k]) >= min(k, d.cfg.k):
+                spans.append(tuple(found_all[:k]))
+            else:
+                spans.append(None)
+                net_inputs.append((h_row, ids))
+        if not net_inputs:
+            return spans, None
+        answers = first.shared.graph(first, len(net_inputs)).launch([h for h, _ in net_inputs],
+                                                                   [ids for _, ids in net_inputs])
+        return spans, answers[:, 0, : first.cfg.k].long()  # token ids, exact in float64
 
     @torch.no_grad()
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:

@@ -358,8 +358,8 @@ class _CountingRunner(GraphRunner):
         super().__init__(*args, **kwargs)
         self.runs: list[tuple[int, int]] = []
 
-    def run_rows(self, blocks, idle=None):
-        argmax, hidden, T = super().run_rows(blocks, idle)
+    def run_rows(self, blocks, idle=None, drafts=None):
+        argmax, hidden, T = super().run_rows(blocks, idle, drafts)
         self.runs.append((len(blocks), T))
         return argmax, hidden, T
 

@@ -304,6 +304,64 @@ def test_a_batch_of_parallel_drafters_drafts_in_one_pass_and_stays_lossless(tiny
         assert calls and max(calls) == 3  # full steps drafted all three rows in one pass
 
 
+def test_device_drafts_are_verified_in_place_and_stay_lossless(tiny):
+    """``batch_device_drafts`` (graph path run without capture): the net's chains go from the proposal to the
+    verify step's token buffer on the device, rows whose lookup is copied whole draft on the host, and every
+    request gets batch-1 AR's tokens; the net's picks are what was verified (the drafted chains match what
+    `propose` would have drafted, continuation aside)."""
+    from specpilot_engine.batch import BatchDecoder, BatchPolicy, BatchRequest
+    from specpilot_engine.decode import DecodeConfig
+    from specpilot_engine.graphs import GraphRunner
+    from tests.engine.test_lossless import _tiny_prompts
+
+    model, _ = tiny
+    prompts = _tiny_prompts(11, n=6)
+    max_new = [30, 12, 30, 20, 5, 26]
+    reference = [make_engine(tiny, drafter="none").generate(p, n).tokens for p, n in zip(prompts, max_new, strict=True)]
+    filled: list[int] = []
+
+    class Recording(GraphRunner):
+        def run_rows(self, blocks, idle=None, drafts=None):
+            if drafts is not None:
+                filled.append(len(drafts[0]))
+                assert drafts[1].dtype == torch.int64 and drafts[1].shape == (len(drafts[0]), 4)
+            return super().run_rows(blocks, idle, drafts)
+
+    for block in (4, 6):
+        filled.clear()
+        first = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
+        drafters = [first, *(first.fork() for _ in range(2))]
+        dec = BatchDecoder(model, drafters, DecodeConfig(block_size=block), rows=3, max_len=256,
+                           stop_ids=model.cfg.stop_ids, policy=BatchPolicy(device_drafts=True),
+                           static_steps=lambda cache: Recording(model, cache, bucket=64, capture=False))
+        result = dec.run([BatchRequest(str(i), p, n, arrival_step=i) for i, (p, n) in
+                          enumerate(zip(prompts, max_new, strict=True))])
+        assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference, block
+        assert filled and max(filled) == 3  # full steps took every row's chain from the device
+        drafted = sum(sum(g.verified) - len(g.verified) for g in result.generations.values())
+        assert drafted > 0 and sum(s.committed for s in result.steps) > len(result.steps)
+
+
+def test_device_chains_are_the_nets_picks_or_the_copied_span(tiny):
+    """`chains_on_device`: a row whose lookup is copied whole gets the span on the host; the others get the
+    net's k picks on the device, which are the chain `propose` returns for them."""
+    model, _ = tiny
+    first = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
+    drafters = [first, first.fork(), first.fork()]
+    g = torch.Generator().manual_seed(5)
+    hiddens = [torch.randn(model.cfg.dim, generator=g) for _ in drafters]
+    loop = [7, 8, 9, 10] * 4  # its suffix recurs: copied whole
+    contexts = [list(range(40, 60)), loop, list(range(90, 75, -1))]
+    spans, picks = ParallelDrafter.chains_on_device(drafters, contexts, hiddens, [4, 4, 3])
+    assert spans[1] == (7, 8, 9, 10) and spans[0] is None and spans[2] is None
+    assert picks.shape == (2, 4)
+    for row, j in ((0, 0), (2, 1)):
+        alone = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
+        alone.net.load_state_dict(first.net.state_dict())
+        (cand,) = alone.propose(contexts[row], hiddens[row], 4, 1)
+        assert tuple(picks[j].tolist()) == cand.tokens
+
+
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
     model, _ = tiny
     d = random_drafter(model, vocab=16, lookup=True)
