@@ -304,21 +304,17 @@ def test_a_batch_of_parallel_drafters_drafts_in_one_pass_and_stays_lossless(tiny
         assert calls and max(calls) == 3  # full steps drafted all three rows in one pass
 
 
-def test_device_drafts_are_verified_in_place_and_stay_lossless(tiny):
-    """``batch_device_drafts`` (graph path run without capture): the net's chains go from the proposal to the
-    verify step's token buffer on the device, rows whose lookup is copied whole draft on the host, and every
-    request gets batch-1 AR's tokens; the net's picks are what was verified (the drafted chains match what
-    `propose` would have drafted, continuation aside)."""
+def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, filled: list[int]) -> list[list[int]]:
+    """Six requests over three rows through the batched graph path (captured on CUDA) with forked random
+    parallel drafters; returns each request's tokens and records each step's device-drafted rows."""
     from specpilot_engine.batch import BatchDecoder, BatchPolicy, BatchRequest
     from specpilot_engine.decode import DecodeConfig
     from specpilot_engine.graphs import GraphRunner
     from tests.engine.test_lossless import _tiny_prompts
 
-    model, _ = tiny
+    model = model_tok[0]
     prompts = _tiny_prompts(11, n=6)
     max_new = [30, 12, 30, 20, 5, 26]
-    reference = [make_engine(tiny, drafter="none").generate(p, n).tokens for p, n in zip(prompts, max_new, strict=True)]
-    filled: list[int] = []
 
     class Recording(GraphRunner):
         def run_rows(self, blocks, idle=None, drafts=None):
@@ -327,19 +323,52 @@ def test_device_drafts_are_verified_in_place_and_stay_lossless(tiny):
                 assert drafts[1].dtype == torch.int64 and drafts[1].shape == (len(drafts[0]), 4)
             return super().run_rows(blocks, idle, drafts)
 
+    first = ParallelDrafter(random_drafter(model, vocab=64, lookup=True, copy_min_match=2).net.to(device), graph=True)
+    drafters = [first, *(first.fork() for _ in range(2))]
+    dec = BatchDecoder(model, drafters, DecodeConfig(block_size=block), rows=3, max_len=256,
+                       stop_ids=model.cfg.stop_ids, policy=BatchPolicy(device_drafts=device_drafts),
+                       static_steps=lambda cache: Recording(model, cache, bucket=64, capture=device == "cuda"))
+    result = dec.run([BatchRequest(str(i), p, n, arrival_step=i) for i, (p, n) in
+                      enumerate(zip(prompts, max_new, strict=True))])
+    assert sum(sum(g.verified) - len(g.verified) for g in result.generations.values()) > 0  # drafts were verified
+    assert sum(s.committed for s in result.steps) > len(result.steps)  # ... and accepted
+    return [result.generations[str(i)].tokens for i in range(len(prompts))]
+
+
+def test_device_drafts_are_verified_in_place_and_stay_lossless(tiny):
+    """``batch_device_drafts`` (graph path run without capture): the net's chains go from the proposal to the
+    verify step's token buffer on the device, rows whose lookup is copied whole draft on the host, and every
+    request gets batch-1 AR's tokens."""
+    from tests.engine.test_lossless import _tiny_prompts
+
+    prompts = _tiny_prompts(11, n=6)
+    max_new = [30, 12, 30, 20, 5, 26]
+    reference = [make_engine(tiny, drafter="none").generate(p, n).tokens for p, n in zip(prompts, max_new, strict=True)]
     for block in (4, 6):
-        filled.clear()
-        first = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
-        drafters = [first, *(first.fork() for _ in range(2))]
-        dec = BatchDecoder(model, drafters, DecodeConfig(block_size=block), rows=3, max_len=256,
-                           stop_ids=model.cfg.stop_ids, policy=BatchPolicy(device_drafts=True),
-                           static_steps=lambda cache: Recording(model, cache, bucket=64, capture=False))
-        result = dec.run([BatchRequest(str(i), p, n, arrival_step=i) for i, (p, n) in
-                          enumerate(zip(prompts, max_new, strict=True))])
-        assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference, block
+        filled: list[int] = []
+        assert _device_drafts_run(tiny, "cpu", block, True, filled) == reference, block
         assert filled and max(filled) == 3  # full steps took every row's chain from the device
-        drafted = sum(sum(g.verified) - len(g.verified) for g in result.generations.values())
-        assert drafted > 0 and sum(s.committed for s in result.steps) > len(result.steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_drafts_on_cuda_verify_what_the_host_path_verifies():
+    """Captured, on a GPU: at block = the net's k the device path drafts the very chains the host path
+    drafts, so the two give the same tokens bit for bit, and batch-1 AR's up to near-ties."""
+    from specpilot_engine.weights import load_model
+    from tests.engine.conftest import agree_up_to_near_ties
+    from tests.engine.test_lossless import _tiny_prompts
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tok = load_model("tiny", dtype="fp32", device="cuda")
+    prompts = _tiny_prompts(11, n=6)
+    max_new = [30, 12, 30, 20, 5, 26]
+    reference = [make_engine((model, tok), drafter="none").generate(p, n).tokens
+                 for p, n in zip(prompts, max_new, strict=True)]
+    filled: list[int] = []
+    on_device = _device_drafts_run((model, tok), "cuda", 4, True, filled)
+    assert filled and _device_drafts_run((model, tok), "cuda", 4, False, []) == on_device
+    agree_up_to_near_ties(model, prompts, on_device, reference, "device drafts")
 
 
 def test_device_chains_are_the_nets_picks_or_the_copied_span(tiny):
