@@ -19,7 +19,10 @@ own length. A step:
    causal chain padded to a `PREFILL_BUCKET` multiple on a one-row scratch cache, whose K/V is then
    copied into the joining row. An eager forward is launch-bound on a GPU (17 ms for one SmolLM2 prompt on
    an H100, 2026-12-06), and a prompt's K/V bits then depend on the prompt alone, not on which requests
-   joined beside it (bf16 GEMMs differ by shape). With ``BatchPolicy.prefill_chunk`` the prompts of
+   joined beside it (bf16 GEMMs differ by shape). A captured prefill is only queued: the host drafts the
+   step's other rows while the GPU runs it, and its first token is read with the step's verify (the one
+   sync a step), so a row that joins beside decoding rows decodes from the next step on (when no row is
+   decoding yet, the prefills are read at once). With ``BatchPolicy.prefill_chunk`` the prompts of
    joining rows instead ride in the step's forward, at most that many prompt tokens a step over all of
    them (first come, first served), beside the other rows' drafts; a row drafts once its whole prompt has
    run and given its first token.
@@ -183,6 +186,8 @@ class _Row:
     accepted: deque[int] = field(default_factory=deque)  # accepted draft tokens of its recent steps (bounded)
     drafted: deque[int] = field(default_factory=deque)  # draft tokens of its recent steps (bounded)
     prefill_s: float = 0.0  # forward seconds of its prompt segments so far (segmented admission)
+    # a queued captured prefill: (its first token [1], the hidden state before it [D]) on the device, unread
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -284,18 +289,26 @@ class BatchDecoder:
             else:
                 joining.append((slot, request, at))
         t0 = time.perf_counter()
-        graphed = self.prefill_runner is not None
-        for group in ([[j] for j in joining] if graphed else _prefill_groups(joining)):
+        eager = []
+        for slot, request, at in joining:  # captured prefills are queued, read after the step's verify
+            if (row := self._prefill_graphed(slot, request, at)) is not None:
+                self.active[slot] = row
+            else:
+                eager.append((slot, request, at))
+        for group in ([[j] for j in eager] if self.prefill_runner is not None else _prefill_groups(eager)):
             for row in self._prefill(group):
                 if self._done(row):
                     self._finish(row)
                 else:
                     self.active[row.slot] = row
+        if not any(row.pending is None for row in self.active.values()):
+            self._read_prefills()  # no row is decoding yet: the joining rows decode in this step
         prefill_s = time.perf_counter() - t0 if joining else 0.0
         if not self.active:
             return None
         record = self._step(self.active, prefills)
         record.prefill_s = prefill_s
+        self._read_prefills()  # after the verify's sync: the queued prefills have run
         for slot in [s for s, row in self.active.items() if self._done(row)]:
             self._finish(self.active.pop(slot))
         self.steps += 1
@@ -303,15 +316,8 @@ class BatchDecoder:
 
     @torch.no_grad()
     def _prefill(self, joining: list[tuple[int, BatchRequest, float]]) -> list[_Row]:
-        """The joining requests' whole prompts in one ragged forward (each its own cache row from slot 0, causal),
-        or one prompt as a captured prefill (`_prefill_graphed`) when there are decode graphs and its bucket
-        fits the cache; each row commits its first token."""
-        if len(joining) == 1 and self.prefill_runner is not None:
-            slot, request, at = joining[0]
-            n = len(request.prompt)
-            T = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
-            if self.prefill_runner.fits(T, 0):
-                return [self._prefill_graphed(slot, request, at, T)]
+        """The joining requests' whole prompts in one ragged forward (each its own cache row from slot 0,
+        causal); each row commits its first token."""
         device = self.model.device
         prompts = [r.prompt for _, r, _ in joining]
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)
@@ -331,22 +337,39 @@ class BatchDecoder:
             rows.append(row)
         return rows
 
-    def _prefill_graphed(self, slot: int, request: BatchRequest, submitted_at: float, T: int) -> _Row:
-        """One prompt as a causal chain padded to T tokens on the scratch cache (a captured step; the pads
-        come after the prompt, so nothing of the prompt sees them), its n slots of K/V then copied into the
-        joining cache row."""
+    def _prefill_graphed(self, slot: int, request: BatchRequest, submitted_at: float) -> _Row | None:
+        """Queue one prompt as a causal chain padded to a `PREFILL_BUCKET` multiple on the scratch cache (a
+        captured step; the pads come after the prompt, so nothing of the prompt sees them), its n slots of
+        K/V then copied into the joining cache row; nothing is read back (`_read_prefills` does). None when
+        there are no decode graphs or the bucket does not fit the cache."""
+        if self.prefill_runner is None:
+            return None
         prompt, n = request.prompt, len(request.prompt)
+        T = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+        if not self.prefill_runner.fits(T, 0):
+            return None
         t0 = time.perf_counter()
         chain = DraftTree.chain(prompt[0], list(prompt[1:]) + [0] * (T - n))
         argmax, hidden = self.prefill_runner.run(chain, 0)
         scratch = self.prefill_runner.cache
         self.cache.k[:, slot, :, :n] = scratch.k[:, 0, :, :n]
         self.cache.v[:, slot, :, :n] = scratch.v[:, 0, :, :n]
-        first = int(argmax[n - 1])  # the prefill's one device sync
         row = self._new_row(slot, request, submitted_at)
+        # copies: the graph's outputs are overwritten by its next replay (another prompt of this step)
+        row.pending = (argmax[n - 1: n].clone(), hidden[n - 1].clone())
+        row.start = n  # its live slots: a decode step's pads for this row land past them
         row.prefill_s = time.perf_counter() - t0
-        self._first_token(row, first, hidden[n - 1].clone())  # the graph's output is overwritten by its next replay
         return row
+
+    def _read_prefills(self) -> None:
+        """Commit the first token of every row whose captured prefill was queued (one read for all)."""
+        rows = [row for row in self.active.values() if row.pending is not None]
+        if not rows:
+            return
+        firsts = torch.cat([row.pending[0] for row in rows]).tolist()  # a sync, unless a verify's came first
+        for row, first in zip(rows, firsts, strict=True):
+            hidden, row.pending = row.pending[1], None
+            self._first_token(row, first, hidden)
 
     def _new_row(self, slot: int, r: BatchRequest, submitted_at: float) -> _Row:
         """A row for ``r`` whose prompt has not run yet."""

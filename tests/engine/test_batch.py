@@ -428,3 +428,27 @@ def test_fused_kernels_over_many_rows_keep_each_requests_tokens(tiny_stream, tin
     assert [result.generations[str(i)].tokens for i in range(len(prompts))] == reference
     if static:
         assert any(rows > 1 for rows, _ in dec.runner.runs)  # steps of several rows ran the static forward
+
+
+def test_a_captured_prefill_is_read_with_the_steps_verify(tiny_stream):
+    """Under decode graphs a prompt that joins beside decoding rows is only queued: the step verifies the
+    other rows, its first token is read after that step's verify, and it decodes from the next step on;
+    when no row is decoding yet, the joins are read at once and decode in the same step."""
+    model = tiny_stream[0]
+    prompts = _tiny_prompts(37, n=3)
+    reference = [make_engine(tiny_stream, drafter="none").generate(p, 12).tokens for p in prompts]
+    dec = BatchDecoder(model, [None] * 3, DecodeConfig(), rows=3, max_len=256, stop_ids=(),
+                       static_steps=lambda cache: GraphRunner(model, cache, bucket=16, capture=False))
+    dec.submit(BatchRequest("a", prompts[0], 12))
+    assert dec.step().rows == 1  # read at once: "a" decoded in its first step
+    dec.submit(BatchRequest("b", prompts[1], 12))
+    dec.submit(BatchRequest("c", prompts[2], 12))
+    record = dec.step()
+    assert record.rows == 1 and record.prefills == 2  # "b" and "c" were queued beside "a"'s step
+    joined = [row for row in dec.active.values() if row.request.request_id != "a"]
+    assert all(row.pending is None and len(row.gen.tokens) == 1 and not row.gen.verified for row in joined)
+    assert dec.step().rows == 3
+    while dec.busy:
+        dec.step()
+    done = dict(dec.finished())
+    assert [done[r].tokens for r in "abc"] == reference
