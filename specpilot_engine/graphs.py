@@ -20,7 +20,8 @@ attention is one padded call over all rows (`Attention._static_attention`), as `
 
 Per T there is one static input buffer (int64): tokens [R*T], positions [R*T], starts [R], block masks
 [R*T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
-the graph and reads the argmax ids back (the one sync of the step). Outputs live in the graph's
+the graph and reads the argmax ids back (the one sync of the step); a step queued without that read (a
+captured prefill, `specpilot_engine.batch`) leaves its upload to an event that the next fill waits on. Outputs live in the graph's
 static buffers: ``hidden`` is valid until the next step (drafters read it before that, on the same
 stream). Prefill and the cache compaction after acceptance stay eager (`specpilot_engine.decode`).
 
@@ -92,6 +93,9 @@ class _Inputs:
         pin = device.type == "cuda"
         self.host_buf = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.host = self.host_buf.numpy()
+        # the last upload of the staging copy: it must have run before the copy is written again (a step
+        # queued without a sync after it, as a captured prefill is, may still wait in the stream)
+        self.uploaded = torch.cuda.Event() if pin else None
         self._chain_mask = np.tril(np.ones((T, T), dtype=np.int64))
 
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -110,6 +114,8 @@ class _Inputs:
         runs pad tokens (token 0, seeing only the row's earlier slots and itself) at ``starts[r]``..
         ``device_rows[r] = j``: row r's drafts are row j of drafts on the device (`fill`)."""
         T, R, h = self.T, self.R, self.host
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # at once after a step's sync; behind the queued work otherwise
         tokens, positions = h[:R * T].reshape(R, T), h[R * T: 2 * R * T].reshape(R, T)
         row_starts, masks = h[2 * R * T: 2 * R * T + R], h[2 * R * T + R: -R].reshape(R, T, T)
         fill = h[-R:]
@@ -129,8 +135,9 @@ class _Inputs:
             positions[r, :n] = tree.depths
             positions[r, :n] += start
             masks[r, :n, :n] = self._chain_mask[:n, :n] if tree.is_chain else block_mask_rows(tree)
-        # The previous step's copy has finished: every step ends with a sync (argmax to the host).
         self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
 
     def fill(self, drafts: Tensor) -> None:
         """Put row j of ``drafts`` [n, w] (device token ids) at places 1.. of the rows `load` named for it,

@@ -229,6 +229,7 @@ class _ProposalGraph:
         self.rows = rows
         self.ids = torch.zeros(rows, n_ids, dtype=torch.int64, device=device)
         self.host = torch.zeros(rows, n_ids, dtype=torch.int64, pin_memory=capture)
+        self.uploaded = torch.cuda.Event() if capture else None  # the host copy's last upload (see launch)
         self.hidden = torch.zeros(rows, cfg.dim, dtype=net.out_embed.dtype, device=device)
         self.graph = None
         if capture:
@@ -257,8 +258,12 @@ class _ProposalGraph:
         """Queue `_compute` for the net's inputs of up to ``rows`` rows; returns their answers on the device
         (no sync), valid until the next call."""
         n = len(ids)
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the pinned copy is not rewritten under a queued upload
         self.host[:n] = torch.tensor(ids, dtype=torch.int64)
         self.ids.copy_(self.host, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
         if n == 1:
             self.hidden[0].copy_(hidden[0].reshape(-1))
         else:
