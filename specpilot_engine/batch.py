@@ -22,7 +22,7 @@ own length. A step:
    joined beside it (bf16 GEMMs differ by shape). A captured prefill is only queued: the host drafts the
    step's other rows while the GPU runs it, and its first token is read with the step's verify (the one
    sync a step), so a row that joins beside decoding rows decodes from the next step on (when no row is
-   decoding yet, the prefills are read at once). With ``BatchPolicy.prefill_chunk`` the prompts of
+   decoding, each prefill is read at once and the rows decode in this step). With ``BatchPolicy.prefill_chunk`` the prompts of
    joining rows instead ride in the step's forward, at most that many prompt tokens a step over all of
    them (first come, first served), beside the other rows' drafts; a row drafts once its whole prompt has
    run and given its first token.
@@ -290,9 +290,14 @@ class BatchDecoder:
                 joining.append((slot, request, at))
         t0 = time.perf_counter()
         eager = []
-        for slot, request, at in joining:  # captured prefills are queued, read after the step's verify
+        # captured prefills beside decoding rows are queued and read after the step's verify; with no row
+        # decoding there is nothing to overlap, and each is read at once (its first token as early as can be)
+        overlap = any(not row.prefilling for row in self.active.values())
+        for slot, request, at in joining:
             if (row := self._prefill_graphed(slot, request, at)) is not None:
                 self.active[slot] = row
+                if not overlap:
+                    self._read_prefills()
             else:
                 eager.append((slot, request, at))
         for group in ([[j] for j in eager] if self.prefill_runner is not None else _prefill_groups(eager)):
@@ -301,8 +306,6 @@ class BatchDecoder:
                     self._finish(row)
                 else:
                     self.active[row.slot] = row
-        if not any(row.pending is None for row in self.active.values()):
-            self._read_prefills()  # no row is decoding yet: the joining rows decode in this step
         prefill_s = time.perf_counter() - t0 if joining else 0.0
         if not self.active:
             return None
