@@ -22,10 +22,10 @@ own length. A step:
    joined beside it (bf16 GEMMs differ by shape). A captured prefill is only queued: the host drafts the
    step's other rows while the GPU runs it, and its first token is read with the step's verify (the one
    sync a step), so a row that joins beside decoding rows decodes from the next step on (when no row is
-   decoding, each prefill is read at once and the rows decode in this step). With ``BatchPolicy.prefill_chunk`` the prompts of
-   joining rows instead ride in the step's forward, at most that many prompt tokens a step over all of
-   them (first come, first served), beside the other rows' drafts; a row drafts once its whole prompt has
-   run and given its first token.
+   decoding, each prefill is read at once and the rows decode in this step). With
+   ``BatchPolicy.prefill_chunk`` the prompts of joining rows instead ride in the step's forward, at most
+   that many prompt tokens a step over all of them (first come, first served), beside the other rows'
+   drafts; a row drafts once its whole prompt has run and given its first token.
 2. **Draft.** Every active row's drafter proposes from its own context (`decode.draft`: a chain, or a
    best-first tree), never past the request's ``max_new_tokens``; how many draft tokens each row may
    verify is the `BatchPolicy`'s (stock: ``block_size``, or ``tree_nodes`` for a tree, for every row).

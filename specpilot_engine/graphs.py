@@ -21,9 +21,10 @@ attention is one padded call over all rows (`Attention._static_attention`), as `
 Per T there is one static input buffer (int64): tokens [R*T], positions [R*T], starts [R], block masks
 [R*T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
 the graph and reads the argmax ids back (the one sync of the step); a step queued without that read (a
-captured prefill, `specpilot_engine.batch`) leaves its upload to an event that the next fill waits on. Outputs live in the graph's
-static buffers: ``hidden`` is valid until the next step (drafters read it before that, on the same
-stream). Prefill and the cache compaction after acceptance stay eager (`specpilot_engine.decode`).
+captured prefill, `specpilot_engine.batch`) leaves its upload to an event that the next fill waits on.
+Outputs live in the graph's static buffers: ``hidden`` is valid until the next step (drafters read it
+before that, on the same stream). Prefill and the cache compaction after acceptance stay eager
+(`specpilot_engine.decode`).
 
 `GraphRunner(..., capture=False)` runs the same static forward without graphs (any device): the
 tests use it to check the graph-safe path on the CPU. `graphs_supported(device)` says whether
