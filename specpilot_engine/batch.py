@@ -188,6 +188,7 @@ class _Row:
     prefill_s: float = 0.0  # forward seconds of its prompt segments so far (segmented admission)
     # a queued captured prefill: (its first token [1], the hidden state before it [D]) on the device, unread
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    on_device: int = 0  # context tokens copied into the decoder's device history (``device_drafts``)
 
     @property
     def prefilling(self) -> bool:
@@ -218,6 +219,9 @@ class BatchDecoder:
         self.runner = static_steps(self.cache) if static_steps else None
         # prompts as static chains on a one-row scratch cache whose K/V is then copied into the joining row
         self.prefill_runner = static_steps(model.new_cache(max_len, batch=1)) if static_steps else None
+        # each row's context on the device, for drafters that draft from it (``device_drafts``); built lazily
+        self.history: torch.Tensor | None = None
+        self._history_upload: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
         self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
         self.active: dict[int, _Row] = {}  # cache row -> the request in it
         self.steps = 0  # forwards run so far (the clock of arrival_step, joined_step, finished_step)
@@ -484,6 +488,17 @@ class BatchDecoder:
         T = 1 + max(ks[s] for s in drafting)  # the longest block this step can have
         if not all(self.runner.fits(T, row.start) for row in active.values()):
             return None  # the step runs eagerly: the host drafts
+        if hasattr(drafters[0], "chains_from_history"):  # lookups on the device too: nothing a row on the host
+            rows = [active[s] for s in drafting]
+            self._upload_history(rows)
+            drafts = type(drafters[0]).chains_from_history(drafters, self.history, drafting,
+                                                           [len(row.context) for row in rows],
+                                                           [row.hidden for row in rows], self.cfg.block_size)
+            for slot in slots:
+                row = active[slot]
+                n = min(ks[slot], nodes[slot]) if slot in drafting else 0
+                row.tree = DraftTree.chain(row.context[-1], [0] * n)  # placeholders: the device fills them in
+            return {s: j for j, s in enumerate(drafting)}, drafts
         spans, drafts = type(drafters[0]).chains_on_device(drafters, [active[s].context for s in drafting],
                                                            [active[s].hidden for s in drafting],
                                                            [ks[s] for s in drafting])
@@ -501,6 +516,36 @@ class BatchDecoder:
                 n = min(ks[slot], nodes[slot], drafts.shape[1])
                 row.tree = DraftTree.chain(root, [0] * n)  # placeholders: the device fills them in
         return rows_of, drafts  # drafts None: every drafting row copied a span, nothing waits on the device
+
+    def _upload_history(self, rows: list[_Row]) -> None:
+        """Copy the rows' context tokens that are not on the device yet into ``self.history`` [rows, max_len]
+        (one transfer of (row, place, token) triples from a pinned staging copy; no sync)."""
+        device = self.model.device
+        if self.history is None:
+            self.history = torch.zeros(self.rows, self.cache.max_len, dtype=torch.int64, device=device)
+            pin = device.type == "cuda"
+            capacity = 3 * self.rows * self.cache.max_len
+            self._history_upload = (torch.zeros(capacity, dtype=torch.int64, pin_memory=pin),
+                                    torch.zeros(capacity, dtype=torch.int64, device=device),
+                                    torch.cuda.Event() if pin else None)
+        host, dev, uploaded = self._history_upload
+        where, places, tokens = [], [], []
+        for row in rows:
+            new = row.context[row.on_device:]
+            where += [row.slot] * len(new)
+            places += range(row.on_device, row.on_device + len(new))
+            tokens += new
+            row.on_device += len(new)
+        n = len(tokens)
+        if not n:
+            return
+        if uploaded is not None:
+            uploaded.synchronize()  # the staging copy is not rewritten under a queued upload
+        host[: 3 * n] = torch.tensor(where + list(places) + tokens, dtype=torch.int64)
+        dev[: 3 * n].copy_(host[: 3 * n], non_blocking=True)
+        if uploaded is not None:
+            uploaded.record()
+        self.history[dev[:n], dev[n: 2 * n]] = dev[2 * n: 3 * n]
 
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         segments = self._segments(active)

@@ -206,6 +206,43 @@ def copy_span(guess: Tensor, look: Tensor, match: Tensor, min_match: int) -> Ten
     return torch.where(use, look, guess)
 
 
+def suffix_lookup_rows(history: Tensor, lengths: Tensor, k: int, max_match: int, min_match: int,
+                       periodic: bool) -> tuple[Tensor, Tensor]:
+    """`SuffixIndex.lookup` of many rows at once, in tensor ops (graph-safe: no value reaches the host).
+
+    ``history`` [R, L] holds each row's context in its first ``lengths[r]`` places (whatever after);
+    returns (tokens [R, k], -1 where the lookup has none; match [R], 0 for none): for the longest m in
+    ``max_match .. min_match`` whose last-m-token suffix occurred earlier (an occurrence starting at
+    j <= n - 1 - m, the most recent one), the k tokens that followed it (``periodic``: continued as the
+    repeat it is, token i at ``j + m + i % (n - m - j)``), exactly what `SuffixIndex` answers."""
+    R, L = history.shape
+    device = history.device
+    starts = torch.arange(L, device=device)
+    n = lengths.view(R, 1)
+    tokens = torch.full((R, k), -1, dtype=history.dtype, device=device)
+    match = torch.zeros(R, dtype=torch.int64, device=device)
+    found = torch.zeros(R, dtype=torch.bool, device=device)
+    places = torch.arange(k, device=device)
+    for m in range(max_match, min_match - 1, -1):
+        suffix = history.gather(1, (n - m + torch.arange(m, device=device)).clamp(min=0))  # [R, m]
+        same = starts[None, :] <= n - 1 - m  # occurrences that end before the last token
+        for i in range(m):  # the window at j matches where history[j + i] == suffix[i] for every i
+            shifted = F.pad(history[:, i:], (0, i), value=-2)  # -2: no token
+            same = same & (shifted == suffix[:, i: i + 1])
+        best = torch.where(same, starts, -1).amax(dim=1, keepdim=True)  # the most recent occurrence
+        hit = (best[:, 0] >= 0) & ~found
+        if periodic:
+            at = best + m + places % (n - m - best).clamp(min=1)
+            got = history.gather(1, at.clamp(0, L - 1))
+        else:
+            at = best + m + places
+            got = torch.where(at < n, history.gather(1, at.clamp(0, L - 1)), -1)
+        tokens = torch.where(hit[:, None], got, tokens)
+        match = torch.where(hit, m, match)
+        found = found | hit
+    return tokens, match
+
+
 def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:
     """A `SuffixIndex` answer as the net's ``look`` row: ``k`` tokens, -1 where it has none."""
     return [*found, *[-1] * (k - len(found))]
@@ -292,12 +329,77 @@ class _ProposalGraph:
                 [[int(t) for t in toks[d * top:(d + 1) * top]] for d in range(k)])
 
 
+class _DeviceChainGraph:
+    """A batch's whole chain proposal on the device (``batch_device_drafts``): each row's lookup over its
+    token history (`suffix_lookup_rows`, what `SuffixIndex` answers), the net's inputs built from that
+    history, the net, and each row's chain of ``block`` drafts: the looked-up span when the lookup is copied
+    whole (`ParallelDrafter.copies_whole`, with at least min(block, k) tokens found), else the net's k picks
+    (copy_span applied) followed by the lookup's tokens past k. Places without a token hold token 0 (a draft
+    the target will judge like any other). Inputs: ``history`` [R, L] (the caller keeps every row's context
+    there), and per call the rows' indices into it, their context lengths and hidden states; with
+    ``capture`` (CUDA) the computation is one captured graph over ``rows`` rows."""
+
+    def __init__(self, drafter: ParallelDrafter, history: Tensor, rows: int, block: int, capture: bool):
+        net = drafter.net
+        self.drafter, self.history, self.rows, self.block = drafter, history, rows, block
+        device = history.device
+        self.index = torch.zeros(2, rows, dtype=torch.int64, device=device)  # row indices, context lengths
+        self.host = torch.zeros(2, rows, dtype=torch.int64, pin_memory=capture)
+        self.uploaded = torch.cuda.Event() if capture else None  # the host copy's last upload
+        self.hidden = torch.zeros(rows, drafter.cfg.dim, dtype=net.out_embed.dtype, device=device)
+        self.graph = None
+        if capture:
+            self.graph, self.out = graphs.capture(lambda: self._compute(rows), device)
+
+    def _compute(self, rows: int) -> Tensor:
+        d = self.drafter
+        cfg, net = d.cfg, d.net
+        history = self.history.index_select(0, self.index[0, :rows])
+        n = self.index[1, :rows]
+        ctx = history.gather(1, (n[:, None] - cfg.n_context + torch.arange(cfg.n_context, device=n.device)).clamp(min=0))
+        if not cfg.lookup:
+            logp, cand = net.candidates(net(self.hidden[:rows], ctx, heads=d.heads))
+            _, idx = logp.max(dim=-1)
+            picks = cand.gather(-1, idx[..., None])[..., 0]
+            return F.pad(picks, (0, max(0, self.block - cfg.k)))[:, : self.block]
+        found, match = suffix_lookup_rows(history, n, max(self.block, cfg.k), cfg.lookup_max, cfg.lookup_min,
+                                          cfg.lookup_periodic)
+        look = found[:, : cfg.k]
+        logp, cand = net.candidates(net(self.hidden[:rows], ctx, look, match, d.heads), look)
+        _, idx = logp.max(dim=-1)  # as `_ProposalGraph` picks
+        picks = copy_span(cand.gather(-1, idx[..., None])[..., 0], look, match, cfg.copy_min_match)
+        chain = torch.cat([picks, found[:, cfg.k:]], dim=1)[:, : self.block]
+        if cfg.copy_min_match > 0:
+            whole = (match >= cfg.copy_min_match) & ((look >= 0).sum(1) >= min(self.block, cfg.k))
+            chain = torch.where(whole[:, None], found[:, : self.block], chain)
+        return chain.clamp(min=0)
+
+    def launch(self, rows: Sequence[int], lengths: Sequence[int], hidden: Sequence[Tensor]) -> Tensor:
+        """Queue the chains of cache rows ``rows`` (contexts of ``lengths`` tokens in the history); returns
+        them on the device, [len(rows), block] int64 (no sync), valid until the next call."""
+        n = len(rows)
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the pinned copy is not rewritten under a queued upload
+        self.host[0, :n] = torch.tensor(rows, dtype=torch.int64)
+        self.host[1, :n] = torch.tensor(lengths, dtype=torch.int64)
+        self.index.copy_(self.host, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+        self.hidden[:n] = torch.stack([h.reshape(-1) for h in hidden])
+        if self.graph is None:
+            with torch.no_grad():
+                return self._compute(n)
+        self.graph.replay()
+        return self.out[:n]
+
+
 class _Shared:
     """What the drafters of a batch's rows share: the net's batched proposal graph (built at the first
     batched call, over the most rows asked for so far)."""
 
     def __init__(self):
         self.batch: _ProposalGraph | None = None
+        self.chains: _DeviceChainGraph | None = None
 
     def graph(self, drafter: ParallelDrafter, rows: int) -> _ProposalGraph:
         """The batched proposal graph, over at least ``rows`` rows."""
@@ -377,6 +479,23 @@ class ParallelDrafter:
         answers = shared.graph(first, len(drafters)).run([i[0] for i in inputs], [i[1] for i in inputs])
         for d, c, (_, _, found_all, m), answer in zip(drafters, contexts, inputs, answers, strict=True):
             d._ready = (len(c), found_all, m, answer)
+
+    @staticmethod
+    @torch.no_grad()
+    def chains_from_history(drafters: Sequence[ParallelDrafter], history: Tensor, rows: Sequence[int],
+                            lengths: Sequence[int], hiddens: Sequence[Tensor], block: int) -> Tensor:
+        """The chains of a batch's rows, computed on the device from their token ``history`` [R, L] (cache row
+        r's context in its first ``lengths`` places): `_DeviceChainGraph`, [len(rows), block] int64, no sync.
+        The drafters' own lookup indexes are not used."""
+        first = drafters[0]
+        if any(d.shared is not first.shared for d in drafters):
+            raise ValueError("chains_from_history batches drafters that share one net (ParallelDrafter.fork)")
+        graph = first.shared.chains
+        if graph is None or graph.rows < len(rows) or graph.history is not history or graph.block != block:
+            first.shared.chains = None  # release the old graph first
+            graph = first.shared.chains = _DeviceChainGraph(first, history, 1 << (len(rows) - 1).bit_length(), block,
+                                                            capture=first._captures)
+        return graph.launch(rows, lengths, hiddens)
 
     @staticmethod
     @torch.no_grad()

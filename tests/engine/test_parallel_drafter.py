@@ -320,7 +320,7 @@ def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, 
         def run_rows(self, blocks, idle=None, drafts=None):
             if drafts is not None:
                 filled.append(len(drafts[0]))
-                assert drafts[1].dtype == torch.int64 and drafts[1].shape == (len(drafts[0]), 4)
+                assert drafts[1].dtype == torch.int64 and drafts[1].shape == (len(drafts[0]), block)
             return super().run_rows(blocks, idle, drafts)
 
     first = ParallelDrafter(random_drafter(model, vocab=64, lookup=True, copy_min_match=2).net.to(device), graph=True)
@@ -515,3 +515,61 @@ def test_docstring_variants_are_humaneval_shaped():
     assert shaped.endswith('\n    """\n') and shaped.count('"""') == 2
     assert fenced == shaped + "```\n\n" and tested.startswith(shaped) and tested.endswith(":\n")
     assert docstring_variants("def broken(:\n    x\n", random.Random(0)) == ["def broken(:\n    x\n"]
+
+
+@pytest.mark.parametrize("periodic", [False, True])
+def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(periodic):
+    """`suffix_lookup_rows` (tensor ops over a [rows, slots] history) against `SuffixIndex.lookup`, row by row,
+    on random contexts over small alphabets (many repeats, loops, no match at all), of every length."""
+    from specpilot_engine.drafters.ngram import SuffixIndex
+    from specpilot_engine.drafters.parallel import suffix_lookup_rows
+
+    rng = random.Random(3)
+    k, L = 8, 64
+    contexts = [[rng.randrange(alphabet) for _ in range(rng.randrange(1, L + 1))]
+                for alphabet in (2, 3, 5, 50) for _ in range(40)]
+    contexts += [[7], [7, 7], [1, 2, 1, 2, 1], [4, 5, 6, 4, 5, 6, 4], list(range(30))]
+    history = torch.full((len(contexts), L), 999, dtype=torch.int64)
+    for r, c in enumerate(contexts):
+        history[r, : len(c)] = torch.tensor(c)
+    lengths = torch.tensor([len(c) for c in contexts])
+    tokens, match = suffix_lookup_rows(history, lengths, k, 4, 2, periodic)
+    hits = 0
+    for r, c in enumerate(contexts):
+        want, m = SuffixIndex(4, 2, periodic).lookup(c, k)
+        got = [t for t in tokens[r].tolist() if t >= 0]
+        assert (tuple(got), int(match[r])) == (want, m), (r, c)
+        hits += m > 0
+    assert 0 < hits < len(contexts)
+
+
+def test_chains_from_the_token_history_are_what_the_host_proposes(tiny):
+    """`chains_from_history` (lookups, net inputs, net and chain on the device): a row copied whole gets the
+    span `propose` returns; any other row gets `propose`'s k net picks, then the lookup's tokens past k
+    (token 0 where there are none)."""
+    from specpilot_engine.drafters.ngram import SuffixIndex
+
+    model, _ = tiny
+    first = random_drafter(model, vocab=64, lookup=True, copy_min_match=3)
+    drafters = [first, first.fork(), first.fork(), first.fork()]
+    g = torch.Generator().manual_seed(2)
+    hiddens = [torch.randn(model.cfg.dim, generator=g) for _ in drafters]
+    contexts = [list(range(40, 60)), [7, 8, 9, 10, 11] * 3, list(range(90, 75, -1)), [3, 4, 5, 6, 1, 3, 4, 5]]
+    history = torch.zeros(6, 32, dtype=torch.int64)
+    rows = [4, 0, 5, 2]  # cache rows, not in order
+    for r, c in zip(rows, contexts, strict=True):
+        history[r, : len(c)] = torch.tensor(c)
+    chains = ParallelDrafter.chains_from_history(drafters, history, rows, [len(c) for c in contexts], hiddens, 6)
+    assert chains.shape == (4, 6)
+    copied = 0
+    for j, (c, h) in enumerate(zip(contexts, hiddens, strict=True)):
+        alone = ParallelDrafter(first.net)
+        (cand,) = alone.propose(c, h, 4, 1)
+        found, m = SuffixIndex(4, 2, False).lookup(c, 6)
+        if first.copies_whole(m):
+            copied += 1
+            assert chains[j].tolist() == [*found, 0, 0, 0, 0, 0, 0][:6]  # the whole span, past the net's k; 0: none
+        else:
+            assert tuple(chains[j, :4].tolist()) == cand.tokens
+            assert chains[j, 4:].tolist() == [*found[4:6], 0, 0][:2]
+    assert 0 < copied < len(contexts)  # both kinds of row
