@@ -115,11 +115,13 @@ class BatchPolicy:
     - ``padded_attention``: a step's attention as one call over every cache row (`model.PaddedRows`), not
       one call a row: fewer launches and host work a step, but the sum over keys runs over the longest
       row's slots, so its bits may differ too (forcing decides).
-    - ``device_drafts``: with decode graphs and parallel drafters drafting chains, the net's picks stay on
-      the GPU and the verify step reads them in place (`ParallelDrafter.chains_on_device`, `GraphRunner.run_rows`'s
-      ``drafts``): one device sync a step instead of two, and no per-row proposal on the host. Rows whose
-      lookup is copied whole still draft on the host; no copied continuation runs past the net's k. It only
-      chooses what is drafted: the target still accepts its own argmax."""
+    - ``device_drafts``: with decode graphs and parallel drafters drafting chains, the whole proposal runs
+      on the GPU from a device copy of every row's context (`ParallelDrafter.chains_from_history`: the
+      lookups, the net, the chain) and the verify step reads the chains in place (`GraphRunner.run_rows`'s
+      ``drafts``): one device sync a step instead of two, nothing drafted a row on the host. A row's chain
+      is ``block_size`` long (the net's k picks, then the lookup's tokens past k; token 0 where there are
+      none), not the host path's copied continuation. It only chooses what is drafted: the target still
+      accepts its own argmax."""
 
     node_budget: int = 0
     adaptive_block: bool = False
@@ -473,49 +475,30 @@ class BatchDecoder:
         return shares
 
     def _draft_on_device(self, active: dict[int, _Row], slots: list[int], ks: dict[int, int],
-                         nodes: dict[int, int]) -> tuple[dict[int, int], torch.Tensor | None] | None:
-        """``device_drafts``: set every drafting row's chain (`ParallelDrafter.chains_on_device`), the net's
-        picks as placeholders to be filled on the device; returns (cache row -> its row of the drafts,
-        the drafts [n, k] or None when no row needs the net) for `GraphRunner.run_rows`, or None (the host
-        drafts) when the policy is off, there are no decode graphs, the step verifies trees, a row's
-        drafter cannot, or the step will not fit the graphs."""
+                         nodes: dict[int, int]) -> tuple[dict[int, int], torch.Tensor] | None:
+        """``device_drafts``: queue every drafting row's chain on the device from the rows' token history
+        (`ParallelDrafter.chains_from_history`) and give each row a chain of placeholders to verify; returns
+        (cache row -> its row of the drafts, the drafts [n, block_size]) for `GraphRunner.run_rows`, or None
+        (the host drafts) when the policy is off, there are no decode graphs, the step verifies trees, a
+        row's drafter cannot, or the step will not fit the graphs."""
         if not self.policy.device_drafts or self.runner is None or self.cfg.tree:
             return None
         drafting = [s for s in slots if ks[s] > 0 and nodes[s] > 0]
         drafters = [active[s].drafter for s in drafting]
-        if not drafting or not all(hasattr(d, "chains_on_device") for d in drafters):
+        if not drafting or not all(hasattr(d, "chains_from_history") for d in drafters):
             return None
         T = 1 + max(ks[s] for s in drafting)  # the longest block this step can have
         if not all(self.runner.fits(T, row.start) for row in active.values()):
             return None  # the step runs eagerly: the host drafts
-        if hasattr(drafters[0], "chains_from_history"):  # lookups on the device too: nothing a row on the host
-            rows = [active[s] for s in drafting]
-            self._upload_history(rows)
-            drafts = type(drafters[0]).chains_from_history(drafters, self.history, drafting,
-                                                           [len(row.context) for row in rows],
-                                                           [row.hidden for row in rows], self.cfg.block_size)
-            for slot in slots:
-                row = active[slot]
-                n = min(ks[slot], nodes[slot]) if slot in drafting else 0
-                row.tree = DraftTree.chain(row.context[-1], [0] * n)  # placeholders: the device fills them in
-            return {s: j for j, s in enumerate(drafting)}, drafts
-        spans, drafts = type(drafters[0]).chains_on_device(drafters, [active[s].context for s in drafting],
-                                                           [active[s].hidden for s in drafting],
-                                                           [ks[s] for s in drafting])
-        rows_of: dict[int, int] = {}
-        by_slot = dict(zip(drafting, spans, strict=True))
+        rows = [active[s] for s in drafting]
+        self._upload_history(rows)
+        drafts = type(drafters[0]).chains_from_history(drafters, self.history, drafting, [len(row.context) for row in rows],
+                                                       [row.hidden for row in rows], self.cfg.block_size)
         for slot in slots:
             row = active[slot]
-            root = row.context[-1]
-            if slot not in by_slot:
-                row.tree = DraftTree.chain(root, [])
-            elif (span := by_slot[slot]) is not None:
-                row.tree = DraftTree.chain(root, span[: min(ks[slot], nodes[slot])])
-            else:
-                rows_of[slot] = len(rows_of)
-                n = min(ks[slot], nodes[slot], drafts.shape[1])
-                row.tree = DraftTree.chain(root, [0] * n)  # placeholders: the device fills them in
-        return rows_of, drafts  # drafts None: every drafting row copied a span, nothing waits on the device
+            n = min(ks[slot], nodes[slot]) if slot in drafting else 0
+            row.tree = DraftTree.chain(row.context[-1], [0] * n)  # placeholders: the device fills them in
+        return {s: j for j, s in enumerate(drafting)}, drafts
 
     def _upload_history(self, rows: list[_Row]) -> None:
         """Copy the rows' context tokens that are not on the device yet into ``self.history`` [rows, max_len]
@@ -581,10 +564,9 @@ class BatchDecoder:
             # every row padded to the longest tree: row s's i-th token is at s*T + i of the outputs
             argmax_d, hidden, T = self.runner.run_rows(
                 {s: (tree, active[s].start) for s, tree in zip(slots, trees, strict=True)},
-                idle={s: row.start for s, row in active.items()},
-                drafts=on_device if on_device is not None and on_device[1] is not None else None)
+                idle={s: row.start for s, row in active.items()}, drafts=on_device)
             offsets = [s * T for s in slots]
-            if on_device is None or on_device[1] is None:
+            if on_device is None:
                 argmax = argmax_d.tolist()  # the step's one device sync
             else:  # the verify's argmax and the drafts it verified, in one read: still the step's one sync
                 rows_of, drafts = on_device

@@ -127,9 +127,10 @@ class EngineOptions:
         "(0: each prompt as a forward of its own before the step)", sweep=(64, 128), factor="overhead",
         modes=("batched",), may_change_outputs=True)
     batch_device_drafts: bool = option(
-        False, "batched, with CUDA graphs and the parallel drafter's chains: the net's picks stay on the GPU and "
-        "the verify step reads them in place (one sync a step, no per-row proposal on the host; no copied "
-        "continuation past the net's k)", sweep=(True,), factor="overhead", devices=("cuda",), modes=("batched",),
+        False, "batched, with CUDA graphs and the parallel drafter's chains: lookups, net and chains run on the "
+        "GPU from a device copy of each row's context and the verify step reads the chains in place (one sync "
+        "a step, nothing drafted a row on the host; past the net's k a chain goes on with the lookup's tokens)",
+        sweep=(True,), factor="overhead", devices=("cuda",), modes=("batched",),
         requires={"drafter": "parallel", "verify": "chain", "cuda_graphs": True})
     batch_attention: Literal["per_row", "padded"] = option(
         "per_row", "batched: a step's attention as one call a row (stock) or one padded call over all rows "

@@ -497,35 +497,6 @@ class ParallelDrafter:
                                                             capture=first._captures)
         return graph.launch(rows, lengths, hiddens)
 
-    @staticmethod
-    @torch.no_grad()
-    def chains_on_device(drafters: Sequence[ParallelDrafter], contexts: Sequence[list[int]],
-                         hiddens: Sequence[Tensor], ks: Sequence[int]) -> tuple[list[tuple[int, ...] | None], Tensor | None]:
-        """A batch's chains without reading the net's picks back (``batch_device_drafts``): row i drafts up
-        to ``ks[i]`` tokens. A row whose lookup is proposed whole gets that span here, on the host (what
-        `propose` returns first); every other row's chain is the net's ``cfg.k`` picks (copy_span applied),
-        left on the device as one int64 tensor [those rows, cfg.k] in row order (None when no row needs the
-        net), which the verify step reads in place. Unlike `propose`, no copied continuation runs past the
-        net's k: it would need the picks on the host."""
-        first = drafters[0]
-        if any(d.shared is not first.shared for d in drafters):
-            raise ValueError("chains_on_device batches drafters that share one net (ParallelDrafter.fork)")
-        spans: list[tuple[int, ...] | None] = []
-        net_inputs = []
-        for d, c, h, k in zip(drafters, contexts, hiddens, ks, strict=True):
-            d._ready = None
-            h_row, ids, found_all, m = d._inputs(c, h, k)
-            if d.index is not None and d.copies_whole(m) and len(found_all[: d.cfg.k]) >= min(k, d.cfg.k):
-                spans.append(tuple(found_all[:k]))
-            else:
-                spans.append(None)
-                net_inputs.append((h_row, ids))
-        if not net_inputs:
-            return spans, None
-        answers = first.shared.graph(first, len(net_inputs)).launch([h for h, _ in net_inputs],
-                                                                   [ids for _, ids in net_inputs])
-        return spans, answers[:, 0, : first.cfg.k].long()  # token ids, exact in float64
-
     @torch.no_grad()
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
         ready, self._ready = self._ready, None

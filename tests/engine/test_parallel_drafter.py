@@ -371,26 +371,6 @@ def test_device_drafts_on_cuda_verify_what_the_host_path_verifies():
     agree_up_to_near_ties(model, prompts, on_device, reference, "device drafts")
 
 
-def test_device_chains_are_the_nets_picks_or_the_copied_span(tiny):
-    """`chains_on_device`: a row whose lookup is copied whole gets the span on the host; the others get the
-    net's k picks on the device, which are the chain `propose` returns for them."""
-    model, _ = tiny
-    first = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
-    drafters = [first, first.fork(), first.fork()]
-    g = torch.Generator().manual_seed(5)
-    hiddens = [torch.randn(model.cfg.dim, generator=g) for _ in drafters]
-    loop = [7, 8, 9, 10] * 4  # its suffix recurs: copied whole
-    contexts = [list(range(40, 60)), loop, list(range(90, 75, -1))]
-    spans, picks = ParallelDrafter.chains_on_device(drafters, contexts, hiddens, [4, 4, 3])
-    assert spans[1] == (7, 8, 9, 10) and spans[0] is None and spans[2] is None
-    assert picks.shape == (2, 4)
-    for row, j in ((0, 0), (2, 1)):
-        alone = random_drafter(model, vocab=64, lookup=True, copy_min_match=2)
-        alone.net.load_state_dict(first.net.state_dict())
-        (cand,) = alone.propose(contexts[row], hiddens[row], 4, 1)
-        assert tuple(picks[j].tolist()) == cand.tokens
-
-
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
     model, _ = tiny
     d = random_drafter(model, vocab=16, lookup=True)
