@@ -37,6 +37,14 @@ block size, and after the net's own picks the lookup continues where their tail 
 ``k`` drafts when the context does not repeat and up to ``block_size`` when it does; on HumanEval
 tau grew with the block size (docs/FIGURES.md, "Lab notes moved from code").
 
+A batch's rows draft together: `ParallelDrafter.propose_rows` runs the net once for every row (the
+lookups on the host, the answers read back), and `ParallelDrafter.chains_from_history` keeps the
+whole chain proposal on the GPU for ``batch_device_drafts``: the lookups over a device copy of each
+row's context (`suffix_lookup_rows`, the same answers as `SuffixIndex`), the net and each row's chain
+of ``block_size`` drafts in one captured graph, read by the verify step in place. Past ``k`` such a
+chain goes on with the lookup's own tokens, not the continuation above (which needs the picks on the
+host).
+
 The weights file records the target it was trained for, the draft vocabulary, the hash of its
 training data and its figures. A drafter only proposes: acceptance stays exact greedy matching
 in `specpilot_engine.tree`, so a poor drafter costs speed, never correctness.
