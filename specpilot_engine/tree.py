@@ -60,12 +60,15 @@ class DraftTree:
 
     @property
     def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.parents == list(range(-1, len(self.parents) - 1))
 
     @classmethod
     def chain(cls, root: int, drafts: list[int] | tuple[int, ...]) -> DraftTree:
         n = len(drafts) + 1
-        return cls([root, *drafts], list(range(-1, n - 1)), list(range(n)))
+        # valid by construction, so built without `__post_init__`'s checks: a batched step builds one a row
+        tree = cls.__new__(cls)
+        tree.tokens, tree.parents, tree.depths = [root, *drafts], list(range(-1, n - 1)), list(range(n))
+        return tree
 
     @classmethod
     def best_first(cls, root: int, candidates: list[Candidate], max_nodes: int, max_depth: int) -> DraftTree:
@@ -109,6 +112,11 @@ class DraftTree:
 
     def accept(self, argmax: list[int]) -> tuple[list[int], int]:
         """(accepted node indices from the root, bonus token) given the target's argmax at each node."""
+        if self.is_chain:  # node i's one child is i + 1
+            node, last = 0, len(self.tokens) - 1
+            while node < last and self.tokens[node + 1] == argmax[node]:
+                node += 1
+            return list(range(node + 1)), argmax[node]
         children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens, strict=True)) if i}
         path, node = [0], 0
         while (nxt := children.get((node, argmax[node]))) is not None:

@@ -142,3 +142,20 @@ def test_cache_compact_moves_exact_slots(tiny):
     before = cache.k.clone()
     cache.compact(4, [0, 1, 2])  # a chain's accepted prefix is already in place
     assert torch.equal(cache.k, before)
+
+
+def test_chain_acceptance_is_the_longest_prefix_the_target_agrees_with():
+    """A chain's acceptance (its fast path): drafts are accepted while each equals the target's argmax at
+    its parent; the bonus is the argmax after the last one; a chain built by `chain` is a valid tree."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        drafts = [rng.randrange(4) for _ in range(rng.randrange(0, 9))]
+        argmax = [rng.randrange(4) for _ in range(len(drafts) + 1)]
+        tree = DraftTree.chain(9, drafts)
+        assert tree == DraftTree([9, *drafts], list(range(-1, len(drafts))))  # what the checked constructor builds
+        n = 0
+        while n < len(drafts) and drafts[n] == argmax[n]:
+            n += 1
+        assert tree.accept(argmax) == (list(range(n + 1)), argmax[n])
