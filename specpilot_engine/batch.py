@@ -59,7 +59,7 @@ import torch
 
 from specpilot_engine.decode import DecodeConfig, Generation, draft
 from specpilot_engine.drafters import Drafter
-from specpilot_engine.graphs import GraphRunner
+from specpilot_engine.graphs import GraphRunner, Staging
 from specpilot_engine.model import KVCache, Transformer, greedy_ids
 from specpilot_engine.tree import DraftTree
 
@@ -223,7 +223,7 @@ class BatchDecoder:
         self.prefill_runner = static_steps(model.new_cache(max_len, batch=1)) if static_steps else None
         # each row's context on the device, for drafters that draft from it (``device_drafts``); built lazily
         self.history: torch.Tensor | None = None
-        self._history_upload: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._history_upload: Staging | None = None  # (row, place, token) triples of `_upload_history`
         self.waiting: deque[tuple[BatchRequest, float]] = deque()  # submitted, not yet in a row (FIFO)
         self.active: dict[int, _Row] = {}  # cache row -> the request in it
         self.steps = 0  # forwards run so far (the clock of arrival_step, joined_step, finished_step)
@@ -503,16 +503,12 @@ class BatchDecoder:
     def _upload_history(self, rows: list[_Row]) -> None:
         """Copy the rows' context tokens that are not on the device yet into ``self.history`` [rows, max_len]
         (one transfer of (row, place, token) triples from a pinned staging copy; no sync)."""
-        device = self.model.device
         if self.history is None:
-            self.history = torch.zeros(self.rows, self.cache.max_len, dtype=torch.int64, device=device)
-            pin = device.type == "cuda"
-            capacity = 3 * self.rows * self.cache.max_len
-            self._history_upload = (torch.zeros(capacity, dtype=torch.int64, pin_memory=pin),
-                                    torch.zeros(capacity, dtype=torch.int64, device=device),
-                                    torch.cuda.Event() if pin else None)
-        host, dev, uploaded = self._history_upload
-        where, places, tokens = [], [], []
+            self.history = torch.zeros(self.rows, self.cache.max_len, dtype=torch.int64, device=self.model.device)
+            self._history_upload = Staging(3 * self.rows * self.cache.max_len, self.model.device)
+        where: list[int] = []
+        places: list[int] = []
+        tokens: list[int] = []
         for row in rows:
             new = row.context[row.on_device:]
             where += [row.slot] * len(new)
@@ -522,13 +518,11 @@ class BatchDecoder:
         n = len(tokens)
         if not n:
             return
-        if uploaded is not None:
-            uploaded.synchronize()  # the staging copy is not rewritten under a queued upload
-        host[: 3 * n] = torch.tensor(where + list(places) + tokens, dtype=torch.int64)
-        dev[: 3 * n].copy_(host[: 3 * n], non_blocking=True)
-        if uploaded is not None:
-            uploaded.record()
-        self.history[dev[:n], dev[n: 2 * n]] = dev[2 * n: 3 * n]
+        staging = self._history_upload
+        staging.writable()[: 3 * n] = torch.tensor(where + places + tokens, dtype=torch.int64)
+        staging.upload(3 * n)
+        triples = staging.buffer
+        self.history[triples[:n], triples[n: 2 * n]] = triples[2 * n: 3 * n]
 
     def _step(self, active: dict[int, _Row], prefills: int) -> StepRecord:
         segments = self._segments(active)

@@ -31,7 +31,7 @@ Triton kernels round every intermediate as stock does, except the norm's reducti
 may differ at near-ties and a system with this option must pass token forcing. Eager and
 graph-safe (`StaticStep`) forwards are both supported, chains and trees alike, and so are batched ones
 (`specpilot_engine.batch`): a static step over R cache rows runs the RoPE kernel with each row's slots,
-then one attention call over the rows (the stock layer's `CacheAttention._static_read`); a packed ragged
+then one SDPA call over the rows under the step's bias (`reference.rope_attention`); a packed ragged
 forward rotates as stock rounds it and attends per row or padded, as the stock layer does; a
 graph-safe block of more than `ops.ATTENTION_KERNEL_MAX_ROWS` query rows (a captured prefill) takes
 the RoPE kernel and SDPA too. Linear modules stay

@@ -21,7 +21,8 @@ attention is one padded call over all rows (`Attention._static_attention`), as `
 Per T there is one static input buffer (int64): tokens [R*T], positions [R*T], starts [R], block masks
 [R*T*T] (0/1). A step fills a pinned host copy of it, copies it to the device (one transfer), replays
 the graph and reads the argmax ids back (the one sync of the step); a step queued without that read (a
-captured prefill, `specpilot_engine.batch`) leaves its upload to an event that the next fill waits on.
+captured prefill, `specpilot_engine.batch`) leaves its upload pending, and the next fill waits for it
+(`Staging`).
 Outputs live in the graph's static buffers: ``hidden`` is valid until the next step (drafters read it
 before that, on the same stream). Prefill and the cache compaction after acceptance stay eager
 (`specpilot_engine.decode`).
@@ -81,6 +82,35 @@ def block_mask_rows(tree: DraftTree) -> np.ndarray:
     return m
 
 
+class Staging:
+    """An int64 buffer on the device filled from a pinned host copy by one asynchronous copy a fill. The host
+    copy is not rewritten while that copy may still wait in the stream (a step queued without a sync after
+    it, as a captured prefill is): `writable` waits for the last upload first, which after a step's sync
+    has long run. Off CUDA (or with ``pin`` off) the copy is plain and nothing waits."""
+
+    def __init__(self, shape: int | tuple[int, ...], device: torch.device | str, pin: bool | None = None):
+        device = torch.device(device)
+        pin = device.type == "cuda" if pin is None else pin
+        self.buffer = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._host = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+        self._uploaded = torch.cuda.Event() if pin else None
+
+    def writable(self) -> Tensor:
+        """The host copy, once it may be written."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        return self._host
+
+    def upload(self, n: int | None = None) -> None:
+        """Queue the copy of the host copy (its first ``n`` entries along the first dimension) to ``buffer``."""
+        if n is None:
+            self.buffer.copy_(self._host, non_blocking=True)
+        else:
+            self.buffer[:n].copy_(self._host[:n], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+
 class _Inputs:
     """The static device buffer of one block size T over R cache rows and its pinned host staging copy."""
 
@@ -89,14 +119,8 @@ class _Inputs:
         self.max_position = max_position  # the RoPE table's last row: a pad's position never passes it
         # tokens R*T, positions R*T, starts R, masks R*T*T, then (not read by the graph) each row's index
         # into the device drafts `run_rows` puts in place (-1: none)
-        n = rows * (2 * T + 1 + T * T) + rows
-        self.device_buf = torch.zeros(n, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self.host_buf = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self.host = self.host_buf.numpy()
-        # the last upload of the staging copy: it must have run before the copy is written again (a step
-        # queued without a sync after it, as a captured prefill is, may still wait in the stream)
-        self.uploaded = torch.cuda.Event() if pin else None
+        self.staging = Staging(rows * (2 * T + 1 + T * T) + rows, device)
+        self.device_buf = self.staging.buffer
         self._chain_mask = np.tril(np.ones((T, T), dtype=np.int64))
 
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -114,9 +138,7 @@ class _Inputs:
         """Row r runs ``blocks[r]`` = (tree, start); a row without a block (or the places past its tree)
         runs pad tokens (token 0, seeing only the row's earlier slots and itself) at ``starts[r]``..
         ``device_rows[r] = j``: row r's drafts are row j of drafts on the device (`fill`)."""
-        T, R, h = self.T, self.R, self.host
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # at once after a step's sync; behind the queued work otherwise
+        T, R, h = self.T, self.R, self.staging.writable().numpy()
         tokens, positions = h[:R * T].reshape(R, T), h[R * T: 2 * R * T].reshape(R, T)
         row_starts, masks = h[2 * R * T: 2 * R * T + R], h[2 * R * T + R: -R].reshape(R, T, T)
         fill = h[-R:]
@@ -136,9 +158,7 @@ class _Inputs:
             positions[r, :n] = tree.depths
             positions[r, :n] += start
             masks[r, :n, :n] = self._chain_mask[:n, :n] if tree.is_chain else block_mask_rows(tree)
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
-        if self.uploaded is not None:
-            self.uploaded.record()
+        self.staging.upload()
 
     def fill(self, drafts: Tensor) -> None:
         """Put row j of ``drafts`` [n, w] (device token ids) at places 1.. of the rows `load` named for it,

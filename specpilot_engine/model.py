@@ -340,15 +340,11 @@ class CacheAttention(nn.Module):
         self.core = core
 
     def _static_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
-        """Graph-safe attention: K/V written through an index tensor, then `_static_read`."""
-        cache.write(self.layer, step.slots, k, v)
-        return self._static_read(q, cache, step)
-
-    def _static_read(self, q: Tensor, cache: KVCache, step: StaticStep) -> Tensor:
-        """Every query of a KV head's group reads the fixed first ``step.length`` slots (the block's K/V
-        already written) as one batch of G*T rows (no K/V repeat); returns [B, T, H*hd]."""
+        """Graph-safe attention: K/V written through an index tensor, then every query of a KV head's
+        group reads the fixed first ``step.length`` slots as one batch of G*T rows (no K/V repeat)."""
         B, H, T, hd = q.shape
         G = H // self.n_kv
+        cache.write(self.layer, step.slots, k, v)
         keys = cache.k[self.layer, :, :, : step.length]
         values = cache.v[self.layer, :, :, : step.length]
         y = self.core(q.reshape(B, self.n_kv, G * T, hd), keys, values, step.bias, False, gqa=False)

@@ -272,9 +272,8 @@ class _ProposalGraph:
         device = net.out_embed.device
         n_ids = cfg.n_context + (cfg.k + 1 if cfg.lookup else 0)  # context, then the lookup's row and match
         self.rows = rows
-        self.ids = torch.zeros(rows, n_ids, dtype=torch.int64, device=device)
-        self.host = torch.zeros(rows, n_ids, dtype=torch.int64, pin_memory=capture)
-        self.uploaded = torch.cuda.Event() if capture else None  # the host copy's last upload (see launch)
+        self.staging = graphs.Staging((rows, n_ids), device, pin=capture)
+        self.ids = self.staging.buffer
         self.hidden = torch.zeros(rows, cfg.dim, dtype=net.out_embed.dtype, device=device)
         self.graph = None
         if capture:
@@ -303,12 +302,8 @@ class _ProposalGraph:
         """Queue `_compute` for the net's inputs of up to ``rows`` rows; returns their answers on the device
         (no sync), valid until the next call."""
         n = len(ids)
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # the pinned copy is not rewritten under a queued upload
-        self.host[:n] = torch.tensor(ids, dtype=torch.int64)
-        self.ids.copy_(self.host, non_blocking=True)
-        if self.uploaded is not None:
-            self.uploaded.record()
+        self.staging.writable()[:n] = torch.tensor(ids, dtype=torch.int64)
+        self.staging.upload()
         if n == 1:
             self.hidden[0].copy_(hidden[0].reshape(-1))
         else:
@@ -351,9 +346,8 @@ class _DeviceChainGraph:
         net = drafter.net
         self.drafter, self.history, self.rows, self.block = drafter, history, rows, block
         device = history.device
-        self.index = torch.zeros(2, rows, dtype=torch.int64, device=device)  # row indices, context lengths
-        self.host = torch.zeros(2, rows, dtype=torch.int64, pin_memory=capture)
-        self.uploaded = torch.cuda.Event() if capture else None  # the host copy's last upload
+        self.staging = graphs.Staging((2, rows), device, pin=capture)
+        self.index = self.staging.buffer  # row indices, context lengths
         self.hidden = torch.zeros(rows, drafter.cfg.dim, dtype=net.out_embed.dtype, device=device)
         self.graph = None
         if capture:
@@ -386,13 +380,8 @@ class _DeviceChainGraph:
         """Queue the chains of cache rows ``rows`` (contexts of ``lengths`` tokens in the history); returns
         them on the device, [len(rows), block] int64 (no sync), valid until the next call."""
         n = len(rows)
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # the pinned copy is not rewritten under a queued upload
-        self.host[0, :n] = torch.tensor(rows, dtype=torch.int64)
-        self.host[1, :n] = torch.tensor(lengths, dtype=torch.int64)
-        self.index.copy_(self.host, non_blocking=True)
-        if self.uploaded is not None:
-            self.uploaded.record()
+        self.staging.writable()[:, :n] = torch.tensor([list(rows), list(lengths)], dtype=torch.int64)
+        self.staging.upload()
         self.hidden[:n] = torch.stack([h.reshape(-1) for h in hidden])
         if self.graph is None:
             with torch.no_grad():
@@ -413,9 +402,22 @@ class _Shared:
         """The batched proposal graph, over at least ``rows`` rows."""
         if self.batch is None or self.batch.rows < rows:
             self.batch = None  # release the old graph first
-            # rows rounded up to a power of two: a batch filling up captures a few graphs, not one a row
-            self.batch = _ProposalGraph(drafter, capture=drafter._captures, rows=1 << (rows - 1).bit_length())
+            self.batch = _ProposalGraph(drafter, capture=drafter._captures, rows=_capacity(rows))
         return self.batch
+
+    def chain_graph(self, drafter: ParallelDrafter, history: Tensor, rows: int, block: int) -> _DeviceChainGraph:
+        """The device chain graph over ``history``, for at least ``rows`` rows and chains of ``block``."""
+        graph = self.chains
+        if graph is None or graph.rows < rows or graph.history is not history or graph.block != block:
+            self.chains = None  # release the old graph first
+            self.chains = _DeviceChainGraph(drafter, history, _capacity(rows), block, capture=drafter._captures)
+        return self.chains
+
+
+def _capacity(rows: int) -> int:
+    """Rows a batched graph is built for: ``rows`` rounded up to a power of two, so that a batch filling up
+    captures a few graphs, not one a row."""
+    return 1 << (rows - 1).bit_length()
 
 
 class ParallelDrafter:
@@ -498,12 +500,7 @@ class ParallelDrafter:
         first = drafters[0]
         if any(d.shared is not first.shared for d in drafters):
             raise ValueError("chains_from_history batches drafters that share one net (ParallelDrafter.fork)")
-        graph = first.shared.chains
-        if graph is None or graph.rows < len(rows) or graph.history is not history or graph.block != block:
-            first.shared.chains = None  # release the old graph first
-            graph = first.shared.chains = _DeviceChainGraph(first, history, 1 << (len(rows) - 1).bit_length(), block,
-                                                            capture=first._captures)
-        return graph.launch(rows, lengths, hiddens)
+        return first.shared.chain_graph(first, history, len(rows), block).launch(rows, lengths, hiddens)
 
     @torch.no_grad()
     def propose(self, context: list[int], last_hidden: Tensor | None, k: int, n: int) -> list[Candidate]:
