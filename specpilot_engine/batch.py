@@ -274,6 +274,11 @@ class BatchDecoder:
                 return True
         return False
 
+    @property
+    def tokens_in_flight(self) -> int:
+        """Output tokens committed so far by the requests still in a row (a load's steady-state count)."""
+        return sum(len(row.gen.tokens) for row in self.active.values())
+
     def finished(self) -> list[tuple[str, BatchGeneration]]:
         """The requests finished since the last call, in the order they finished."""
         out, self._finished = self._finished, []

@@ -9,7 +9,11 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   acceptance) and the steps' time split (prefill, draft, forward, other). Systems: batched AR (no
   drafter), the deployment's stock speculation, and the system (stock with the option flags) when it
   differs; speedups over batched AR and over stock speculation; whether each one's tokens equal batched
-  AR's (lossless: equal wherever the rows are batch-invariant).
+  AR's (lossless: equal wherever the rows are batch-invariant). ``--passes`` sends the request set that
+  many times a load (each pass's answers checked too): the whole load's tokens/s counts its drain, where the
+  last requests finish with fewer clients busy (on a GPU at 32 clients and one pass, the slowest request
+  lasted ~90% of a load, 2026-12-06); the steady tokens/s is the rate until the last request is sent,
+  every client busy: throughput at the load's concurrency.
 - ``c(N, B)``: the forward of B rows of N + 1 new tokens each (a root and N drafts) over a context of the
   requests' mean prompt length plus half the output, against the forward of B rows of one token (batched
   AR's step), median of ``--reps`` (replayed as CUDA graphs when the system runs them); and AR's own cost by
@@ -33,6 +37,7 @@ import json
 import platform
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -207,7 +212,7 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         "bench": "batched", "deployment": dep.name, "target": dep.target,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "options": opts.changed(), "rows": rows, "clients": clients, "requests": len(prompts),
+        "options": opts.changed(), "rows": rows, "clients": clients, "requests": len(prompts), "passes": args.passes,
         "request_set": args.set or "all", "max_new_tokens": max_new, "date": time.strftime("%Y-%m-%d"), "systems": {},
     }
     if clients > rows:
@@ -225,9 +230,12 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         closed_loop(decoder, warm, min(clients, rows), max_new if graphed else 8, len(warm))
     for run in range(args.runs):  # interleaved: a drift of the machine touches every system alike
         for name, decoder in decoders.items():
-            load = closed_loop(decoder, prompts, clients, max_new, len(prompts))
-            by_prompt = {r.prompt_index: r.tokens for r in load.requests}
-            outputs[name].append([by_prompt[i] for i in range(len(prompts))])
+            load = closed_loop(decoder, prompts, clients, max_new, args.passes * len(prompts))
+            by_prompt: dict[int, list[list[int]]] = defaultdict(list)
+            for r in load.requests:
+                by_prompt[r.prompt_index].append(r.tokens)
+            # a prompt sent in several passes is one more check: each answer must be the first pass's
+            outputs[name] += [[by_prompt[i][p] for i in range(len(prompts))] for p in range(args.passes)]
             loads[name].append(load.summary())
             _console().print(f"{name}{f' (run {run + 1})' if args.runs > 1 else ''}: {loads[name][-1]['tok_s']:.1f} tok/s")
     for name, (_, o) in systems.items():
@@ -235,9 +243,11 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         result["systems"][name] = {**runs[(len(runs) - 1) // 2], "tok_s_runs": [s["tok_s"] for s in loads[name]],
                                    "options": o.changed()}
     ar, spec = result["systems"]["batched AR"]["tok_s"], result["systems"]["stock"]["tok_s"]
+    ar_steady = result["systems"]["batched AR"]["steady_tok_s"]
     for name, s in result["systems"].items():
         s["speedup_over_batched_ar"] = s["tok_s"] / ar
         s["speedup_over_stock"] = s["tok_s"] / spec
+        s["steady_speedup_over_batched_ar"] = s["steady_tok_s"] / ar_steady if ar_steady > 0 else 0.0
         s["lossless"] = all(run == outputs["batched AR"][0] for run in outputs[name] + outputs["batched AR"])
     if ns:
         context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
@@ -270,15 +280,19 @@ def _table(result: dict) -> None:
     from specpilot.harness.bench import _console
 
     console = _console()
+    passes = f" x {result['passes']} passes" if result.get("passes", 1) > 1 else ""
     t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
-                    f"{result['requests']} requests x {result['max_new_tokens']} tokens, {result['device']}")
-    for col in ("system", "tok/s", "x batched AR", "x stock", "tau", "drafts/row", "p50 s", "p99 s", "TTFT p50 s",
-                "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless", "step ms by rows"):
+                    f"{result['requests']} requests{passes} x {result['max_new_tokens']} tokens, {result['device']}; "
+                    f"steady: until the last request is sent, every client busy")
+    for col in ("system", "tok/s", "x batched AR", "x stock", "steady tok/s", "steady x AR", "tau", "drafts/row",
+                "p50 s", "p99 s", "TTFT p50 s", "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless",
+                "step ms by rows"):
         t.add_column(col, justify="right")
     for name, s in result["systems"].items():
         runs = s.get("tok_s_runs", [])
         spread = f" ({min(runs):.0f}-{max(runs):.0f})" if len(runs) > 1 else ""  # every load's, when several ran
         t.add_row(name, f"{s['tok_s']:.1f}{spread}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
+                  f"{s['steady_tok_s']:.1f}", f"{s['steady_speedup_over_batched_ar']:.2f}",
                   f"{s['tau']:.2f}", f"{s['verified_per_row'] - 1:.2f}", f"{s['latency_p50_s']:.2f}",
                   f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",
                   f"{s['host_share']:.0%}", "/".join(f"{v:.0%}" for v in s.get("time_split", {}).values()),

@@ -79,6 +79,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", type=positive_int, default=1,
                     help="batched deployments: closed-loop loads a system, interleaved across systems; the median "
                          "one is reported (one GPU run's throughput moved ~10%% between loads, 2026-12-06)")
+    ap.add_argument("--passes", type=positive_int, default=1,
+                    help="batched deployments: times a load sends the request set (a longer load shortens its "
+                         "drain, where the last requests finish with fewer clients busy)")
     ap.add_argument("--server-options", default="{}",
                     help="server deployments: JSON of the system's [server.options] settings, e.g. "
                          "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")

@@ -7,7 +7,10 @@ its last one is answered, as a serving benchmark's clients do.
 run ends when ``total`` requests are answered. Per request it records the wall-clock latency (submit to
 last token), the time to first token (submit to the end of its prefill) and its tokens; overall the
 output tokens per second of wall time, and per step the rows in flight and the forward's seconds (the
-step cost by batch size).
+step cost by batch size). The whole load's tokens/s includes its drain (the last requests finishing
+with fewer clients busy, at the pace of the slowest); ``steady_tok_s`` is the rate until the last
+request is sent, while all ``concurrency`` clients are busy (none when every request is sent at the
+start, ``total <= concurrency``).
 
 Pure measurement over the decoder's public interface: nothing here changes what is decoded, and a
 request's tokens are the decoder's (batch-invariant where its linears are).
@@ -47,6 +50,10 @@ class LoadResult:
     step_committed: list[int] = field(default_factory=list)
     step_verified: list[int] = field(default_factory=list)  # the rows' tokens (roots and drafts) a forward
     max_waiting: int = 0  # most requests queued for a row at once (clients beyond the decoder's rows)
+    # the steady window: from the start until the last request is sent, while every client has one in
+    # flight (the load at its concurrency, before the drain); its seconds and the output tokens in it
+    steady_s: float = 0.0
+    steady_tokens: int = 0
 
     @property
     def output_tokens(self) -> int:
@@ -63,6 +70,8 @@ class LoadResult:
         return {
             "concurrency": self.concurrency, "requests": len(self.requests), "output_tokens": self.output_tokens,
             "wall_s": round(self.wall_s, 3), "tok_s": self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "steady_s": round(self.steady_s, 3),
+            "steady_tok_s": self.steady_tokens / self.steady_s if self.steady_s > 0 else 0.0,
             "latency_p50_s": _percentile(lat, 50), "latency_p99_s": _percentile(lat, 99),
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "tau": sum(r.committed for r in self.requests) / max(1, steps),
@@ -115,6 +124,7 @@ def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: in
     t0 = time.perf_counter()
     for _ in range(min(concurrency, total)):
         send()
+    steady = False
     while decoder.busy:
         t_step = time.perf_counter()
         record = decoder.step()
@@ -134,5 +144,10 @@ def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: in
                                                  gen.first_token_at - at, gen.steps, sum(gen.committed)))
             if sent < total:
                 send()
+                steady = sent == total  # the last request is out: clients go idle from here on
+        if steady:
+            result.steady_s = time.perf_counter() - t0
+            result.steady_tokens = sum(len(r.tokens) for r in result.requests) + decoder.tokens_in_flight
+            steady = False
     result.wall_s = time.perf_counter() - t0
     return result

@@ -225,30 +225,30 @@ def suffix_lookup_rows(history: Tensor, lengths: Tensor, k: int, max_match: int,
     repeat it is, token i at ``j + m + i % (n - m - j)``), exactly what `SuffixIndex` answers."""
     R, L = history.shape
     device = history.device
-    starts = torch.arange(L, device=device)
     n = lengths.view(R, 1)
-    tokens = torch.full((R, k), -1, dtype=history.dtype, device=device)
-    match = torch.zeros(R, dtype=torch.int64, device=device)
-    found = torch.zeros(R, dtype=torch.bool, device=device)
+    ends = torch.arange(L, device=device)  # e: where an occurrence ends (it starts at e - m + 1)
+    # run[r, e]: how many tokens ending at e equal the context's last ones (history[e - t] == history[n - 1 - t]
+    # for t < run), up to max_match; -2 pads before the start (no token). All match lengths in one pass: a
+    # captured step replays ~25 small kernels, not ~60 (kernel count, not bytes, is its cost at 32 rows)
+    last = history.gather(1, (n - 1 - torch.arange(max_match, device=device)).clamp(min=0))  # [R, M]
+    back = F.pad(history, (max_match - 1, 0), value=-2).unfold(1, max_match, 1).flip(-1)  # [R, L, M]: history[e - t]
+    run = (back == last[:, None, :]).to(torch.int32).cumprod(-1).sum(-1)  # [R, L]
+    lens = torch.arange(min_match, max_match + 1, device=device)  # [K] candidate match lengths
+    ok = ((run[:, None, :] >= lens[None, :, None]) & (ends <= n - 2)[:, None, :]  # occurrences before the end
+          & (ends[None, :] >= lens[:, None] - 1)[None])  # [R, K, L]
+    best = torch.where(ok, ends, -1).amax(-1)  # [R, K]: the most recent occurrence's end for each length
+    m = torch.where(best >= 0, lens, 0).amax(-1, keepdim=True)  # [R, 1]: the longest length found, 0: none
+    end = best.gather(1, (m - min_match).clamp(min=0))
+    j = end - m + 1  # that occurrence's start
     places = torch.arange(k, device=device)
-    for m in range(max_match, min_match - 1, -1):
-        suffix = history.gather(1, (n - m + torch.arange(m, device=device)).clamp(min=0))  # [R, m]
-        same = starts[None, :] <= n - 1 - m  # occurrences that end before the last token
-        for i in range(m):  # the window at j matches where history[j + i] == suffix[i] for every i
-            shifted = F.pad(history[:, i:], (0, i), value=-2)  # -2: no token
-            same = same & (shifted == suffix[:, i: i + 1])
-        best = torch.where(same, starts, -1).amax(dim=1, keepdim=True)  # the most recent occurrence
-        hit = (best[:, 0] >= 0) & ~found
-        if periodic:
-            at = best + m + places % (n - m - best).clamp(min=1)
-            got = history.gather(1, at.clamp(0, L - 1))
-        else:
-            at = best + m + places
-            got = torch.where(at < n, history.gather(1, at.clamp(0, L - 1)), -1)
-        tokens = torch.where(hit[:, None], got, tokens)
-        match = torch.where(hit, m, match)
-        found = found | hit
-    return tokens, match
+    if periodic:
+        at = j + m + places % (n - m - j).clamp(min=1)
+        got = history.gather(1, at.clamp(0, L - 1))
+    else:
+        at = j + m + places
+        got = torch.where(at < n, history.gather(1, at.clamp(0, L - 1)), -1)
+    tokens = torch.where(m > 0, got, -1)
+    return tokens, m[:, 0]
 
 
 def padded_lookup(found: tuple[int, ...], k: int) -> list[int]:

@@ -145,6 +145,10 @@ def test_closed_loop_clients_get_every_answer_and_the_load_is_measured(tiny_stre
     split = s["time_split"]
     assert set(split) == {"prefill", "draft", "forward", "other"} and abs(sum(split.values()) - 1) < 1e-3
     assert split["prefill"] > 0 and split["draft"] > 0 and split["forward"] > 0
+    # the steady window ends when the 7th request is sent: before the load ends, with fewer tokens than it
+    assert 0 < s["steady_s"] < s["wall_s"] and 0 < load.steady_tokens < s["output_tokens"]
+    assert load.steady_tokens >= sum(len(r.tokens) for r in load.requests[:4])  # at least 4 answered by then
+    assert closed_loop(dec, prompts, concurrency=3, max_new_tokens=20, total=3).summary()["steady_s"] == 0
     with pytest.raises(ValueError, match="concurrency >= 1"):
         closed_loop(dec, prompts, concurrency=0, max_new_tokens=4, total=1)
 

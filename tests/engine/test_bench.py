@@ -139,21 +139,23 @@ def test_drafter_settings_bench_on_the_tiny_deployment():
 def test_bench_on_a_batched_deployment_times_throughput_under_load(tmp_path, capsys):
     """A batched deployment's bench: batched AR, stock speculation and the system under the same closed-loop
     load, each lossless (batch-invariant rows) in every one of its interleaved runs, the median run reported
-    with its time split, the c(N, B) table and its ceiling, plots; more clients than rows queue and the bench
-    says so."""
+    with its time split and steady rate, the c(N, B) table and its ceiling, plots; more clients than rows queue
+    and the bench says so; two passes send each request twice."""
     toml = tmp_path / "tiny-batched.toml"
     toml.write_text('target = "tiny"\nmode = "batched"\nconcurrency = 2\nbench_requests = 5\n'
                     '[options]\nlinear_backend = "stream"\nngram_min_match = 1\n')
     rc = bench.main(["--deployment", str(toml), "--max-new-tokens", "16", "--ns", "1,3", "--batch-sizes", "1,2",
                      "--reps", "2", "--clients", "3", "--threads", "1", "--out", str(tmp_path),
-                     "--batch-node-budget", "3", "--runs", "2"])
+                     "--batch-node-budget", "3", "--runs", "2", "--passes", "2"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["bench"] == "batched" and r["rows"] == 2 and r["clients"] == 3 and "wait in the queue" in r["queued"]
     assert set(r["systems"]) == {"batched AR", "stock", "system"} and r["options"] == {
         "dtype": "fp32", "linear_backend": "stream", "ngram_min_match": 1, "batch_node_budget": 3}
     for name, s in r["systems"].items():
-        assert s["requests"] == 5 and s["lossless"] and s["tok_s"] > 0, name
+        # two passes over the 5 requests, every answer checked; the steady window ends at the 10th send
+        assert s["requests"] == 10 and s["lossless"] and s["tok_s"] > 0, name
+        assert 0 < s["steady_s"] < s["wall_s"] and s["steady_tok_s"] > 0 and s["steady_speedup_over_batched_ar"] > 0
         assert s["max_waiting"] >= 1  # a third client's request waited for a row
         assert s["latency_p99_s"] >= s["latency_p50_s"] > 0 and s["ttft_p50_s"] > 0
         assert len(s["tok_s_runs"]) == 2 and s["tok_s"] == min(s["tok_s_runs"])  # the (lower) median of two loads

@@ -498,9 +498,11 @@ def test_docstring_variants_are_humaneval_shaped():
 
 
 @pytest.mark.parametrize("periodic", [False, True])
-def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(periodic):
+@pytest.mark.parametrize("longest,shortest", [(4, 2), (6, 1), (3, 3)])
+def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(periodic, longest, shortest):
     """`suffix_lookup_rows` (tensor ops over a [rows, slots] history) against `SuffixIndex.lookup`, row by row,
-    on random contexts over small alphabets (many repeats, loops, no match at all), of every length."""
+    on random contexts over small alphabets (many repeats, loops, no match at all), of every length, for
+    several ranges of match lengths."""
     from specpilot_engine.drafters.ngram import SuffixIndex
     from specpilot_engine.drafters.parallel import suffix_lookup_rows
 
@@ -513,10 +515,10 @@ def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(period
     for r, c in enumerate(contexts):
         history[r, : len(c)] = torch.tensor(c)
     lengths = torch.tensor([len(c) for c in contexts])
-    tokens, match = suffix_lookup_rows(history, lengths, k, 4, 2, periodic)
+    tokens, match = suffix_lookup_rows(history, lengths, k, longest, shortest, periodic)
     hits = 0
     for r, c in enumerate(contexts):
-        want, m = SuffixIndex(4, 2, periodic).lookup(c, k)
+        want, m = SuffixIndex(longest, shortest, periodic).lookup(c, k)
         got = [t for t in tokens[r].tolist() if t >= 0]
         assert (tuple(got), int(match[r])) == (want, m), (r, c)
         hits += m > 0
