@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="dev requests (default: the deployment's bench_requests)")
     ap.add_argument("--set", default=None, help="only dev requests of this request set")
     ap.add_argument("--top", type=int, default=25, help="functions listed a table")
+    ap.add_argument("--gpu-times", action="store_true",
+                    help="CUDA: after the loads, replay each captured graph alone (verify steps by (T, length), "
+                         "prompt buckets, the device chain proposal) and print its GPU and host-launch time")
     add_option_flags(ap)
     args = ap.parse_args()
     dep = load_deployment(args.deployment)
@@ -62,9 +65,43 @@ def main() -> int:
         pstats.Stats(profile, stream=out).sort_stats(key).print_stats(args.top)
         tables[key] = out.getvalue()
         print(tables[key][tables[key].index("ncalls") - 2:] if "ncalls" in tables[key] else tables[key])
+    graph_times = replay_times(decoder) if args.gpu_times and device.type == "cuda" else {}
+    for name, (gpu_ms, launch_ms) in graph_times.items():
+        print(f"{name:>28}: {gpu_ms:.3f} ms on the GPU, {launch_ms:.3f} ms to launch")
     print(json.dumps({"bench": "batch_profile", "deployment": dep.name, "options": opts.changed(),
-                      "tok_s": summary["tok_s"], "time_split": summary["time_split"], "steps": len(load.step_rows)}))
+                      "tok_s": summary["tok_s"], "time_split": summary["time_split"], "steps": len(load.step_rows),
+                      "graph_ms": graph_times}))
     return 0
+
+
+def replay_times(decoder, reps: int = 100) -> dict[str, tuple[float, float]]:
+    """Each captured graph of ``decoder`` replayed alone ``reps`` times after a warm-up: (median GPU ms a
+    replay, from CUDA events; median host ms to launch one). A replay rewrites what its last use wrote (the
+    load is over), so nothing is changed."""
+    import statistics
+    import time
+
+    graphs = {f"verify T={T} len={length}": c.graph for (T, length), c in decoder.runner._graphs.items()}
+    graphs.update({f"prompt T={T} len={length}": c.graph for (T, length), c in decoder.prefill_runner._graphs.items()})
+    shared = getattr(decoder.drafters[0], "shared", None)
+    if shared is not None and getattr(shared, "chains", None) is not None and shared.chains.graph is not None:
+        graphs[f"device chains, {shared.chains.rows} rows"] = shared.chains.graph
+    out = {}
+    for name, graph in sorted(graphs.items()):
+        gpu, launch = [], []
+        for i in range(reps + 10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            graph.replay()
+            t1 = time.perf_counter()
+            b.record()
+            b.synchronize()
+            if i >= 10:
+                gpu.append(a.elapsed_time(b))
+                launch.append(1e3 * (t1 - t0))
+        out[name] = (round(statistics.median(gpu), 4), round(statistics.median(launch), 4))
+    return out
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ class Engine:
                                  prefill_chunk=self.options.prefill_chunk,
                                  padded_attention=self.options.batch_attention == "padded",
                                  max_spec_rows=self.options.batch_spec_max_rows,
-                                 device_drafts=self.options.batch_device_drafts)
+                                 device_drafts=self.options.batch_device_drafts,
+                                 compile_drafts=self.options.batch_compile_drafts)
             first = make_drafter(self.options, self.model)
             fork = getattr(first, "fork", None)  # one trained net for every row, each row its own state
             drafters = [first, *(fork() if fork else make_drafter(self.options, self.model) for _ in range(rows - 1))]

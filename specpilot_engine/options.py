@@ -132,6 +132,12 @@ class EngineOptions:
         "a step, nothing drafted a row on the host; past the net's k a chain goes on with the lookup's tokens)",
         sweep=(True,), factor="overhead", devices=("cuda",), modes=("batched",),
         requires={"drafter": "parallel", "verify": "chain", "cuda_graphs": True})
+    batch_compile_drafts: bool = option(
+        False, "batch_device_drafts: the device chain proposal through torch.compile before its capture, over "
+        "every cache row (one compilation): its ~110 small kernels fused into fewer launches, the graph's GPU "
+        "time on an H100 0.41 ms a step before; drafts may differ in low bits, outputs cannot (every draft is "
+        "verified)", sweep=(True,), factor="overhead", devices=("cuda",), modes=("batched",),
+        requires={"batch_device_drafts": True})
     batch_attention: Literal["per_row", "padded"] = option(
         "per_row", "batched: a step's attention as one call a row (stock) or one padded call over all rows "
         "(fewer launches; the sum over keys spans the longest row, so bits may differ)", sweep=("padded",),

@@ -304,7 +304,8 @@ def test_a_batch_of_parallel_drafters_drafts_in_one_pass_and_stays_lossless(tiny
         assert calls and max(calls) == 3  # full steps drafted all three rows in one pass
 
 
-def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, filled: list[int]) -> list[list[int]]:
+def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, filled: list[int],
+                       compile_drafts: bool = False) -> list[list[int]]:
     """Six requests over three rows through the batched graph path (captured on CUDA) with forked random
     parallel drafters; returns each request's tokens and records each step's device-drafted rows."""
     from specpilot_engine.batch import BatchDecoder, BatchPolicy, BatchRequest
@@ -326,7 +327,8 @@ def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, 
     first = ParallelDrafter(random_drafter(model, vocab=64, lookup=True, copy_min_match=2).net.to(device), graph=True)
     drafters = [first, *(first.fork() for _ in range(2))]
     dec = BatchDecoder(model, drafters, DecodeConfig(block_size=block), rows=3, max_len=256,
-                       stop_ids=model.cfg.stop_ids, policy=BatchPolicy(device_drafts=device_drafts),
+                       stop_ids=model.cfg.stop_ids,
+                       policy=BatchPolicy(device_drafts=device_drafts, compile_drafts=compile_drafts),
                        static_steps=lambda cache: Recording(model, cache, bucket=64, capture=device == "cuda"))
     result = dec.run([BatchRequest(str(i), p, n, arrival_step=i) for i, (p, n) in
                       enumerate(zip(prompts, max_new, strict=True))])
@@ -354,7 +356,8 @@ def test_device_drafts_are_verified_in_place_and_stay_lossless(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_drafts_on_cuda_verify_what_the_host_path_verifies():
     """Captured, on a GPU: at block = the net's k the device path drafts the very chains the host path
-    drafts, so the two give the same tokens bit for bit, and batch-1 AR's up to near-ties."""
+    drafts, so the two give the same tokens bit for bit, and batch-1 AR's up to near-ties; compiled
+    (``batch_compile_drafts``), its drafts go through torch.compile and the tokens stay the same."""
     from specpilot_engine.weights import load_model
     from tests.engine.conftest import agree_up_to_near_ties
     from tests.engine.test_lossless import _tiny_prompts
@@ -369,6 +372,10 @@ def test_device_drafts_on_cuda_verify_what_the_host_path_verifies():
     on_device = _device_drafts_run((model, tok), "cuda", 4, True, filled)
     assert filled and _device_drafts_run((model, tok), "cuda", 4, False, []) == on_device
     agree_up_to_near_ties(model, prompts, on_device, reference, "device drafts")
+    compiled: list[int] = []
+    assert _device_drafts_run((model, tok), "cuda", 6, True, compiled, compile_drafts=True) == \
+        _device_drafts_run((model, tok), "cuda", 6, True, [])
+    assert compiled and max(compiled) == 3
 
 
 def test_copy_column_probability_moves_onto_the_vocabulary_entry(tiny):
