@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from specpilot.errors import UserError
-from specpilot.harness.loadgen import closed_loop
+from specpilot.harness.loadgen import closed_loop, frozen_heap
 from specpilot.harness.requests import encode_requests, fit_context
 from specpilot_engine.api import Engine
 from specpilot_engine.graphs import graphs_supported
@@ -228,16 +228,18 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         graphed = decoder.runner is not None
         warm = prompts if graphed else prompts[:rows]
         closed_loop(decoder, warm, min(clients, rows), max_new if graphed else 8, len(warm))
-    for run in range(args.runs):  # interleaved: a drift of the machine touches every system alike
-        for name, decoder in decoders.items():
-            load = closed_loop(decoder, prompts, clients, max_new, args.passes * len(prompts))
-            by_prompt: dict[int, list[list[int]]] = defaultdict(list)
-            for r in load.requests:
-                by_prompt[r.prompt_index].append(r.tokens)
-            # a prompt sent in several passes is one more check: each answer must be the first pass's
-            outputs[name] += [[by_prompt[i][p] for i in range(len(prompts))] for p in range(args.passes)]
-            loads[name].append(load.summary())
-            _console().print(f"{name}{f' (run {run + 1})' if args.runs > 1 else ''}: {loads[name][-1]['tok_s']:.1f} tok/s")
+    with frozen_heap():  # started: what is alive now leaves the collector's full passes
+        for run in range(args.runs):  # interleaved: a drift of the machine touches every system alike
+            for name, decoder in decoders.items():
+                load = closed_loop(decoder, prompts, clients, max_new, args.passes * len(prompts))
+                by_prompt: dict[int, list[list[int]]] = defaultdict(list)
+                for r in load.requests:
+                    by_prompt[r.prompt_index].append(r.tokens)
+                # a prompt sent in several passes is one more check: each answer must be the first pass's
+                outputs[name] += [[by_prompt[i][p] for i in range(len(prompts))] for p in range(args.passes)]
+                loads[name].append(load.summary())
+                _console().print(f"{name}{f' (run {run + 1})' if args.runs > 1 else ''}: "
+                                 f"{loads[name][-1]['tok_s']:.1f} tok/s")
     for name, (_, o) in systems.items():
         runs = sorted(loads[name], key=lambda s: s["tok_s"])
         result["systems"][name] = {**runs[(len(runs) - 1) // 2], "tok_s_runs": [s["tok_s"] for s in loads[name]],

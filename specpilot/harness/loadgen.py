@@ -18,12 +18,17 @@ request's tokens are the decoder's (batch-invariant where its linears are).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from specpilot_engine.batch import BatchDecoder, BatchRequest
+if TYPE_CHECKING:  # imported where a load runs: `frozen_heap` serves torch-free workers (server deployments)
+    from specpilot_engine.batch import BatchDecoder
 
 
 @dataclass
@@ -104,9 +109,26 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect once, then keep every object alive now out of the collector's passes (`gc.freeze`) until the
+    block ends, as serving engines do once started (vLLM freezes after capturing its graphs). A full
+    collection otherwise walks the model, its graphs and every loaded module: on an H100 host one bench
+    process ran 10 of them, 174 ms each (`bench/gc_probe.py`, 2026-12-06), a pause in a third of its ~1 s
+    loads and most of their spread. Objects made inside the block are collected as usual."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
                 total: int) -> LoadResult:
     """``total`` requests from ``concurrency`` closed-loop clients (see the module docstring)."""
+    from specpilot_engine.batch import BatchRequest
+
     if concurrency < 1 or total < 1 or not prompts:
         raise ValueError("closed_loop needs concurrency >= 1, total >= 1 and at least one prompt")
     result = LoadResult(concurrency=concurrency, wall_s=0.0)

@@ -78,39 +78,42 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     send({"ready": True})
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            if "measure" in req:
-                from specpilot.harness.replay import measure
+    from specpilot.harness.loadgen import frozen_heap
 
-                m = req["measure"]
-                # a server measures itself (`ServerEngine.measure`): its kernels and drafts are its own
-                own = getattr(engine, "measure", None)
-                send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
+    with frozen_heap():  # started: the model and the interpreter leave the collector's full passes
+        for line in sys.stdin:
+            if not line.strip():
                 continue
-            if "batch_cost" in req:
-                from specpilot.harness.batch_bench import step_cost
+            try:
+                req = json.loads(line)
+                if "measure" in req:
+                    from specpilot.harness.replay import measure
 
-                b = req["batch_cost"]
-                rows, context = int(b["rows"]), int(b["context"])
-                cost = functools.partial(step_cost, engine.model, context=context, reps=3,
-                                         padded=engine.options.batch_attention == "padded", graphs=engine.graphs)
-                t_ar = cost(rows, 1)
-                # one row of `rows` tokens: the same linear work as the batched AR step, without its per-row part
-                send({"t_ar_s": t_ar, "t_one_row_s": cost(1, rows),
-                      "c": {str(n): cost(rows, 1 + int(n)) / t_ar for n in b["drafts"]}})
-                continue
-            if "load" in req:
-                send(serve_load(engine, req["load"]))
-                continue
-            result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
-            engine.synchronize()
-            send({"tokens": result.tokens, "steps": result.steps})
-        except Exception as e:  # a bad request must not kill the worker
-            send({"error": f"{type(e).__name__}: {e}"})
+                    m = req["measure"]
+                    # a server measures itself (`ServerEngine.measure`): its kernels and drafts are its own
+                    own = getattr(engine, "measure", None)
+                    send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
+                    continue
+                if "batch_cost" in req:
+                    from specpilot.harness.batch_bench import step_cost
+
+                    b = req["batch_cost"]
+                    rows, context = int(b["rows"]), int(b["context"])
+                    cost = functools.partial(step_cost, engine.model, context=context, reps=3,
+                                             padded=engine.options.batch_attention == "padded", graphs=engine.graphs)
+                    t_ar = cost(rows, 1)
+                    # one row of `rows` tokens: the same linear work as the batched AR step, without its per-row part
+                    send({"t_ar_s": t_ar, "t_one_row_s": cost(1, rows),
+                          "c": {str(n): cost(rows, 1 + int(n)) / t_ar for n in b["drafts"]}})
+                    continue
+                if "load" in req:
+                    send(serve_load(engine, req["load"]))
+                    continue
+                result = engine.generate(req["prompt_ids"], int(req["max_new_tokens"]))
+                engine.synchronize()
+                send({"tokens": result.tokens, "steps": result.steps})
+            except Exception as e:  # a bad request must not kill the worker
+                send({"error": f"{type(e).__name__}: {e}"})
     if close := getattr(engine, "close", None):  # a server deployment's process
         close()
     return 0
