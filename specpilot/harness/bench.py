@@ -249,7 +249,9 @@ def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: 
     logs, same, committed = [], 0, []
     tok = {"ar": 0, "sys": 0}
     secs = {"ar": 0.0, "sys": 0.0}
-    with Progress(transient=True, console=_console()) as progress:
+    from specpilot.harness.loadgen import frozen_heap
+
+    with Progress(transient=True, console=_console()) as progress, frozen_heap():
         task = progress.add_task("end to end (AR, system)", total=trials * len(prompts))
         for t in range(trials):
             for i, p in enumerate(prompts):
