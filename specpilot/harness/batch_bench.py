@@ -7,7 +7,8 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   (tokens committed per row a step), draft tokens verified per row a step, the forward's seconds by
   rows in flight, the host's share of the steps (their time outside the forward: prefills, drafting,
   acceptance) and the steps' time split (prefill, draft, forward, other). Systems: batched AR (no
-  drafter), the deployment's stock speculation, and the system (stock with the option flags) when it
+  drafter), the deployment's stock speculation (or, with ``--stock-options``, another system to A/B against
+  in the same process: batched AR stays the deployment's), and the system (stock with the option flags) when it
   differs; speedups over batched AR and over stock speculation; whether each one's tokens equal batched
   AR's (lossless: equal wherever the rows are batch-invariant). ``--passes`` sends the request set that
   many times a load (each pass's answers checked too): the whole load's tokens/s counts its drain, where the
@@ -45,9 +46,10 @@ import torch
 from specpilot.errors import UserError
 from specpilot.harness.loadgen import closed_loop, frozen_heap
 from specpilot.harness.requests import encode_requests, fit_context
-from specpilot_engine.api import Engine
+from specpilot_engine.api import MODEL_OPTIONS, Engine, apply_model_options
 from specpilot_engine.graphs import graphs_supported
 from specpilot_engine.options import overrides_from_args
+from specpilot_engine.weights import load_model
 
 
 def step_cost(model, rows: int, tokens: int, context: int, reps: int, padded: bool = False,
@@ -190,6 +192,10 @@ def run_batched(args: argparse.Namespace, dep) -> int:
 
     opts = dep.options(overrides_from_args(args))
     stock = dep.options()
+    try:  # the 'stock' row: the deployment's stock, or the options named to A/B against (--stock-options)
+        compared = dep.options(json.loads(args.stock_options)) if args.stock_options else stock
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"--stock-options must be a JSON object of engine options: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or dep.device)
@@ -204,15 +210,20 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     if any(b < 1 for b in batch_sizes):
         raise UserError("--batch-sizes must be at least 1")
     model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
+    compared_model = next((m for m, o in ((stock_model, stock), (model, opts)) if _same_model(o, compared)), None)
+    if compared_model is None:  # --stock-options changed the target's own options: a third copy of it
+        compared_model = apply_model_options(load_model(dep.target, dtype=compared.dtype, device=device,
+                                                        data_dir=args.data_dir)[0], compared)
     prompts = fit_context(encode_requests(dev_requests(dep, args), tok), model.cfg.max_seq_len, max_new)
-    systems = {"batched AR": (stock_model, stock.replace(drafter="none")), "stock": (stock_model, stock)}
-    if opts != stock:
+    systems = {"batched AR": (stock_model, stock.replace(drafter="none")), "stock": (compared_model, compared)}
+    if opts != compared:
         systems["system"] = (model, opts)
     result: dict = {
         "bench": "batched", "deployment": dep.name, "target": dep.target,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "options": opts.changed(), "rows": rows, "clients": clients, "requests": len(prompts), "passes": args.passes,
+        **({"stock_options": compared.changed()} if compared is not stock else {}),
         "request_set": args.set or "all", "max_new_tokens": max_new, "date": time.strftime("%Y-%m-%d"), "systems": {},
     }
     if clients > rows:
@@ -268,6 +279,11 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     return 0
 
 
+def _same_model(a, b) -> bool:
+    """Whether two option sets run the same target model (its `MODEL_OPTIONS` agree)."""
+    return all(getattr(a, k) == getattr(b, k) for k in MODEL_OPTIONS)
+
+
 def _rows_range(by_rows: dict[str, float]) -> str:
     """'1: 3.62 .. 32: 4.27' (ms a forward at the fewest and the most rows in flight; JSON has them all)."""
     if not by_rows:
@@ -283,6 +299,8 @@ def _table(result: dict) -> None:
 
     console = _console()
     passes = f" x {result['passes']} passes" if result.get("passes", 1) > 1 else ""
+    if "stock_options" in result:  # the 'stock' row is another system (--stock-options)
+        console.print(f"stock row: {result['stock_options']}")
     t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
                     f"{result['requests']} requests{passes} x {result['max_new_tokens']} tokens, {result['device']}; "
                     f"steady: until the last request is sent, every client busy")

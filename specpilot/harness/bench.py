@@ -82,6 +82,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--passes", type=positive_int, default=1,
                     help="batched deployments: times a load sends the request set (a longer load shortens its "
                          "drain, where the last requests finish with fewer clients busy)")
+    ap.add_argument("--stock-options", default=None,
+                    help="batched deployments: JSON of option overrides the 'stock' row runs instead of the "
+                         "deployment's stock (batched AR stays the deployment's): two systems A/B'd in one "
+                         "process, both beside batched AR in every load, e.g. '{\"drafter\": \"parallel\"}'")
     ap.add_argument("--server-options", default="{}",
                     help="server deployments: JSON of the system's [server.options] settings, e.g. "
                          "'{\"spec_type\": \"ngram-simple\"}' (AR: the deployment's stock flags)")

@@ -136,6 +136,24 @@ def test_drafter_settings_bench_on_the_tiny_deployment():
     assert bad.returncode != 0 and "put it in --options" in bad.stderr
 
 
+def test_a_batched_bench_ab_tests_two_systems_beside_batched_ar(tmp_path, capsys):
+    """``--stock-options``: the 'stock' row runs the named options (here chains of 2 n-gram drafts) and the
+    system the flags (chains of 3), both lossless beside the deployment's batched AR; a malformed value is
+    refused with what to write."""
+    toml = tmp_path / "tiny-batched.toml"
+    toml.write_text('target = "tiny"\nmode = "batched"\nconcurrency = 2\nbench_requests = 4\n'
+                    '[options]\nlinear_backend = "stream"\nngram_min_match = 1\n')
+    common = ["--deployment", str(toml), "--max-new-tokens", "12", "--ns", "", "--threads", "1", "--no-plots",
+              "--out", str(tmp_path)]
+    assert bench.main([*common, "--stock-options", '{"block_size": 2}', "--block-size", "3"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["stock_options"]["block_size"] == 2 and r["systems"]["stock"]["options"]["block_size"] == 2
+    assert r["systems"]["system"]["options"]["block_size"] == 3 and "drafter" in r["systems"]["batched AR"]["options"]
+    assert all(s["lossless"] for s in r["systems"].values())
+    with pytest.raises(UserError, match="--stock-options must be a JSON object"):
+        bench.main([*common, "--stock-options", "[1, 2]"])
+
+
 def test_bench_on_a_batched_deployment_times_throughput_under_load(tmp_path, capsys):
     """A batched deployment's bench: batched AR, stock speculation and the system under the same closed-loop
     load, each lossless (batch-invariant rows) in every one of its interleaved runs, the median run reported
