@@ -81,8 +81,10 @@ def replay_times(decoder, reps: int = 100) -> dict[str, tuple[float, float]]:
     import statistics
     import time
 
-    graphs = {f"verify T={T} len={length}": c.graph for (T, length), c in decoder.runner._graphs.items()}
-    graphs.update({f"prompt T={T} len={length}": c.graph for (T, length), c in decoder.prefill_runner._graphs.items()})
+    graphs = {}
+    for kind, runner in (("verify", decoder.runner), ("prompt", decoder.prefill_runner)):
+        if runner is not None:  # none without cuda_graphs
+            graphs.update({f"{kind} T={T} len={length}": c.graph for (T, length), c in runner._graphs.items()})
     shared = getattr(decoder.drafters[0], "shared", None)
     if shared is not None and getattr(shared, "chains", None) is not None and shared.chains.graph is not None:
         graphs[f"device chains, {shared.chains.rows} rows"] = shared.chains.graph

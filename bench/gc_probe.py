@@ -28,8 +28,8 @@ def _track(phase: str, info: dict) -> None:
 
 
 def _report() -> None:
-    print(json.dumps({"gc_collections": counts, "gc_seconds": [round(s, 4) for s in seconds],
-                      "gc_max_gen2_ms": None}), file=sys.stderr)
+    print(json.dumps({"gc_collections": counts, "gc_seconds": [round(x, 4) for x in seconds],
+                      "gc_longest_ms": [round(1e3 * x, 2) for x in longest]}), file=sys.stderr)
 
 
 if __name__ == "__main__":

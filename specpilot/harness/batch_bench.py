@@ -192,10 +192,18 @@ def run_batched(args: argparse.Namespace, dep) -> int:
 
     opts = dep.options(overrides_from_args(args))
     stock = dep.options()
-    try:  # the 'stock' row: the deployment's stock, or the options named to A/B against (--stock-options)
-        compared = dep.options(json.loads(args.stock_options)) if args.stock_options else stock
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"--stock-options must be a JSON object of engine options: {exc}") from None
+    compared = stock  # the 'stock' row: the deployment's stock, or the options to A/B against (--stock-options)
+    if args.stock_options is not None:
+        try:
+            named = json.loads(args.stock_options)
+        except ValueError as exc:
+            raise UserError(f"--stock-options must be a JSON object of engine options: {exc}") from None
+        if not isinstance(named, dict):
+            raise UserError(f"--stock-options must be a JSON object of engine options, got {args.stock_options!r}")
+        try:
+            compared = dep.options(named)
+        except ValueError as exc:
+            raise UserError(f"--stock-options: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or dep.device)
@@ -210,7 +218,9 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     if any(b < 1 for b in batch_sizes):
         raise UserError("--batch-sizes must be at least 1")
     model, stock_model, tok = system_and_stock_models(dep, opts, device, args.data_dir)
-    compared_model = next((m for m, o in ((stock_model, stock), (model, opts)) if _same_model(o, compared)), None)
+    # both models were loaded at the system's dtype (`system_and_stock_models`)
+    compared_model = next((m for m, o in ((stock_model, stock), (model, opts))
+                           if compared.dtype == opts.dtype and _same_model(o, compared)), None)
     if compared_model is None:  # --stock-options changed the target's own options: a third copy of it
         compared_model = apply_model_options(load_model(dep.target, dtype=compared.dtype, device=device,
                                                         data_dir=args.data_dir)[0], compared)

@@ -670,6 +670,9 @@ def run_server(args: argparse.Namespace, dep) -> int:
 
 def run(args: argparse.Namespace) -> int:
     dep = load_deployment(args.deployment)
+    if dep.mode != "batched" and (args.passes > 1 or args.stock_options is not None):
+        raise UserError(f"--passes and --stock-options are for batched deployments; {dep.name} is "
+                        f"mode {dep.mode!r}")
     if dep.server:
         return run_server(args, dep)
     if dep.mode == "batched":

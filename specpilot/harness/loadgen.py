@@ -115,7 +115,11 @@ def frozen_heap() -> Iterator[None]:
     block ends, as serving engines do once started (vLLM freezes after capturing its graphs). A full
     collection otherwise walks the model, its graphs and every loaded module: on an H100 host one bench
     process ran 10 of them, 174 ms each (`bench/gc_probe.py`, 2026-12-06), a pause in a third of its ~1 s
-    loads and most of their spread. Objects made inside the block are collected as usual."""
+    loads and most of their spread. Objects made inside the block are collected as usual; cycles among the
+    frozen ones wait for the block's end. Nested blocks leave the outer one's freeze as it is."""
+    if gc.get_freeze_count():  # inside another frozen block (a bench run in a frozen worker)
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:

@@ -155,7 +155,8 @@ def test_closed_loop_clients_get_every_answer_and_the_load_is_measured(tiny_stre
 
 def test_a_frozen_heap_leaves_what_lives_out_of_collections_and_thaws_after():
     """`loadgen.frozen_heap`: objects alive at its start are frozen (out of the collector's passes), cycles
-    made inside are still collected, and the heap thaws when the block ends."""
+    made inside are still collected, a nested block leaves the outer freeze alone, and the heap thaws when the
+    block ends."""
     import gc
     import weakref
 
@@ -174,6 +175,10 @@ def test_a_frozen_heap_leaves_what_lives_out_of_collections_and_thaws_after():
         del made
         gc.collect()
         assert gone() is None
+        frozen = gc.get_freeze_count()
+        with frozen_heap():  # nested: the outer freeze stands, before and after
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == 0 and alive.me is alive
 
 

@@ -150,8 +150,14 @@ def test_a_batched_bench_ab_tests_two_systems_beside_batched_ar(tmp_path, capsys
     assert r["stock_options"]["block_size"] == 2 and r["systems"]["stock"]["options"]["block_size"] == 2
     assert r["systems"]["system"]["options"]["block_size"] == 3 and "drafter" in r["systems"]["batched AR"]["options"]
     assert all(s["lossless"] for s in r["systems"].values())
-    with pytest.raises(UserError, match="--stock-options must be a JSON object"):
-        bench.main([*common, "--stock-options", "[1, 2]"])
+    for bad, message in (("[1, 2]", "must be a JSON object"), ("{", "must be a JSON object"),
+                         ('{"no_such_option": 1}', "unknown engine option")):
+        with pytest.raises(UserError, match=message):
+            bench.main([*common, "--stock-options", bad])
+    one = tmp_path / "tiny.toml"
+    one.write_text('target = "tiny"\n')
+    with pytest.raises(UserError, match="for batched deployments"):
+        bench.main(["--deployment", str(one), "--passes", "2"])
 
 
 def test_bench_on_a_batched_deployment_times_throughput_under_load(tmp_path, capsys):
