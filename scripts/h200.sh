@@ -19,6 +19,7 @@
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
 #           bash scripts/h200.sh gpu-check   (graphs/fused/kernel-floor CUDA tests, graphed c(N, B) of SmolLM2 and 8B)
 #           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)
+#           bash scripts/h200.sh batch-ab [bench flags]      (compiled device drafts vs uncompiled, one process)
 #           bash scripts/h200.sh train-gen MINUTES; train-fit MINUTES [--k 8 ...]   (a new parallel drafter, 2 calls)
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
@@ -111,6 +112,13 @@ case "${1:-}" in
     shift
     timeout 300 python3 -m specpilot.harness.bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
       --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --runs 3 --no-llamacpp "$@" 2>&1 | tail -40 ;;
+  batch-ab)  # device drafts compiled against uncompiled in one process, both beside batched AR, with the
+    # collector's pauses counted (bench/gc_probe.py); extra bench flags passed on
+    shift
+    timeout 300 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
+      --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/batch_ab" --drafter parallel --block-size 8 \
+      --batch-device-drafts --batch-compile-drafts \
+      --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true}' "$@" 2>&1 | tail -12 ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings)
     timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
