@@ -1,10 +1,11 @@
-"""Errors a user can act on, and the argument types that refuse bad numbers up front.
+"""Errors a user can act on, and the argument types that refuse bad numbers and JSON up front.
 
 `UserError` is the one base class: the CLI prints its message as one line and exits 2 (bad input; see
 `specpilot.output`).
 """
 
 import argparse
+import json
 
 
 class UserError(RuntimeError):
@@ -43,4 +44,15 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object, such as a flag's engine options."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r} ({exc}), such as '{{\"verify\": \"tree\"}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
     return value

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from specpilot import output, paths, policy, schema
-from specpilot.errors import UserError, positive_int
+from specpilot.errors import UserError, json_object, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
 
 OPTIONS_MODULE = "specpilot_engine/options.py"  # where a patch would add options
@@ -31,7 +31,7 @@ def add_commands(sub) -> None:
     p.add_argument("patch", type=Path, help="a unified diff (git diff format) against specpilot_engine/ and specpilot_kernels/; "
                                             "use /dev/null for options only")
     p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
-    p.add_argument("--options", default="{}", help='JSON engine options the patch enables, e.g. \'{"verify": "tree"}\'')
+    p.add_argument("--options", type=json_object, default="{}", help='JSON engine options the patch enables, e.g. \'{"verify": "tree"}\'')
     p.add_argument("--trials", type=positive_int, default=None, help="ABBA trials (default: the controller's)")
     p.add_argument("--requests", type=positive_int, default=4, help="timing requests from the dev split")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
@@ -47,12 +47,7 @@ def read_patch(args: argparse.Namespace) -> schema.PatchProposed:
         diff = args.patch.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read the patch {args.patch}: {exc}") from None
-    try:
-        options = json.loads(args.options)
-    except ValueError as exc:
-        raise UserError(f"--options must be a JSON object such as '{{\"verify\": \"tree\"}}': {exc}") from None
-    if not isinstance(options, dict):
-        raise UserError(f"--options must be a JSON object, got {type(options).__name__}")
+    options = args.options  # a JSON object (`json_object`)
     deployment = load_deployment(args.deployment)
     if not diff.strip() and not options:
         raise UserError(f"nothing to time: {args.patch} is empty and no --options were given")

@@ -193,15 +193,9 @@ def run_batched(args: argparse.Namespace, dep) -> int:
     opts = dep.options(overrides_from_args(args))
     stock = dep.options()
     compared = stock  # the 'stock' row: the deployment's stock, or the options to A/B against (--stock-options)
-    if args.stock_options is not None:
+    if args.stock_options is not None:  # a JSON object (`json_object`)
         try:
-            named = json.loads(args.stock_options)
-        except ValueError as exc:
-            raise UserError(f"--stock-options must be a JSON object of engine options: {exc}") from None
-        if not isinstance(named, dict):
-            raise UserError(f"--stock-options must be a JSON object of engine options, got {args.stock_options!r}")
-        try:
-            compared = dep.options(named)
+            compared = dep.options(args.stock_options)
         except ValueError as exc:
             raise UserError(f"--stock-options: {exc}") from None
     if args.threads:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from specpilot.errors import UserError, positive_int
+from specpilot.errors import UserError, json_object, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
 from specpilot.harness.requests import encode_requests, fit_context, load_requests
 from specpilot_engine.api import MODEL_OPTIONS, Engine, apply_model_options
@@ -82,7 +82,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--passes", type=positive_int, default=1,
                     help="batched deployments: times a load sends the request set (a longer load shortens its "
                          "drain, where the last requests finish with fewer clients busy)")
-    ap.add_argument("--stock-options", default=None,
+    ap.add_argument("--stock-options", type=json_object, default=None,
                     help="batched deployments: JSON of option overrides the 'stock' row runs instead of the "
                          "deployment's stock (batched AR stays the deployment's): two systems A/B'd in one "
                          "process, both beside batched AR in every load, e.g. '{\"drafter\": \"parallel\"}'")
