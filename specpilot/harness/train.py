@@ -37,10 +37,12 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import sysconfig
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -373,23 +375,33 @@ _SCIENCE = ("gravity", "evolution", "the immune system", "black holes", "climate
             "electricity", "magnetism", "the greenhouse effect", "vaccines", "the seasons", "tides", "rainbows",
             "volcanoes", "earthquakes", "the moon's phases", "nuclear fusion", "antibiotics", "the human heart",
             "cell division", "sound waves", "light", "friction", "erosion", "the carbon cycle", "clouds",
-            "metabolism", "photosynthesis in algae", "ocean currents", "the speed of light", "atoms")
+            "metabolism", "photosynthesis in algae", "ocean currents", "the speed of light", "atoms", "coral reefs",
+            "hurricanes", "glaciers", "bird migration", "the Northern Lights", "fermentation", "comets", "fossils",
+            "lightning", "magnets in motors", "bacteria in soil", "the ozone layer", "jellyfish", "honeybees",
+            "desert plants", "frogs", "deep sea creatures", "the solar wind", "crystals", "dinosaurs")
 _TECH = ("a database index", "a REST API", "cloud computing", "encryption", "a compiler", "an operating system",
          "a linked list", "a binary search tree", "caching", "DNS", "TCP and UDP", "a virtual machine", "Docker",
          "unit testing", "version control", "a load balancer", "public-key cryptography", "a neural network",
          "garbage collection", "multithreading", "a queue", "HTTPS", "regular expressions", "an interpreter",
-         "JSON", "a hash function", "a CPU cache", "open-source software", "a web browser", "SQL joins")
+         "JSON", "a hash function", "a CPU cache", "open-source software", "a web browser", "SQL joins", "Wi-Fi",
+         "Bluetooth", "a firewall", "phishing", "spam filters", "GPS", "touchscreens", "QR codes", "barcodes",
+         "e-ink displays", "blockchain", "two-factor authentication", "a modem", "fiber optics", "3D printing")
 _SOCIETY = ("inflation", "interest rates", "supply and demand", "democracy", "the stock market", "taxes",
             "unemployment", "globalization", "the Industrial Revolution", "the Roman Empire", "the Renaissance",
             "the printing press", "the French Revolution", "the Cold War", "the Silk Road", "recycling",
-            "urbanization", "renewable energy", "a budget deficit", "compound interest", "minimum wage")
+            "urbanization", "renewable energy", "a budget deficit", "compound interest", "minimum wage", "the Vikings",
+            "ancient Egypt", "the Olympic Games", "the Magna Carta", "feudalism", "the Aztecs", "the Great Wall",
+            "the Ottoman Empire", "the moon landing", "insurance", "mortgages", "trade unions", "tourism")
 _ADVICE = ("saving money on groceries", "learning a new language", "running a first marathon",
            "preparing for a job interview", "keeping a houseplant alive", "sleeping better", "reducing stress",
            "staying motivated to exercise", "studying for exams", "starting a vegetable garden",
            "making friends in a new city", "writing a resume", "public speaking", "cooking on a budget",
            "training a puppy", "organizing a small closet", "learning to play the guitar", "eating more vegetables",
            "managing time at work", "traveling with kids", "buying a laptop", "negotiating a salary",
-           "reading more books", "keeping a journal", "planning a birthday party", "moving to a new apartment")
+           "reading more books", "keeping a journal", "planning a birthday party", "moving to a new apartment",
+           "knitting", "beekeeping", "birdwatching", "composting kitchen scraps", "woodworking", "origami",
+           "sailing", "baking sourdough", "rock climbing", "camping in winter", "painting with watercolors",
+           "choosing hiking boots", "caring for a cat", "brewing tea", "fixing a flat bicycle tyre", "chess")
 _WRITING = ("a thank-you note to a teacher", "an email asking my manager for a day off",
             "a short apology to a friend for missing their party", "a message inviting neighbours to a barbecue",
             "a complaint to an airline about a lost suitcase", "a cover letter opening for a junior developer job",
@@ -397,9 +409,12 @@ _WRITING = ("a thank-you note to a teacher", "an email asking my manager for a d
             "a review of a small Italian restaurant", "a request to my landlord to fix a leaking tap",
             "a welcome message for new members of a book club", "a note declining a meeting politely",
             "a short speech for a colleague's retirement", "a product description for a wooden desk lamp",
+            "a postcard from a seaside holiday", "an invitation to a picnic by the lake",
+            "a toast for my sister's graduation", "a note to a neighbour about a parcel",
             "an announcement that the office will be closed on Monday", "a text asking a friend to return a book")
 _POEMS = ("the ocean", "autumn leaves", "a city at night", "a cup of coffee", "an old dog", "the first day of spring",
-          "a long train journey", "the stars", "a rainy afternoon", "friendship", "a lighthouse", "the desert")
+          "a long train journey", "the stars", "a rainy afternoon", "friendship", "a lighthouse", "the desert",
+          "an owl", "the harbour", "fog", "a garden in June", "mountains", "a violin")
 _CODE = ("reverses a list", "counts the vowels in a string", "returns the largest of three numbers",
          "checks whether a string is a palindrome", "computes the factorial of n", "merges two sorted lists",
          "removes duplicates from a list while keeping order", "returns the n-th Fibonacci number",
@@ -442,14 +457,42 @@ _ASKS = ("", " Keep it brief.", " Use bullet points.", " Answer in two or three 
          " Give an example.")
 
 
-def general_chat_prompts(rng: random.Random, n: int, exclude: set[str] = frozenset()) -> list[str]:
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z]+", text.lower())
+
+
+def _word_grams(text: str, n: int = 4) -> set[tuple[str, ...]]:
+    w = _words(text)
+    return {tuple(w[i: i + n]) for i in range(len(w) - n + 1)}
+
+
+def _topic_stems(text: str) -> set[str]:
+    """The first five letters of ``text``'s words of four letters or more, so that plurals and verb forms
+    meet (duplicate/duplicates, vowel/vowels)."""
+    return {w[:5] for w in _words(text) if len(w) >= 4}
+
+
+def general_chat_prompts(rng: random.Random, n: int, shipped: Sequence[str] = ()) -> list[str]:
     """Up to ``n`` distinct everyday chat prompts (explanations, advice, short writing, small coding tasks):
     `_GENERAL_CHAT_TEMPLATES` over the topic lists above, each with a lead and a closing ask, sampled
-    (seeded); none equal to a text in ``exclude`` (the shipped requests: training never sees one)."""
-    texts = [lead + t.format(s=s, l=lang) + ask for t, pool in _GENERAL_CHAT_TEMPLATES for s in pool
+    (seeded).
+
+    Decontaminated against ``shipped`` (every request text a deployment can be measured on, either split):
+    a prompt is dropped when it shares a run of four words with one of them (a template's phrasing), or
+    when its topic shares a word stem with one of them (the same subject asked another way: its answer
+    would be nearly the request's, and a drafter that saw it would be measured on what it memorised).
+    The shipped requests' most common stems (in a quarter of them, and two at least: "that", "function",
+    "list") name no subject and do not count."""
+    texts = [(lead + t.format(s=s, l=lang) + ask, s) for t, pool in _GENERAL_CHAT_TEMPLATES for s in pool
              for lang in (_LANGUAGES if "{l}" in t else ("",)) for lead in _LEADS for ask in _ASKS]
-    texts = [t for t in texts if t not in exclude]
-    return rng.sample(texts, min(n, len(texts)))
+    if shipped:
+        grams = set().union(*(_word_grams(x) for x in shipped))
+        per_text = [_topic_stems(x) for x in shipped]
+        common = {s for s, c in Counter(s for st in per_text for s in st).items() if c >= max(2, len(shipped) / 4)}
+        stems = set().union(*per_text) - common
+        texts = [(x, s) for x, s in texts if not (_word_grams(x) & grams) and not ((_topic_stems(s) - common) & stems)]
+    return rng.sample([x for x, _ in texts], min(n, len(texts)))
+
 
 def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each: int,
                     skip_dev: int = 0, include_dev: bool = True, prose: bool = False,
@@ -475,8 +518,8 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
     if prose:
         prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in stdlib_prose_prompts(rng, n_each)]
     if general_chat:
-        seen = {r.text for load in REQUEST_SETS.values() for r in load()}  # every shipped request, either split
-        prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in general_chat_prompts(rng, general_chat, seen)]
+        shipped = [r.text for load in REQUEST_SETS.values() for r in load()]  # every shipped request, either split
+        prompts += [tokenizer.encode(tokenizer.chat_prompt(t)) for t in general_chat_prompts(rng, general_chat, shipped)]
     prompts = [p[-max_tokens:] for p in prompts if p]
     rng.shuffle(prompts)
     return prompts

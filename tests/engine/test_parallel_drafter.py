@@ -504,6 +504,32 @@ def test_docstring_variants_are_humaneval_shaped():
     assert docstring_variants("def broken(:\n    x\n", random.Random(0)) == ["def broken(:\n    x\n"]
 
 
+
+def test_everyday_chat_prompts_leave_out_what_the_shipped_requests_ask():
+    """The drafter's chat prompts share no four-word run and no subject with a request it is measured on:
+    a near-copy (the same subject asked another way) would be measured on what the drafter memorised."""
+    import re
+
+    from specpilot.harness.requests import REQUEST_SETS
+    from specpilot.harness.train import general_chat_prompts
+
+    everything = general_chat_prompts(random.Random(0), 10**6)
+    assert any("photosynthesis" in p for p in everything) and any("ten-year-old" in p for p in everything)
+    # a request that asks about a subject and with a phrase the templates have: both go
+    clean = general_chat_prompts(random.Random(0), 10**6, ["Explain photosynthesis to a ten-year-old, briefly."])
+    assert clean and not any("photosynthesis" in p or "ten-year-old" in p for p in clean)
+    assert len(clean) < len(everything) and set(clean) < set(everything)
+
+    shipped = [r.text for load in REQUEST_SETS.values() for r in load()]
+    prompts = general_chat_prompts(random.Random(0), 10**6, shipped)
+    assert len(prompts) == len(set(prompts)) > 5000
+    words = lambda t: re.findall(r"[a-z]+", t.lower())  # noqa: E731
+    grams = {tuple(w[i: i + 4]) for x in shipped for w in [words(x)] for i in range(len(w) - 3)}
+    assert not any(tuple(w[i: i + 4]) in grams for p in prompts for w in [words(p)] for i in range(len(w) - 3))
+    for subject in ("photosynthesis", "inflation", "factorial", "palindrome", "haiku", "duplicates"):
+        assert any(subject in x.lower() for x in shipped) and not any(subject in p.lower() for p in prompts)
+    assert general_chat_prompts(random.Random(0), 50, shipped) == general_chat_prompts(random.Random(0), 50, shipped)
+
 @pytest.mark.parametrize("periodic", [False, True])
 @pytest.mark.parametrize("longest,shortest", [(4, 2), (6, 1), (3, 3)])
 def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(periodic, longest, shortest):
