@@ -21,6 +21,8 @@
 #           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)
 #           bash scripts/h200.sh batch-ab [bench flags]      (compiled device drafts vs uncompiled, one process)
 #           bash scripts/h200.sh train-gen MINUTES; train-fit MINUTES [--k 8 ...]   (a new parallel drafter, 2 calls)
+#           bash scripts/h200.sh drafter-ab WEIGHTS   (that drafter against the shipped one, batched and batch 1;
+#           train-fit leaves its file at /tmp/smollm2_parallel_new.pt)
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
@@ -122,6 +124,18 @@ case "${1:-}" in
       --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/batch_ab" --drafter parallel --block-size 8 \
       --batch-device-drafts --batch-compile-drafts \
       --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true}' "$@" 2>&1 | tail -12 ;;
+  drafter-ab)  # a new parallel drafter against the shipped one: drafter-ab WEIGHTS (both compiled device drafts at 32
+    # clients, one process, beside batched AR; then batch 1 on smollm2-h200: n-gram stock, shipped and new drafter)
+    w=$(realpath "$2")
+    timeout 200 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
+      --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/drafter_ab" --drafter parallel --block-size 8 \
+      --batch-device-drafts --batch-compile-drafts --drafter-weights "$w" \
+      --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true, "batch_compile_drafts": true}' \
+      2>&1 | grep -v '^{"bench"' | tail -8
+    b1="python3 -m specpilot.harness.bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
+    timeout 100 $b1 --out "$OUT/b1_stock" 2>&1 | grep "end to end"
+    timeout 100 $b1 --out "$OUT/b1_shipped" --drafter parallel --block-size 6 2>&1 | grep "end to end"
+    timeout 100 $b1 --out "$OUT/b1_new" --drafter parallel --block-size 6 --drafter-weights "$w" 2>&1 | grep "end to end" ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings),
     # with everyday chat since session 35
@@ -132,7 +146,8 @@ case "${1:-}" in
     m=${2:-7}; shift 2 || shift $#
     timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "$m" \
       --gen-share 0 --batch 1024 --new-tokens 160 $TRAIN_PROMPTS --lookup-periodic \
-      --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25 ;;
+      --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25
+    cp "$OUT/smollm2_parallel_new.pt" /tmp/ 2>/dev/null || true ;;  # for drafter-ab on the same warm machine
   noise)  # stock-versus-stock timing noise: noise DEVICE TRIALS RUNS [extra flags]
     dev=$2 trials=$3 runs=$4; shift 4
     python3 bench/controller_noise.py --deployment smollm2-h200 --device "$dev" --trials "$trials" \
