@@ -98,8 +98,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="parallel: each docstring prompt also with made-up examples, and those with the "
                          "leads the target writes on HumanEval (train.docstring_variants)")
     ap.add_argument("--general-chat", type=int, default=0,
-                    help="parallel: up to this many everyday chat prompts (explanations, advice, short writing, "
-                         "small coding tasks; train.general_chat_prompts), none equal to a shipped request")
+                    help="parallel: up to this many everyday chat prompts (explanations, advice, short writing; "
+                         "train.general_chat_prompts), none near a shipped request")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: generate with TF32 matmuls (1.46x on an H200; the target's argmax "
                          "differs from fp32 only at near-ties, and the drafter is only trained on it)")
@@ -368,9 +368,11 @@ def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-# Everyday chat (issue 30/31: the shipped drafter was trained on code and standard-library questions only,
+# Everyday chat (issues 30/31: the shipped drafter was trained on code and standard-library questions only,
 # and chat requests accepted ~1.5 tokens a step): templates over topic lists written here, so the target
-# shows the drafter how it answers questions, advice, writing and small coding tasks in general.
+# shows the drafter how it answers questions, advice and small writing tasks. The lists are raw material:
+# `general_chat_prompts` drops whatever comes near a shipped request (small coding tasks all did, against
+# HumanEval, so there are none).
 _SCIENCE = ("gravity", "evolution", "the immune system", "black holes", "climate change", "plate tectonics", "DNA",
             "electricity", "magnetism", "the greenhouse effect", "vaccines", "the seasons", "tides", "rainbows",
             "volcanoes", "earthquakes", "the moon's phases", "nuclear fusion", "antibiotics", "the human heart",
@@ -402,36 +404,12 @@ _ADVICE = ("saving money on groceries", "learning a new language", "running a fi
            "knitting", "beekeeping", "birdwatching", "composting kitchen scraps", "woodworking", "origami",
            "sailing", "baking sourdough", "rock climbing", "camping in winter", "painting with watercolors",
            "choosing hiking boots", "caring for a cat", "brewing tea", "fixing a flat bicycle tyre", "chess")
-_WRITING = ("a thank-you note to a teacher", "an email asking my manager for a day off",
-            "a short apology to a friend for missing their party", "a message inviting neighbours to a barbecue",
-            "a complaint to an airline about a lost suitcase", "a cover letter opening for a junior developer job",
-            "a reminder to my team about Friday's deadline", "a birthday message for my grandmother",
-            "a review of a small Italian restaurant", "a request to my landlord to fix a leaking tap",
-            "a welcome message for new members of a book club", "a note declining a meeting politely",
-            "a short speech for a colleague's retirement", "a product description for a wooden desk lamp",
-            "a postcard from a seaside holiday", "an invitation to a picnic by the lake",
-            "a toast for my sister's graduation", "a note to a neighbour about a parcel",
-            "an announcement that the office will be closed on Monday", "a text asking a friend to return a book")
+_WRITING = ("a postcard from a seaside holiday", "a toast for my sister's graduation", "a eulogy for a beloved dog",
+            "an advert for a bakery", "an obituary for a famous violinist", "a welcome speech for a chess club",
+            "a recipe card for pancakes", "a motivational quote for gardeners")
 _POEMS = ("the ocean", "autumn leaves", "a city at night", "a cup of coffee", "an old dog", "the first day of spring",
           "a long train journey", "the stars", "a rainy afternoon", "friendship", "a lighthouse", "the desert",
           "an owl", "the harbour", "fog", "a garden in June", "mountains", "a violin")
-_CODE = ("reverses a list", "counts the vowels in a string", "returns the largest of three numbers",
-         "checks whether a string is a palindrome", "computes the factorial of n", "merges two sorted lists",
-         "removes duplicates from a list while keeping order", "returns the n-th Fibonacci number",
-         "converts Celsius to Fahrenheit", "counts how often each word appears in a text",
-         "flattens a nested list", "finds the second largest number in a list", "checks whether two strings are anagrams",
-         "sums the digits of an integer", "returns the common elements of two lists", "capitalizes every word in a sentence",
-         "validates an email address roughly", "splits a list into chunks of size k", "computes the average of a list",
-         "finds the longest word in a sentence", "rotates a list by k positions", "checks whether a year is a leap year")
-_LANGUAGES = ("Python", "JavaScript", "Java", "C", "Go", "Rust", "TypeScript")
-_SENTENCES = ("I will be late to the meeting because my train was cancelled.",
-              "The weather was lovely, so we walked along the river after lunch.",
-              "Please send me the updated numbers before the end of the week.",
-              "Our new café opens on Saturday and the first coffee is free.",
-              "The library will be closed for repairs until next month.",
-              "Thank you for your help with the project; it made a real difference.",
-              "We are looking for volunteers to help clean the park on Sunday morning.",
-              "The results of the survey show that most customers want longer opening hours.")
 _GENERAL_CHAT_TEMPLATES = [
     ("Explain {s} in simple terms.", _SCIENCE), ("How does {s} work?", _SCIENCE),
     ("Explain {s} to a ten-year-old.", _SCIENCE), ("What is {s}? Answer in a short paragraph.", _SCIENCE),
@@ -444,11 +422,6 @@ _GENERAL_CHAT_TEMPLATES = [
     ("I need advice on {s}. Where should I begin?", _ADVICE),
     ("Write {s}.", _WRITING), ("Write {s}. Keep it short and friendly.", _WRITING),
     ("Write a short poem about {s}.", _POEMS), ("Write a haiku about {s}.", _POEMS),
-    ("Write a {l} function that {s}.", _CODE), ("How do I write a function in {l} that {s}?", _CODE),
-    ("Write a Python function that {s}, with a docstring and an example.", _CODE),
-    ("Rewrite this sentence to sound more formal: {s}", _SENTENCES),
-    ("Translate to Spanish: {s}", _SENTENCES), ("Translate to German: {s}", _SENTENCES),
-    ("Summarize in five words: {s}", _SENTENCES), ("Fix the grammar and make it friendlier: {s}", _SENTENCES),
 ]
 
 
@@ -466,14 +439,21 @@ def _word_grams(text: str, n: int = 4) -> set[tuple[str, ...]]:
     return {tuple(w[i: i + n]) for i in range(len(w) - n + 1)}
 
 
+_FUNCTION_WORDS = frozenset(
+    "about above after again also among before below between both does down during each even ever every from have "
+    "into just like many more most much must only other over same should some such than that their them then there "
+    "these they this those through under until upon very well were what when where which while whom whose will "
+    "with within without would your".split())
+
+
 def _topic_stems(text: str) -> set[str]:
-    """The first five letters of ``text``'s words of four letters or more, so that plurals and verb forms
-    meet (duplicate/duplicates, vowel/vowels)."""
-    return {w[:5] for w in _words(text) if len(w) >= 4}
+    """The first five letters of ``text``'s words of four letters or more that can name a subject (not
+    `_FUNCTION_WORDS`), so that plurals and verb forms meet (duplicate/duplicates, vowel/vowels)."""
+    return {w[:5] for w in _words(text) if len(w) >= 4 and w not in _FUNCTION_WORDS}
 
 
 def general_chat_prompts(rng: random.Random, n: int, shipped: Sequence[str] = ()) -> list[str]:
-    """Up to ``n`` distinct everyday chat prompts (explanations, advice, short writing, small coding tasks):
+    """Up to ``n`` distinct everyday chat prompts (explanations, advice, short writing):
     `_GENERAL_CHAT_TEMPLATES` over the topic lists above, each with a lead and a closing ask, sampled
     (seeded).
 
@@ -483,8 +463,8 @@ def general_chat_prompts(rng: random.Random, n: int, shipped: Sequence[str] = ()
     would be nearly the request's, and a drafter that saw it would be measured on what it memorised).
     The shipped requests' most common stems (in a quarter of them, and two at least: "that", "function",
     "list") name no subject and do not count."""
-    texts = [(lead + t.format(s=s, l=lang) + ask, s) for t, pool in _GENERAL_CHAT_TEMPLATES for s in pool
-             for lang in (_LANGUAGES if "{l}" in t else ("",)) for lead in _LEADS for ask in _ASKS]
+    texts = [(lead + t.format(s=s) + ask, s) for t, pool in _GENERAL_CHAT_TEMPLATES for s in pool
+             for lead in _LEADS for ask in _ASKS]
     if shipped:
         grams = set().union(*(_word_grams(x) for x in shipped))
         per_text = [_topic_stems(x) for x in shipped]
