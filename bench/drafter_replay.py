@@ -7,7 +7,7 @@ the AR outputs are generated once (cached in ``--outputs``) and any drafter, wei
 drafter setting is then scored in about a minute on 72 requests instead of a timed bench's
 eleven (`specpilot.harness.replay.Replay`, pooled as the planner pools it: `costmodel.pooled_replay`). On
 2026-12-01 the replayed tau of the 72 HumanEval dev requests matched `specpilot bench`'s
-measured 2.4599 to four digits. Prints a table and a JSON line.
+measured 2.4599 to four digits. Prints a table and a JSON line (with each request's own tau).
 
     python bench/drafter_replay.py --deployment smollm2-cpu --set humaneval --limit 72 \\
         --outputs /tmp/ar-humaneval.json --drafter parallel --parallel-config '{"copy_min_match": 0}'
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     # AR runs with the same engine options (dtype, backend) as the drafter's engine: its outputs are
     # what that system must reproduce.
     ar_options = {**json.loads(args.options), "drafter": "none"}
-    ar_options.pop("block_size", None)
+    for drafting_only in ("block_size", "drafter_weights"):  # AR's outputs (and their cache) do not depend on them
+        ar_options.pop(drafting_only, None)
     key = {"deployment": dep.name, "requests": [r.id for r in reqs], "max_new_tokens": args.max_new_tokens,
            **({"options": ar_options} if len(ar_options) > 1 else {})}
     cached = json.loads(args.outputs.read_text()) if args.outputs and args.outputs.is_file() else None
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "drafter_replay", "deployment": dep.name, "set": args.set, "requests": len(depth_lists),
               "drafter": args.drafter, "block_size": args.block_size, "options": json.loads(args.options),
               "parallel_config": changes, "tokens": tokens, "tau": round(tau, 4),
-              "replay_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
+              "replay_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"),
+              # each request's own tau, to see where a drafter gains (e.g. against what it was trained on)
+              "per_request": {r.id: round(pooled_replay([d], budgets=(args.block_size,))[args.block_size], 4)
+                              for r, d in zip(reqs, depth_lists, strict=True)}}
     table = Table(title=f"{args.drafter} chain of {args.block_size}, {len(depth_lists)} {args.set or 'dev'} requests")
     for col in ("tokens", "steps", "tau"):
         table.add_column(col, justify="right")
