@@ -11,7 +11,8 @@ endpoint gets the n-th turn; past the end, a plain text reply). Or, for conversa
 once, ``by_key``: the script whose key appears in a request's first user message (the task)
 answers it, its turn chosen by how many assistant messages the request carries, so
 each conversation replays its own script whatever the interleaving. A ``Call`` whose ``args`` is a
-string is sent as such (OpenAI: raw ``arguments``, to script malformed JSON). Tool-call ids are deterministic:
+string is sent as such (OpenAI: raw ``arguments``, to script malformed JSON); a ``Turn``'s ``before`` runs
+before it is sent (a test's hold). Tool-call ids are deterministic:
 ``toolu_<turn>_<j>`` (Anthropic) and ``call_<turn>_<j>`` (OpenAI). Every request is recorded
 (path, headers, JSON body) so a test can check what the SDK sent back.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -34,6 +36,9 @@ class Call:
 class Turn:
     text: str = ""
     calls: list[Call] = field(default_factory=list)
+    # Called (in the server's thread for the request) before the turn is sent: a test holds a reply
+    # there until something else has happened, to fix the order of conversations that run at once.
+    before: Callable[[], object] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,10 @@ class ScriptedServer:
             script = self.keyed(body)
             turns = script if isinstance(script, list) else []
             n = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
-        return turns[n] if n < len(turns) else Turn(text="I have nothing more to do.")
+        turn = turns[n] if n < len(turns) else Turn(text="I have nothing more to do.")
+        if turn.before is not None:
+            turn.before()
+        return turn
 
     def anthropic_reply(self, n: int, body: dict) -> dict:
         turn = self.turn(n, body)

@@ -78,6 +78,7 @@ class Evaluator:
         self._references: dict[str, list[list[int]]] = {}
         self._prompts: dict[str, list[list[int]]] = {}
         self._stop_ids: set[int] | None = None
+        self._prepared: str | None = None  # the stock commit the model cache was last converted for (`prepare`)
         dep = self._deployment()
         self._serves = bool(dep.server)
         self._ar_options = dep.ar_options()
@@ -126,12 +127,17 @@ class Evaluator:
         return int(path.read_text())
 
     def prepare(self) -> str:
-        """Stock committed, model cache converted; returns the stock commit."""
+        """Stock committed, model cache converted; returns the stock commit. The controller prepares
+        before every job: the conversion runs again only when stock changed (`Systems.restock`), since
+        for the same stock it finds its cache and does nothing but cost a process with torch and the
+        model loaded (~4 s on 2 cores, once per patch)."""
         stock = self.systems.ensure_stock()
-        code = ("import sys; from pathlib import Path; from specpilot.harness.deployment import load_engine; "
-                "load_engine(sys.argv[1], device='cpu', data_dir=Path(sys.argv[2]))")
-        subprocess.run([self.python, "-c", code, self.deployment, str(self.data)], cwd=REPO_ROOT, check=True,
-                       capture_output=True, timeout=900)
+        if self._prepared != stock:
+            code = ("import sys; from pathlib import Path; from specpilot.harness.deployment import load_engine; "
+                    "load_engine(sys.argv[1], device='cpu', data_dir=Path(sys.argv[2]))")
+            subprocess.run([self.python, "-c", code, self.deployment, str(self.data)], cwd=REPO_ROOT, check=True,
+                           capture_output=True, timeout=900)
+            self._prepared = stock
         return stock
 
     def prompts(self, split: str = "dev") -> list[list[int]]:

@@ -103,6 +103,9 @@ class Workers:
     def __post_init__(self) -> None:
         self._cpus: dict[str, tuple[int, ...]] | None = None
         self._starts: dict[str, int] = {}  # workers started per system key (`compile_cache_for`)
+        self._kept: dict[str, Path] = {}  # a kept compile cache of each commit, not empty (`compile_cache_for`)
+        self._watched: dict[Path, str] = {}  # a first start's empty cache folder -> its system key
+        self._built_nothing: dict[str, bool] = {}  # system key -> its first start left its cache empty
         # (system key, untimed seconds: start-up and warm-up) of each warm worker since the current timing
         # began (`timing.paired` clears it), in start order
         self.untimed: list[tuple[str, float]] = []
@@ -163,17 +166,23 @@ class Workers:
     def worker(self, system: System, device: str, compile_cache=lambda workdir: None):
         """A started worker of ``system`` in a fresh sandbox, closed (and the sandbox killed) on exit.
         ``compile_cache(workdir)`` gives the sandbox's compile cache directory (None: none)."""
-        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp, self.sandbox(
-                system.commit, Path(tmp), device, compile_cache(Path(tmp))) as sbx:
+        with tempfile.TemporaryDirectory(prefix="sp-sbx-") as tmp:
+            cache = compile_cache(Path(tmp))
             try:
-                worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
-                                ready_timeout_s=self.limits.wall_s)
-                try:
-                    yield worker
-                finally:
-                    worker.close()
+                with self.sandbox(system.commit, Path(tmp), device, cache) as sbx:
+                    try:
+                        worker = Worker(sbx, self.python, self.deployment, system.options, device=device,
+                                        ready_timeout_s=self.limits.wall_s)
+                        try:
+                            yield worker
+                        finally:
+                            worker.close()
+                    finally:
+                        self._active.pop(id(sbx), None)
+                if cache is not None and (key := self._watched.get(cache)) is not None:  # a whole first start
+                    self._built_nothing[key] = not any(cache.iterdir())
             finally:
-                self._active.pop(id(sbx), None)
+                self._watched.pop(cache, None)
 
     @contextlib.contextmanager
     def warm_worker(self, system: System, prompts: list[list[int]], device: str):
@@ -199,26 +208,52 @@ class Workers:
     def compile_cache_for(self, system: System, prompts: list[list[int]], device: str, workdir: Path) -> Path | None:
         """A fresh copy (under ``workdir``) of ``system``'s compile cache for one worker, filled first
         at the system's second start (a system started once, like a default check, compiles for
-        itself as before: a fill would double its cost); None where ``compile_cache`` is off, and for
-        a first start.
+        itself as before: a fill would double its cost); None where ``compile_cache`` is off.
+
+        A first start gets a copy of the kept cache of the same commit under other options where one
+        exists (the same code, filled the same way: an AR twin need not rebuild its system's C++
+        kernel, ~12 s on 2 cores), else an empty folder of its own, watched: where it stays empty
+        and the fill would send no requests (a CPU), the fill could only keep an empty cache, so an
+        empty one is kept without starting it (a worker start saved per system).
 
         The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
         writes goes to its own copy and is gone with its trial."""
         if not self.compile_cache:
             return None
-        self._starts[system.key()] = starts = self._starts.get(system.key(), 0) + 1
-        kept = self.root / "compile-cache" / hashlib.sha256(system.key().encode()).hexdigest()[:16]
+        key = system.key()
+        self._starts[key] = starts = self._starts.get(key, 0) + 1
+        kept = self.root / "compile-cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
+        copy = workdir / "compile-cache"
+        sibling = self._kept.get(system.commit)  # a kept cache of this commit under other options, not empty
         if not kept.exists():
             if starts < 2:
-                return None
-            with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
-                with self.worker(system, device, lambda _: Path(filling)) as worker:
-                    for p, n in compile_fill_requests(prompts, self.max_new_tokens, device):
-                        worker.generate(p, n, timeout=self.limits.wall_s)
-                staged = kept.with_suffix(".tmp")
-                shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
-                shutil.copytree(filling, staged)
-                staged.rename(kept)  # whole or absent, never half-filled
-        copy = workdir / "compile-cache"
+                if sibling is not None:
+                    shutil.copytree(sibling, copy)
+                else:
+                    copy.mkdir()
+                    self._watched[copy] = key
+                return copy
+            fills = compile_fill_requests(prompts, self.max_new_tokens, device)
+            if fills or not self._built_nothing.get(key):
+                self._fill(system, device, fills, kept, sibling)
+            else:
+                kept.mkdir(parents=True)
+        if any(kept.iterdir()):
+            self._kept.setdefault(system.commit, kept)
         shutil.copytree(kept, copy)
         return copy
+
+    def _fill(self, system: System, device: str, fills: list[tuple[list[int], int]], kept: Path,
+              seed: Path | None) -> None:
+        """Fill ``kept`` by a worker of ``system`` answering ``fills``, from a copy of ``seed`` (what the
+        commit built already is not built again) or from nothing."""
+        with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
+            if seed is not None:
+                shutil.copytree(seed, filling, dirs_exist_ok=True)
+            with self.worker(system, device, lambda _: Path(filling)) as worker:
+                for p, n in fills:
+                    worker.generate(p, n, timeout=self.limits.wall_s)
+            staged = kept.with_suffix(".tmp")
+            shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
+            shutil.copytree(filling, staged)
+            staged.rename(kept)  # whole or absent, never half-filled
