@@ -370,7 +370,8 @@ def stdlib_prose_prompts(rng: random.Random, n: int) -> list[str]:
 
 # Everyday chat (issues 30/31: the shipped drafter was trained on code and standard-library questions only,
 # and chat requests accepted ~1.5 tokens a step): templates over topic lists written here, so the target
-# shows the drafter how it answers questions, advice and small writing tasks. The lists are raw material:
+# shows the drafter how it answers questions, advice and small writing tasks, about animals, places, food,
+# jobs and pastimes as well. The lists are raw material:
 # `general_chat_prompts` drops whatever comes near a shipped request (small coding tasks all did, against
 # HumanEval, so there are none).
 _SCIENCE = ("gravity", "evolution", "the immune system", "black holes", "climate change", "plate tectonics", "DNA",
@@ -410,6 +411,21 @@ _WRITING = ("a postcard from a seaside holiday", "a toast for my sister's gradua
 _POEMS = ("the ocean", "autumn leaves", "a city at night", "a cup of coffee", "an old dog", "the first day of spring",
           "a long train journey", "the stars", "a rainy afternoon", "friendship", "a lighthouse", "the desert",
           "an owl", "the harbour", "fog", "a garden in June", "mountains", "a violin")
+_ANIMALS = ("elephants", "octopuses", "penguins", "wolves", "dolphins", "owls", "ants", "bats", "camels", "koalas",
+            "sharks", "parrots", "beavers", "tortoises", "squirrels", "whales", "hedgehogs", "flamingos", "salmon",
+            "spiders", "horses", "cheetahs", "gorillas", "snails")
+_PLACES = ("Iceland", "Japan", "Peru", "Morocco", "Norway", "Kenya", "Portugal", "Vietnam", "Canada", "Mexico", "Egypt",
+           "Scotland", "New Zealand", "Chile", "Greece", "Mongolia", "Venice", "Istanbul", "Kyoto", "Lisbon",
+           "the Amazon rainforest", "the Sahara", "Antarctica", "the Alps")
+_FOODS = ("risotto", "pancakes", "lentil soup", "dumplings", "guacamole", "paella", "omelettes", "hummus",
+          "ratatouille", "curry", "granola", "pizza dough", "tacos", "miso soup", "couscous", "lasagna", "porridge",
+          "stir-fried noodles")
+_JOBS = ("a nurse", "an architect", "a pilot", "a librarian", "a firefighter", "a chef", "a carpenter", "a pharmacist",
+         "a journalist", "a lawyer", "an electrician", "a veterinarian", "a dentist", "a plumber", "a baker",
+         "a mechanic")
+_SPORTS = ("cricket", "rugby", "tennis", "badminton", "volleyball", "golf", "ice hockey", "curling", "fencing",
+           "rowing", "baseball", "archery", "handball", "snooker", "pottery", "calligraphy", "juggling",
+           "embroidery", "stargazing", "kayaking")
 _GENERAL_CHAT_TEMPLATES = [
     ("Explain {s} in simple terms.", _SCIENCE), ("How does {s} work?", _SCIENCE),
     ("Explain {s} to a ten-year-old.", _SCIENCE), ("What is {s}? Answer in a short paragraph.", _SCIENCE),
@@ -422,6 +438,16 @@ _GENERAL_CHAT_TEMPLATES = [
     ("I need advice on {s}. Where should I begin?", _ADVICE),
     ("Write {s}.", _WRITING), ("Write {s}. Keep it short and friendly.", _WRITING),
     ("Write a short poem about {s}.", _POEMS), ("Write a haiku about {s}.", _POEMS),
+    ("Tell me some interesting facts about {s}.", _ANIMALS), ("How do {s} survive in the wild?", _ANIMALS),
+    ("What do {s} eat, and where do they live?", _ANIMALS),
+    ("What is {s} known for?", _PLACES), ("I am planning a trip to {s}. What should I see?", _PLACES),
+    ("Describe the climate and culture of {s}.", _PLACES),
+    ("How do I make {s} at home?", _FOODS), ("What is the history of {s}?", _FOODS),
+    ("Give me a simple recipe for {s}.", _FOODS),
+    ("What does {s} do on a typical day?", _JOBS), ("How do I become {s}?", _JOBS),
+    ("What skills does {s} need?", _JOBS),
+    ("Explain the basics of {s}.", _SPORTS), ("How do I get better at {s}?", _SPORTS),
+    ("What equipment do I need for {s}?", _SPORTS),
 ]
 
 
