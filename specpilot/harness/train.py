@@ -97,7 +97,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--docstring-variants", action=argparse.BooleanOptionalAction, default=True,
                     help="parallel: each docstring prompt also with made-up examples, and those with the "
                          "leads the target writes on HumanEval (train.docstring_variants)")
-    ap.add_argument("--general-chat", type=int, default=0,
+    ap.add_argument("--general-chat", type=positive_int, default=0,
                     help="parallel: up to this many everyday chat prompts (explanations, advice, short writing; "
                          "train.general_chat_prompts), none near a shipped request")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
@@ -506,8 +506,8 @@ def collect_prompts(dep, tokenizer, rng: random.Random, max_tokens: int, n_each:
     """Training prompts. The first ``skip_dev`` dev requests are left out: tau is measured on them.
     With ``include_dev`` False no request of the deployment is used at all (standard library only);
     ``prose`` adds `stdlib_prose_prompts`, ``docstrings`` that many `stdlib_docstring_prompts` (each
-    with its `docstring_variants` when ``variants``), ``general_chat`` that many `general_chat_prompts`
-    (none equal to any shipped request, of either split)."""
+    with its `docstring_variants` when ``variants``), ``general_chat`` up to that many `general_chat_prompts`
+    (none near any shipped request, of either split)."""
     from specpilot.harness.requests import REQUEST_SETS, encode_requests, load_requests
 
     prompts = []

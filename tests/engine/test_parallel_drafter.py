@@ -504,7 +504,6 @@ def test_docstring_variants_are_humaneval_shaped():
     assert docstring_variants("def broken(:\n    x\n", random.Random(0)) == ["def broken(:\n    x\n"]
 
 
-
 def test_everyday_chat_prompts_leave_out_what_the_shipped_requests_ask():
     """The drafter's chat prompts share no four-word run and no subject with a request it is measured on:
     a near-copy (the same subject asked another way) would be measured on what the drafter memorised."""
@@ -529,6 +528,7 @@ def test_everyday_chat_prompts_leave_out_what_the_shipped_requests_ask():
     for subject in ("photosynthesis", "inflation", "factorial", "palindrome", "haiku", "duplicates"):
         assert any(subject in x.lower() for x in shipped) and not any(subject in p.lower() for p in prompts)
     assert general_chat_prompts(random.Random(0), 50, shipped) == general_chat_prompts(random.Random(0), 50, shipped)
+
 
 @pytest.mark.parametrize("periodic", [False, True])
 @pytest.mark.parametrize("longest,shortest", [(4, 2), (6, 1), (3, 3)])
