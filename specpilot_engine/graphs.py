@@ -34,6 +34,7 @@ capture is possible (CUDA only).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -66,8 +67,16 @@ def capture(compute: Callable[[], Outputs], device: torch.device | str,
         compute()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-        outputs = compute()
+    # torch.cuda.graph collects garbage before it begins; the collector must not run inside the capture, where
+    # freeing an older graph (its destructor's CUDA calls) invalidates this one (an H100 race, session 36)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            outputs = compute()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 
