@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import nats
 import nats.errors
@@ -41,6 +42,8 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from specpilot import schema, subjects
 from specpilot.bundles import Bundle
 from specpilot.errors import UserError
+
+T = TypeVar("T")
 
 # asyncio warns "returning true from eof_received() has no effect when using ssl" at every TLS close of a
 # nats-py connection: harmless, and it would bury real warnings.
@@ -421,6 +424,27 @@ def _json_handler(handler: Callable[[dict], Awaitable[dict]]):
     return run
 
 
+async def bounded(work: Awaitable[T], timeout: float) -> T:
+    """``work``'s result if it ends within ``timeout`` seconds, else ``TimeoutError`` once its task has ended.
+
+    Unlike ``asyncio.wait_for``, a cancellation the work swallows is sent again until the task ends: on
+    Python 3.11 ``wait_for`` drops a cancellation that meets an inner future's completion, and nats-py's
+    initial connect (reconnects unlimited) then loops on while ``wait_for`` waits for it for ever (a
+    refused-certificate connect hung CI for 600 s). Work that ends anyway with a result returns it."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+    except asyncio.CancelledError:  # our caller gave up: the work goes with it
+        task.cancel()
+        raise
+    if task.cancelled():
+        raise TimeoutError(f"gave up after {timeout:.1f} s")
+    return task.result()
+
+
 async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
                   connect_timeout_s: float = 20.0) -> Bus:
     """Connect over TLS as the owner of ``bundle`` (a folder or a loaded `Bundle`); ``url`` None: the
@@ -449,7 +473,7 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
         try:
             # nats-py keeps retrying an initial connect forever when reconnects are unlimited,
             # so each attempt gets its own deadline.
-            nc = await asyncio.wait_for(nats.connect(
+            nc = await bounded(nats.connect(
                 url, tls=ctx, name=name or bundle.name, inbox_prefix=subjects.inbox_prefix(bundle.name),
                 connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
                 error_cb=on_error,

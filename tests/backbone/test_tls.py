@@ -10,6 +10,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 
 import nats
 import pytest
@@ -131,6 +132,37 @@ def test_the_server_lets_in_only_certificates_of_its_ca(server, tmp_path):
     nobody = tmp_path / "nobody"
     tls.issue(bundles.pki_dir(server.data), nobody, "mallory")
     assert "Authorization" in _refused(server.url, tls.context(own.ca, nobody / "cert.pem", nobody / "key.pem"))
+
+
+def test_a_connect_attempt_is_bounded_even_when_its_work_swallows_a_cancellation():
+    """What hung CI for 600 s: nats-py's initial connect, cancelled as an inner ``wait_for`` completed,
+    dropped the cancellation (Python 3.11) and kept retrying. ``bus.bounded`` cancels again until the
+    work ends; ``asyncio.wait_for`` would wait here for the whole 30 s."""
+    stopped: list[str] = []
+
+    async def stubborn() -> str:
+        swallowed = False
+        for _ in range(300):
+            try:
+                await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                if swallowed:
+                    stopped.append("second cancellation")
+                    raise
+                swallowed = True
+        return "ran to the end"
+
+    async def quick() -> str:
+        return "done"
+
+    async def main() -> float:
+        assert await bus.bounded(quick(), timeout=1.0) == "done"
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await bus.bounded(stubborn(), timeout=0.3)
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 5.0 and stopped == ["second cancellation"]
 
 
 def test_mismatches_name_the_service_its_host_and_what_differs():
