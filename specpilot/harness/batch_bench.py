@@ -9,7 +9,9 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   acceptance) and the steps' time split (prefill, draft, forward, other). Systems: batched AR (no
   drafter), the deployment's stock speculation (or, with ``--stock-options``, another system to A/B against
   in the same process: batched AR stays the deployment's), and the system (stock with the option flags) when it
-  differs; speedups over batched AR and over stock speculation; whether each one's tokens equal batched
+  differs; speedups over batched AR and over stock speculation (ratios of the median loads' tokens/s; with
+  ``--runs`` > 1 also the geometric mean of each load's ratio to the batched-AR load beside it, with its 95%
+  interval: ``paired_over_batched_ar``, robust to a drift that moves every system alike); whether each one's tokens equal batched
   AR's (lossless: equal wherever the rows are batch-invariant). ``--passes`` sends the request set that
   many times a load (each pass's answers checked too): the whole load's tokens/s counts its drain, where the
   last requests finish with fewer clients busy (on a GPU at 32 clients and one pass, the slowest request
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -187,6 +190,7 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         draft_lengths,
         llamacpp_peer_result,
         output_dir,
+        paired_speedup,
         system_and_stock_models,
     )
 
@@ -266,6 +270,10 @@ def run_batched(args: argparse.Namespace, dep) -> int:
         s["speedup_over_stock"] = s["tok_s"] / spec
         s["steady_speedup_over_batched_ar"] = s["steady_tok_s"] / ar_steady if ar_steady > 0 else 0.0
         s["lossless"] = all(run == outputs["batched AR"][0] for run in outputs[name] + outputs["batched AR"])
+        if args.runs > 1:  # loads interleaved: load i of each system ran back to back, so they pair
+            s["paired_over_batched_ar"] = paired_speedup(
+                [math.log(a / b) for a, b in zip(s["tok_s_runs"], result["systems"]["batched AR"]["tok_s_runs"],
+                                                 strict=True)])
     if ns:
         context = int(statistics.fmean(len(p) for p in prompts) + max_new / 2)
         graphs = opts.cuda_graphs and graphs_supported(device)  # c(N, B) of the steps the system runs
@@ -308,14 +316,17 @@ def _table(result: dict) -> None:
     t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
                     f"{result['requests']} requests{passes} x {result['max_new_tokens']} tokens, {result['device']}; "
                     f"steady: until the last request is sent, every client busy")
-    for col in ("system", "tok/s", "x batched AR", "x stock", "steady tok/s", "steady x AR", "tau", "drafts/row",
+    for col in ("system", "tok/s", "x batched AR", "paired x AR (95% CI)", "x stock", "steady tok/s", "steady x AR", "tau", "drafts/row",
                 "p50 s", "p99 s", "TTFT p50 s", "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless",
                 "step ms by rows"):
         t.add_column(col, justify="right")
     for name, s in result["systems"].items():
         runs = s.get("tok_s_runs", [])
         spread = f" ({min(runs):.0f}-{max(runs):.0f})" if len(runs) > 1 else ""  # every load's, when several ran
-        t.add_row(name, f"{s['tok_s']:.1f}{spread}", f"{s['speedup_over_batched_ar']:.2f}", f"{s['speedup_over_stock']:.2f}",
+        paired = s.get("paired_over_batched_ar")  # each load against the AR load beside it (--runs > 1)
+        paired_text = f"{paired['speedup']:.3f} ({paired['ci95'][0]:.2f}-{paired['ci95'][1]:.2f})" if paired else ""
+        t.add_row(name, f"{s['tok_s']:.1f}{spread}", f"{s['speedup_over_batched_ar']:.2f}", paired_text,
+                  f"{s['speedup_over_stock']:.2f}",
                   f"{s['steady_tok_s']:.1f}", f"{s['steady_speedup_over_batched_ar']:.2f}",
                   f"{s['tau']:.2f}", f"{s['verified_per_row'] - 1:.2f}", f"{s['latency_p50_s']:.2f}",
                   f"{s['latency_p99_s']:.2f}", f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p99_s']:.3f}",

@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -245,10 +246,21 @@ def warm_up(engine: Engine, prompts, max_new) -> None:
         engine.generate(p, max_new)
 
 
+def paired_speedup(log_ratios: Sequence[float]) -> dict:
+    """``{"pairs", "speedup", "ci95"}`` from paired ``log(baseline time / system time)`` (or of system /
+    baseline throughput): the geometric mean and its two-sided 95% Student t-interval (infinite with one
+    pair)."""
+    from scipy import stats
+
+    n = len(log_ratios)
+    mean = statistics.fmean(log_ratios)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(log_ratios) / math.sqrt(n) if n > 1 else float("inf")
+    return {"pairs": n, "speedup": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)]}
+
+
 def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: int) -> dict:
     """Paired, order-alternating runs of AR and the system on each prompt."""
     from rich.progress import Progress
-    from scipy import stats
 
     logs, same, committed = [], 0, []
     tok = {"ar": 0, "sys": 0}
@@ -269,17 +281,10 @@ def end_to_end(sys_engine: Engine, ar_engine: Engine, prompts, max_new, trials: 
                 same += res["ar"][0].tokens == res["sys"][0].tokens
                 committed += res["sys"][0].accepted_per_step
                 progress.advance(task)
-    n = len(logs)
-    mean = statistics.fmean(logs)
-    if n > 1:
-        sd = statistics.stdev(logs)
-        half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-    else:
-        half = float("inf")
     return {
-        "pairs": n, "speedup": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
+        **paired_speedup(logs),
         "ar_tok_s": tok["ar"] / secs["ar"], "sys_tok_s": tok["sys"] / secs["sys"],
-        "identical_outputs": same / n,
+        "identical_outputs": same / len(logs),
         "tau": sum(committed) / max(1, len(committed)),  # the system's tokens per step, every request
     }
 

@@ -188,6 +188,13 @@ def test_bench_on_a_batched_deployment_times_throughput_under_load(tmp_path, cap
         assert abs(sum(s["time_split"].values()) - 1) < 1e-3 and s["time_split"]["prefill"] > 0
     assert r["systems"]["batched AR"]["tau"] == 1.0 and r["systems"]["batched AR"]["speedup_over_batched_ar"] == 1.0
     assert r["systems"]["stock"]["tau"] > 1.0  # the n-gram drafts were accepted
+    # each load against the batched-AR load beside it: a geometric mean inside its own interval
+    ar_runs = r["systems"]["batched AR"]["tok_s_runs"]
+    for s in r["systems"].values():
+        paired = s["paired_over_batched_ar"]
+        ratios = [a / b for a, b in zip(s["tok_s_runs"], ar_runs, strict=True)]
+        assert paired["pairs"] == 2 and paired["speedup"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
+        assert paired["ci95"][0] <= paired["speedup"] <= paired["ci95"][1]
     cost = r["cost"]["rows"]
     assert [row["b"] for row in cost] == [1, 2] and cost[0]["ar_scaling"] == 1.0
     for row in cost:
