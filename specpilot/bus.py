@@ -430,17 +430,20 @@ async def bounded(work: Awaitable[T], timeout: float) -> T:
     Unlike ``asyncio.wait_for``, a cancellation the work swallows is sent again until the task ends: on
     Python 3.11 ``wait_for`` drops a cancellation that meets an inner future's completion, and nats-py's
     initial connect (reconnects unlimited) then loops on while ``wait_for`` waits for it for ever (a
-    refused-certificate connect hung CI for 600 s). Work that ends anyway with a result returns it."""
+    refused-certificate connect hung CI for 600 s). Work that ends anyway with a result returns it; work
+    that outlives 20 cancellations (10 s) is left behind, still cancelled, and ``TimeoutError`` raised."""
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task}, timeout=timeout)
-        while not task.done():
+        for _ in range(20):
+            if task.done():
+                break
             task.cancel()
             await asyncio.wait({task}, timeout=0.5)
     except asyncio.CancelledError:  # our caller gave up: the work goes with it
         task.cancel()
         raise
-    if task.cancelled():
+    if not task.done() or task.cancelled():
         raise TimeoutError(f"gave up after {timeout:.1f} s")
     return task.result()
 

@@ -67,8 +67,9 @@ def capture(compute: Callable[[], Outputs], device: torch.device | str,
         compute()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # torch.cuda.graph collects garbage before it begins; the collector must not run inside the capture, where
-    # freeing an older graph (its destructor's CUDA calls) invalidates this one (an H100 race, session 36)
+    # torch.cuda.graph collects garbage before it begins; the collector must not run inside the capture: on an
+    # H100 a batched capture after earlier graphs failed 5 of 5 runs (cudaErrorStreamCaptureInvalidated) and
+    # passed 4 of 4 with it off (session 36), freeing an older graph mid-capture being the likely cause
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -11,12 +11,12 @@ Figures (greedy, one engine process, `specpilot_engine.batch` through `Engine.ba
   in the same process: batched AR stays the deployment's), and the system (stock with the option flags) when it
   differs; speedups over batched AR and over stock speculation (ratios of the median loads' tokens/s; with
   ``--runs`` > 1 also the geometric mean of each load's ratio to the batched-AR load beside it, with its 95%
-  interval: ``paired_over_batched_ar``, robust to a drift that moves every system alike); whether each one's tokens equal batched
-  AR's (lossless: equal wherever the rows are batch-invariant). ``--passes`` sends the request set that
-  many times a load (each pass's answers checked too): the whole load's tokens/s counts its drain, where the
-  last requests finish with fewer clients busy (on a GPU at 32 clients and one pass, the slowest request
-  lasted ~90% of a load, 2026-12-06); the steady tokens/s is the rate until the last request is sent,
-  every client busy: throughput at the load's concurrency.
+  interval: ``paired_over_batched_ar``, robust to a drift that moves every system alike); whether each one's
+  tokens equal batched AR's (lossless: equal wherever the rows are batch-invariant). ``--passes`` sends the
+  request set that many times a load (each pass's answers checked too): the whole load's tokens/s counts its
+  drain, where the last requests finish with fewer clients busy (on a GPU at 32 clients and one pass, the
+  slowest request lasted ~90% of a load, 2026-12-06); the steady tokens/s is the rate until the last request
+  is sent, every client busy: throughput at the load's concurrency.
 - ``c(N, B)``: the forward of B rows of N + 1 new tokens each (a root and N drafts) over a context of the
   requests' mean prompt length plus half the output, against the forward of B rows of one token (batched
   AR's step), median of ``--reps`` (replayed as CUDA graphs when the system runs them); and AR's own cost by
@@ -316,8 +316,8 @@ def _table(result: dict) -> None:
     t = Table(title=f"{result['deployment']}: {result['clients']} closed-loop clients on {result['rows']} rows, "
                     f"{result['requests']} requests{passes} x {result['max_new_tokens']} tokens, {result['device']}; "
                     f"steady: until the last request is sent, every client busy")
-    for col in ("system", "tok/s", "x batched AR", "paired x AR (95% CI)", "x stock", "steady tok/s", "steady x AR", "tau", "drafts/row",
-                "p50 s", "p99 s", "TTFT p50 s", "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless",
+    for col in ("system", "tok/s", "x batched AR", "paired x AR (95% CI)", "x stock", "steady tok/s", "steady x AR",
+                "tau", "drafts/row", "p50 s", "p99 s", "TTFT p50 s", "TTFT p99 s", "host", "prefill/draft/fwd/other", "lossless",
                 "step ms by rows"):
         t.add_column(col, justify="right")
     for name, s in result["systems"].items():
