@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=float, default=1e9, help="weight bytes per format to cycle through")
     ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
-                    "choice is always timed too): fma, dot")
+                    "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores)")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")

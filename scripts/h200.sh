@@ -25,6 +25,7 @@
 #           train-fit leaves its file at /tmp/smollm2_parallel_new.pt)
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
+#           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -221,6 +222,16 @@ PY
       e=$(date +%s.%N)
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
     done ;;
+  w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
+    # (Llama-8B layer shapes x M = 1..16, sweep of the tensor-core kinds first) and the 8B-shaped step bf16 vs W12
+    timeout 420 python3 bench/w12_bench.py --sweep --kinds mma --sweep-m 1,4,16 --m 1,2,4,8,16 \
+      --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
+    grep -v '^{' "$OUT/w12.txt" | tail -30; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
+    for w in "" --w12; do
+      timeout 150 python3 bench/engine_bench.py --model llama3-8b --device cuda --dtype bf16 --cuda-graphs --fused $w \
+        --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b${w:+_w12}.txt" 2>&1 || echo "engine_bench $w exited $?"
+      tail -4 "$OUT/step8b${w:+_w12}.txt"
+    done ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
@@ -235,6 +246,6 @@ PY
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac
