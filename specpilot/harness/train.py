@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specpilot.errors import UserError, positive_float, positive_int
+from specpilot.errors import UserError, non_negative_int, positive_float, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
 from specpilot_engine.drafters import eagle
 from specpilot_engine.drafters.ngram import SuffixIndex
@@ -92,12 +92,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dev-prompts", action=argparse.BooleanOptionalAction, default=False,
                     help="parallel: also train on the deployment's dev requests (after the first --eval-requests); "
                          "off, no request of the deployment is seen and tau on any of them is a held-out figure")
-    ap.add_argument("--docstrings", type=int, default=4000,
+    ap.add_argument("--docstrings", type=non_negative_int, default=4000,
                     help="parallel: HumanEval-shaped prompts (a function's def line and docstring) from the standard library")
     ap.add_argument("--docstring-variants", action=argparse.BooleanOptionalAction, default=True,
                     help="parallel: each docstring prompt also with made-up examples, and those with the "
                          "leads the target writes on HumanEval (train.docstring_variants)")
-    ap.add_argument("--general-chat", type=positive_int, default=0,
+    ap.add_argument("--general-chat", type=non_negative_int, default=0,
                     help="parallel: up to this many everyday chat prompts (explanations, advice, short writing; "
                          "train.general_chat_prompts), none near a shipped request")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
