@@ -40,28 +40,45 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("w12_mma.cu", "w12_mma_binding.cpp")
 MAX_ROWS = 32  # rows of x; beyond 16 (a verification of 16 drafts and its root) only with rows = 1 tiles
 MAX_PIPELINED = 4  # rows x chunks x row groups of a pipelined launch (csrc: kMaxPipelined)
+TMA_SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory a block (the launcher checks the card's own)
 
 
 @dataclass(frozen=True)
 class MmaConfig:
     """A launch: ``rows`` 16-row weight tiles a warp (1, 2), ``chunks`` 64-column chunks loaded together
     (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch), ``pipelined``: the
-    next step's loads go out before this step's math (twice the fragment registers)."""
+    next step's loads go out before this step's math (twice the fragment registers).
+
+    ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of one 16-row tile each, a
+    producer warp streaming ``chunks`` chunks a stage into a ring of ``stages`` shared-memory slots
+    (``rows`` 1, not ``pipelined``)."""
 
     rows: int = 1
     chunks: int = 2
     warps: int = 4
     splits: int = 1
     pipelined: bool = False
+    stages: int = 0
 
     def key(self) -> str:
+        if self.stages:
+            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}"
         return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
+
+    def smem_bytes(self, m: int) -> int:
+        """Dynamic shared memory of a TMA launch for ``m`` rows of x (csrc: tma_stage_bytes, plus alignment)."""
+        stage = self.chunks * (2 * 1024 * row_groups(m) + 3 * 1024 * self.warps)
+        return self.stages * stage + 1024 + 16 * self.stages
 
     def fits(self, m: int) -> bool:
         """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined
-        one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4."""
+        one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4; a TMA
+        one's ring must fit a block's shared memory."""
         if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16):
             return False
+        if self.stages:
+            return (self.rows == 1 and not self.pipelined and 2 <= self.stages <= 16 and 1 <= self.chunks <= 4
+                    and self.smem_bytes(m) <= TMA_SMEM_LIMIT)
         return not self.pipelined or self.rows * self.chunks * row_groups(m) <= MAX_PIPELINED
 
 
@@ -189,7 +206,7 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
-                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined)
+                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages)
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "available", "build", "cuda_ready", "pick_mma_config", "supports",

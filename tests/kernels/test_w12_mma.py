@@ -58,6 +58,11 @@ def test_launches_fit_the_rows_of_x():
     assert MmaConfig().fits(17) and MmaConfig().fits(32) and not MmaConfig().fits(33) and not MmaConfig().fits(0)
     assert not MmaConfig(rows=2).fits(17) and MmaConfig(rows=2).fits(16)
     assert MmaConfig(chunks=1, pipelined=True).fits(32) and not MmaConfig(chunks=2, pipelined=True).fits(25)
+    # a TMA launch: one tile a warp, not pipelined, its ring inside a block's shared memory
+    assert MmaConfig(chunks=2, warps=4, stages=4).fits(16) and MmaConfig(chunks=1, warps=8, stages=6).fits(32)
+    assert MmaConfig(chunks=4, warps=8, stages=2).fits(16) and not MmaConfig(chunks=4, warps=8, stages=3).fits(16)
+    assert not MmaConfig(rows=2, stages=2).fits(8) and not MmaConfig(stages=2, pipelined=True).fits(8)
+    assert MmaConfig(chunks=4, warps=8, stages=2).key() == "tma_c4_w8_s1_st2"
 
 
 @pytest.mark.slow
@@ -70,7 +75,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
     # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4;
     # row groups 3-4 (17-32 rows of x) with rows 1: chunks {1, 2, 4} and the pipelined chunks 1
-    assert len(kernels) == 12 + 8 + 8
+    # and the TMA launch's four (one a row group)
+    assert len(kernels) == 12 + 8 + 8 + 4
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -90,6 +96,10 @@ def _variants(m):
                         cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
                         if cfg.fits(m):
                             out.append(cfg)
+                for stages in (2, 4):
+                    cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages)
+                    if rows == 1 and cfg.fits(m):
+                        out.append(cfg)
     return out
 
 
@@ -132,9 +142,29 @@ def test_every_variant_with_escapes(m):
         check_close(y, ref, rtol=1e-2)
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, wide, cfg).view(torch.int16)), cfg
-        if cfg.pipelined:  # the pipeline feeds the same MMAs in the same order: the same bits
+        if cfg.pipelined or cfg.stages:  # the pipeline and the TMA ring feed the same MMAs in the same order
             plain = MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)
             assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 32])
+def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
+    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+
+    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
+    p = pack(w)
+    ref = reference(x.float(), decode(p).float())
+    for chunks, warps, stages, splits in ((1, 2, 2, 1), (2, 4, 4, 2), (4, 8, 2, 3), (1, 8, 6, 1)):
+        cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages)
+        if not cfg.fits(m):
+            continue
+        y = w12_mma_matmul(x, p, cfg)
+        check_close(y, ref, rtol=1e-2)
+        plain = MmaConfig(chunks=chunks, warps=warps, splits=splits)
+        assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
 
 
 @gpu
@@ -142,7 +172,8 @@ def test_every_variant_with_escapes(m):
 def test_deterministic_and_graph_replay():
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
-    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True)):
+    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True),
+                MmaConfig(chunks=2, warps=4, splits=4, stages=4)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 

@@ -24,6 +24,8 @@
 // after the row scale, in index order, as x[m, k] * w.
 #include "w12_mma.h"
 
+#include <cuda.h>  // CUtensorMap (the TMA launches)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 namespace specpilot_w12 {
@@ -284,6 +286,222 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   store_tile(acc, a, n_warp, g, tig, split);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The TMA launch (Hopper, sm_90): a producer warp streams the planes and x into a ring of shared-memory stages with
+// the tensor-memory accelerator (one instruction a box, no registers held by loads in flight); `warps` consumer
+// warps, one 16-row weight tile each, read their fragments from the ring (the same 16 columns a thread as the
+// register launch, so `Chunks::compute` is shared) and hand the stage back. A stage is `chunks` 64-column chunks:
+// for each, x's columns j.. and kh + j.. (boxes of 8 G rows x 128 bytes, 128-byte swizzle: a thread's two 16-byte
+// units of row g land on distinct banks) and the tile rows' nib, low j.. and low kh + j.. bytes (boxes of 16 warps
+// rows x 64 bytes: rows 2p and 2p + 1 of a quarter-warp share one 128-byte line, so no bank is read twice). The
+// tensor maps zero-fill past the planes' columns (low is viewed as [N, 2, kh]), past N and past x's M rows and K
+// columns, so no load is masked and any kh % 16 == 0 works. Same split-K merge, epilogue and bits as `store_tile`.
+struct TmaParams {
+  CUtensorMap nib;  // uint8 [N, kh], box [64, 16 warps]
+  CUtensorMap low;  // uint8 [N, 2, kh], box [64, 1, 16 warps]
+  CUtensorMap x;    // bf16 [M, K], box [64, 8 G], 128-byte swizzle
+  MmaArgs a;
+  int chunks;  // 64-column chunks a stage
+  int stages;  // slots of the ring
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+          smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ uint4 lds(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+constexpr int kSwizzleAlign = 1024;  // a 128-byte-swizzled box starts on a 1024-byte boundary
+
+template <int G>
+__global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ TmaParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAlign - 1) &
+                                             ~uintptr_t(kSwizzleAlign - 1));
+  const MmaArgs& a = p.a;
+  const int warps = blockDim.x / 32 - 1;  // consumers; the last warp produces
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int x_box = 1024 * G, w_box = 1024 * warps;  // bytes: 8 G rows x 128, 16 warps rows x 64
+  const int chunk_bytes = 2 * x_box + 3 * w_box, stage_bytes = p.chunks * chunk_bytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + p.stages * stage_bytes);
+  uint64_t* empty = full + p.stages;
+  const int split = blockIdx.y, n_block = blockIdx.x * 16 * warps;
+  const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
+  const int steps = (j_end - j_begin + 64 * p.chunks - 1) / (64 * p.chunks);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[1][G][4];
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][gg][i] = 0.0f;
+
+  if (warp == warps) {  // producer: one lane issues every copy
+    if (lane == 0) {
+      for (int t = 0; t < steps; ++t) {
+        const int s = t % p.stages;
+        mbar_wait(empty + s, ((t / p.stages) & 1) ^ 1);  // a fresh slot passes at once
+        const int j0 = j_begin + t * 64 * p.chunks;
+        const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
+        mbar_expect_tx(full + s, n_chunks * chunk_bytes);
+        for (int c = 0; c < n_chunks; ++c) {
+          const int j = j0 + 64 * c;
+          uint8_t* base = smem + s * stage_bytes + c * chunk_bytes;
+          tma_2d(base, &p.x, j, 0, full + s);
+          tma_2d(base + x_box, &p.x, a.kh + j, 0, full + s);
+          tma_2d(base + 2 * x_box, &p.nib, j, n_block, full + s);
+          tma_3d(base + 2 * x_box + w_box, &p.low, j, 0, n_block, full + s);
+          tma_3d(base + 2 * x_box + 2 * w_box, &p.low, j, 1, n_block, full + s);
+        }
+      }
+    }
+  } else {
+    for (int t = 0; t < steps; ++t) {
+      const int s = t % p.stages;
+      mbar_wait(full + s, (t / p.stages) & 1);
+      const int j0 = j_begin + t * 64 * p.chunks;
+      const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
+      for (int c = 0; c < n_chunks; ++c) {
+        const uint8_t* base = smem + s * stage_bytes + c * chunk_bytes;
+        Chunks<1, G, 1> ch;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int off = (warp * 16 + h * 8 + g) * 64 + tig * 16;
+          ch.wn[0][0][h] = lds(base + 2 * x_box + off);
+          ch.wl0[0][0][h] = lds(base + 2 * x_box + w_box + off);
+          ch.wl1[0][0][h] = lds(base + 2 * x_box + 2 * w_box + off);
+        }
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg) {
+          const int row = gg * 8 + g, swz = row & 7;  // 128-byte swizzle: unit u of row r sits at u ^ (r % 8)
+          const int u0 = row * 128 + (((2 * tig) ^ swz) << 4), u1 = row * 128 + (((2 * tig + 1) ^ swz) << 4);
+          ch.xa[0][gg][0] = lds(base + u0);
+          ch.xa[0][gg][1] = lds(base + u1);
+          ch.xb[0][gg][0] = lds(base + x_box + u0);
+          ch.xb[0][gg][1] = lds(base + x_box + u1);
+        }
+        ch.compute(acc);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + s);
+    }
+  }
+  // the producer joins the epilogue's block barriers with no outputs of its own (n_warp past N)
+  store_tile<1, G>(acc, a, warp < warps ? n_block + warp * 16 : a.N, g, tig, split);
+#endif
+}
+
+int tma_stage_bytes(int groups, int warps, int chunks) { return chunks * (2 * 1024 * groups + 3 * 1024 * warps); }
+
+const char* encode_maps(TmaParams& p, int groups, int warps) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  if (encode == nullptr) return "the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and a Hopper card)";
+  const MmaArgs& a = p.a;
+  const cuuint32_t ones[3] = {1, 1, 1};
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.kh), cuuint64_t(a.N)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.kh)};
+    const cuuint32_t box[2] = {64, cuuint32_t(16 * warps)};
+    if (encode(&p.nib, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(a.nib), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return "cuTensorMapEncodeTiled refused the nib plane";
+  }
+  {
+    const cuuint64_t dims[3] = {cuuint64_t(a.kh), 2, cuuint64_t(a.N)};
+    const cuuint64_t strides[2] = {cuuint64_t(a.kh), cuuint64_t(2 * a.kh)};
+    const cuuint32_t box[3] = {64, 1, cuuint32_t(16 * warps)};
+    if (encode(&p.low, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(a.low), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return "cuTensorMapEncodeTiled refused the low plane";
+  }
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.K), cuuint64_t(a.M)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.ldx) * 2};
+    const cuuint32_t box[2] = {64, cuuint32_t(8 * groups)};
+    if (encode(&p.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a.x), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return "cuTensorMapEncodeTiled refused x (rows must be 16-byte aligned)";
+  }
+  return nullptr;
+}
+
+template <int G>
+const char* launch_tma_g(TmaParams& p, int warps, cudaStream_t stream) {
+  const int bytes = p.stages * tma_stage_bytes(G, warps, p.chunks) + kSwizzleAlign + 2 * 8 * p.stages;
+  int device = 0, limit = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (bytes > limit) return "the TMA ring does not fit the card's shared memory: fewer stages, chunks or warps";
+  static int opted = 0;  // the opt-in is raised once per kernel, to the card's limit (no stream work)
+  if (opted < limit) {
+    const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+    opted = limit;
+  }
+  const dim3 grid((p.a.N + 16 * warps - 1) / (16 * warps), p.a.splits);
+  w12_tma_kernel<G><<<grid, (warps + 1) * 32, bytes, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
 constexpr int kMaxPipelined = 4;
 
 template <int R, int G, int U>
@@ -315,6 +533,30 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cu
 }
 
 }  // namespace
+
+const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, cudaStream_t stream) {
+  if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
+  if (warps < 1 || warps > 8) return "warps must be in 1..8";
+  if (stages < 2 || stages > 16 || chunks < 1 || chunks > 4) return "stages must be in 2..16 and chunks in 1..4";
+  if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0 || a.ldx % 8 != 0)
+    return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K and x's row stride of 8";
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (major < 9) return "the TMA launch needs a Hopper card (compute capability 9.0)";
+  const int groups = (a.M + 7) / 8;
+  TmaParams p{};
+  p.a = a;
+  p.chunks = chunks;
+  p.stages = stages;
+  if (const char* err = encode_maps(p, groups, warps)) return err;
+  switch (groups) {
+    case 1: return launch_tma_g<1>(p, warps, stream);
+    case 2: return launch_tma_g<2>(p, warps, stream);
+    case 3: return launch_tma_g<3>(p, warps, stream);
+    default: return launch_tma_g<4>(p, warps, stream);
+  }
+}
 
 const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream) {
   if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";

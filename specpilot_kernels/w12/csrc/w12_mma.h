@@ -29,4 +29,8 @@ struct MmaArgs {
 // steps' registers). Returns an error string or nullptr.
 const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream);
 
+// The TMA launch (Hopper only): `warps` consumer warps of one 16-row tile each and a producer warp that streams
+// `chunks` 64-column chunks a stage into a ring of `stages` shared-memory slots. Returns an error string or nullptr.
+const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, cudaStream_t stream);
+
 }  // namespace specpilot_w12
