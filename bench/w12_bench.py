@@ -270,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--write-tuned", default=None, metavar="FILE",
+                    help="write the table's tensor-core launches that beat the Triton kernels as a tuned table "
+                         f"(JSON; `{cuda_mma.TUNED_ENV}=FILE` makes w12_matmul's auto dispatch use them)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "w12_summary", "error": "no CUDA device"}))
@@ -309,7 +312,8 @@ def main(argv=None) -> int:
                    "tb_s": round(sb.w12_bytes / t_w12 / 1e6, 3), "torch_us": round(t_torch, 2),
                    "torch_tb_s": round(sb.bf16_bytes / t_torch / 1e6, 3), "vs_torch": round(t_torch / t_w12, 3),
                    "triton_us": round(t_triton, 2), "triton_vs_torch": round(t_torch / t_triton, 3),
-                   "config": used.key(), "tuned": tuned is not None, "copies": sb.copies,
+                   "config": used.key(), "launch": asdict(used) if isinstance(used, MmaConfig) else None,
+                   "tuned": tuned is not None, "copies": sb.copies,
                    "escapes": sb.escapes, "rel_err": sb.check(x, cfg)}
             results.append(rec)
             print(json.dumps(rec), flush=True)
@@ -319,6 +323,10 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     _table(results, env)
+    if args.write_tuned:
+        won = winners(results)
+        Path(args.write_tuned).write_text(json.dumps(cuda_mma.tuned_to_json({dev.name: won}), indent=1))
+        print(f"# {sum(map(len, won.values()))} tensor-core launches beat Triton: {args.write_tuned}", flush=True)
     small = [r["vs_torch"] for r in results if r["m"] <= 16]
     summary = {"bench": "w12_summary", "device": dev.name, "date": time.strftime("%Y-%m-%d"),
                "geomean_speedup_m1_16": round(math.exp(statistics.mean(math.log(v) for v in small)), 3) if small else None,
@@ -341,6 +349,16 @@ def main(argv=None) -> int:
         out.close()
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def winners(results: list[dict]) -> dict[tuple[int, int], dict[int, MmaConfig]]:
+    """The tensor-core launches of ``results`` (w12_gemv records) faster than the Triton kernels' choice, by
+    shape and M class: the auto dispatch's table (`cuda_mma.TUNED`'s shape for one card)."""
+    out: dict[tuple[int, int], dict[int, MmaConfig]] = {}
+    for r in results:
+        if r["launch"] is not None and r["us"] < r["triton_us"]:
+            out.setdefault(tuple(r["shape"]), {})[cuda_mma.m_class(r["m"])] = MmaConfig(**r["launch"])
+    return out
 
 
 def _table(results: list[dict], env: dict) -> None:

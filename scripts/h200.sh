@@ -223,13 +223,16 @@ PY
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
     done ;;
   w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
-    # (Llama-8B layer shapes x M = 1..16, sweep of the tensor-core kinds first) and the 8B-shaped step bf16 vs W12
-    timeout 420 python3 bench/w12_bench.py --sweep --kinds mma --sweep-m 1,4,16 --m 1,2,4,8,16 \
+    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register and TMA launches), the
+    # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it
+    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
+      --sweep-m ${W12_MS:-1,2,4,8,16,17} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
       --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
-    grep -v '^{' "$OUT/w12.txt" | tail -30; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
+    grep -v '^{' "$OUT/w12.txt" | tail -40; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
     for w in "" --w12; do
-      timeout 150 python3 bench/engine_bench.py --model llama3-8b --device cuda --dtype bf16 --cuda-graphs --fused $w \
-        --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b${w:+_w12}.txt" 2>&1 || echo "engine_bench $w exited $?"
+      SPECPILOT_W12_TUNED=$OUT/tuned.json timeout 150 python3 bench/engine_bench.py --model llama3-8b --device cuda \
+        --dtype bf16 --cuda-graphs --fused $w --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b${w:+_w12}.txt" 2>&1 ||
+        echo "engine_bench $w exited $?"
       tail -4 "$OUT/step8b${w:+_w12}.txt"
     done ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt

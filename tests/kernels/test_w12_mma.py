@@ -6,9 +6,12 @@ sm_90a with ``nvcc`` where one is installed (without spills in the decode loop's
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -228,3 +231,27 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
     check_close(w12_matmul(x33, p), reference(x33.float(), w.float()), rtol=1e-2)
     with pytest.raises(ValueError, match="does not take 17 rows"):
         w12_mma_matmul(torch.randn(17, 576, device="cuda", dtype=torch.bfloat16), p, MmaConfig(rows=2))
+
+
+def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):
+    from specpilot_kernels.w12 import cuda_mma
+
+    table = {"Some Card": {(4096, 4096): {16: MmaConfig(chunks=2, warps=4, splits=2, stages=4)},
+                           (6144, 4096): {1: MmaConfig(chunks=4, warps=2, pipelined=True)}}}
+    assert cuda_mma.tuned_from_json(cuda_mma.tuned_to_json(table)) == table
+    with pytest.raises(ValueError, match="NxK"):
+        cuda_mma.tuned_from_json({"Some Card": {"4096": {"16": {}}}})
+    with pytest.raises(ValueError, match="MmaConfig fields"):
+        cuda_mma.tuned_from_json({"Some Card": {"4096x4096": {"16": {"lanes": 3}}}})
+    # the file named by the environment: read in a fresh process, so the table is the process's own
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(cuda_mma.tuned_to_json(table)))
+    code = ("from specpilot_kernels.w12.cuda_mma import tuned_mma_config as t; "
+            "print(t(9, 4096, 4096, 'Some Card').key(), t(1, 4096, 4096, 'Some Card'))")
+    env = {**os.environ, cuda_mma.TUNED_ENV: str(path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tma_c2_w4_s2_st4", "None"]
+    path.write_text("{not json")
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--write-tuned" in bad.stderr
