@@ -63,7 +63,7 @@ MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 TMA_TILES = tuple(itertools.product((1, 2, 4), (2, 4, 8), (2, 4, 6)))
 
 
-def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
+def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -> list[Config]:
     """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``) and the CUDA-core path
     (``fma``, M <= 8)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -74,7 +74,7 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config]:
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
         out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
     if "tma" in kinds and m <= cuda_mma.MAX_ROWS:
-        out += [cfg for c, w, st in TMA_TILES if (cfg := MmaConfig(chunks=c, warps=w, stages=st)).fits(m)]
+        out += [cfg for c, w, st in tma_tiles if (cfg := MmaConfig(chunks=c, warps=w, stages=st)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -208,11 +208,11 @@ def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
 
 
 def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tuple[str, ...] = KINDS,
-              sweep_ms: list[int] = SWEEP_MS) -> dict:
+              sweep_ms: list[int] = SWEEP_MS, tma_tiles=TMA_TILES) -> dict:
     """Time every swept configuration (and split) per shape and M class, and ``pick_config``'s own;
     return the best."""
     def candidates(m: int, n: int, k: int) -> list[Config | MmaConfig]:
-        cfgs = sweep_configs(m, kinds)
+        cfgs = sweep_configs(m, kinds, tma_tiles)
         own = replace(pick_config(m, n, k), split=1)
         return cfgs if own in cfgs or not {"fma", "dot"} & set(kinds) else [own, *cfgs]
 
@@ -267,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
                     "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores), tma (the "
                     "same with a TMA ring, Hopper)")
+    ap.add_argument("--tma-tiles", default=None, metavar="CxWxS,...",
+                    help="the TMA launches the sweep tries, as chunks x consumer warps x stages (default: every "
+                         "combination of chunks 1/2/4, warps 2/4/8, stages 2/4/6 whose ring fits)")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -294,7 +297,14 @@ def main(argv=None) -> int:
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     sweep_ms = [int(v) for v in args.sweep_m.split(",")]
-    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms) if args.sweep else {}
+    try:
+        tma_tiles = (tuple(tuple(int(v) for v in t.split("x")) for t in args.tma_tiles.split(","))
+                     if args.tma_tiles else TMA_TILES)
+        if any(len(t) != 3 for t in tma_tiles):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--tma-tiles: expected chunks x warps x stages, comma-separated (e.g. 2x4x4,1x8x2), got {args.tma_tiles!r}")
+    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms, tma_tiles) if args.sweep else {}
 
     results = []
     for n, k in shapes:

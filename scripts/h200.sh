@@ -227,10 +227,11 @@ PY
     # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it
     timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
       --sweep-m ${W12_MS:-1,2,4,8,16,17} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
+      ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} \
       --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
     grep -v '^{' "$OUT/w12.txt" | tail -40; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
     for w in "" --w12; do
-      SPECPILOT_W12_TUNED=$OUT/tuned.json timeout 150 python3 bench/engine_bench.py --model llama3-8b --device cuda \
+      SPECPILOT_W12_TUNED=$OUT/tuned.json timeout ${W12_STEP_S:-150} python3 bench/engine_bench.py --model llama3-8b --device cuda \
         --dtype bf16 --cuda-graphs --fused $w --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b${w:+_w12}.txt" 2>&1 ||
         echo "engine_bench $w exited $?"
       tail -4 "$OUT/step8b${w:+_w12}.txt"
