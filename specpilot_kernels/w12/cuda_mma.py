@@ -10,7 +10,9 @@ verification of up to 16 drafted tokens and their root: hence up to 32 rows here
 planes through shared memory and converts layouts. Here the weights are ``mma.sync``'s A operand:
 each thread loads 16 contiguous bytes of each plane straight into registers (no shared memory, no
 shuffles; the k-order of the MMA is chosen per thread so that its bytes decode in place), and the
-MMA makes the cost of 16 rows of ``x`` the cost of one.
+MMA makes the cost of 16 rows of ``x`` the cost of one. On Hopper a TMA launch (``MmaConfig.stages``) feeds the
+same MMAs from a shared-memory ring that a producer warp fills with bulk tensor copies, so the bytes in flight
+hold no registers; it gives the register launch's bits (same chunks and splits).
 
 Contract: CUDA, compute capability >= 8.0, ``x`` bf16 with 1-32 rows, ``K % 8 == 0``, rows
 contiguous and 16-byte aligned (`supports`). The launch configuration (`MmaConfig`) is a pure
