@@ -26,6 +26,7 @@
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
+#           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -236,6 +237,20 @@ PY
         echo "engine_bench $w exited $?"
       tail -4 "$OUT/step8b${w:+_w12}.txt"
     done ;;
+  w12-smoke)  # the tensor-core W12 launches (register and TMA) against the reference on three shapes, in ~1 min
+    # with the build: run it first, so a launch that hangs or errs costs one short call, not a sweep's
+    timeout 100 python3 -c "
+import torch
+from specpilot_kernels.w12 import pack, decode
+from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul
+for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
+    w = (torch.randn(n, k, device='cuda') * 0.02).bfloat16(); x = torch.randn(m, k, device='cuda').bfloat16()
+    p = pack(w); ref = x.float() @ decode(p).float().T
+    for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3)):
+        y = w12_mma_matmul(x, p, cfg); torch.cuda.synchronize()
+        same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
+        print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
+" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
@@ -250,6 +265,6 @@ PY
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | w12-smoke | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac
