@@ -489,12 +489,16 @@ const char* launch_tma_g(TmaParams& p, int warps, cudaStream_t stream) {
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (bytes > limit) return "the TMA ring does not fit the card's shared memory: fewer stages, chunks or warps";
-  static int opted = 0;  // the opt-in is raised once per kernel, to the card's limit (no stream work)
-  if (opted < limit) {
-    const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+  cudaFuncAttributes attrs{};
+  if (cudaFuncGetAttributes(&attrs, w12_tma_kernel<G>) != cudaSuccess) return "cannot read the TMA kernel's attributes";
+  // the opt-in covers dynamic memory only: the kernel's static shared memory (the epilogue's flag) comes off the limit
+  if (bytes + int(attrs.sharedSizeBytes) > limit)
+    return "the TMA ring does not fit the card's shared memory: fewer stages, chunks or warps";
+  static int opted = 0;  // raised to the largest ring asked for so far (no stream work, so graph capture is safe)
+  if (opted < bytes) {
+    const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    opted = limit;
+    opted = bytes;
   }
   const dim3 grid((p.a.N + 16 * warps - 1) / (16 * warps), p.a.splits);
   w12_tma_kernel<G><<<grid, (warps + 1) * 32, bytes, stream>>>(p);
