@@ -70,9 +70,10 @@ class MmaConfig:
         return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
 
     def smem_bytes(self, m: int) -> int:
-        """Dynamic shared memory of a TMA launch for ``m`` rows of x (csrc: tma_stage_bytes, plus alignment)."""
+        """Shared memory of a TMA launch for ``m`` rows of x: the ring (csrc: tma_stage_bytes), its alignment and
+        barriers, and the kernel's 16 static bytes."""
         stage = self.chunks * (2 * 1024 * row_groups(m) + 3 * 1024 * self.warps)
-        return self.stages * stage + 1024 + 16 * self.stages
+        return self.stages * stage + 1024 + 16 * self.stages + 16
 
     def fits(self, m: int) -> bool:
         """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined

@@ -489,10 +489,14 @@ const char* launch_tma_g(TmaParams& p, int warps, cudaStream_t stream) {
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  cudaFuncAttributes attrs{};
-  if (cudaFuncGetAttributes(&attrs, w12_tma_kernel<G>) != cudaSuccess) return "cannot read the TMA kernel's attributes";
-  // the opt-in covers dynamic memory only: the kernel's static shared memory (the epilogue's flag) comes off the limit
-  if (bytes + int(attrs.sharedSizeBytes) > limit)
+  static int static_bytes = -1;  // the kernel's static shared memory (the epilogue's flag), read once
+  if (static_bytes < 0) {
+    cudaFuncAttributes attrs{};
+    if (cudaFuncGetAttributes(&attrs, w12_tma_kernel<G>) != cudaSuccess) return "cannot read the TMA kernel's attributes";
+    static_bytes = int(attrs.sharedSizeBytes);
+  }
+  // the opt-in covers dynamic memory only: the static part comes off the card's limit
+  if (bytes + static_bytes > limit)
     return "the TMA ring does not fit the card's shared memory: fewer stages, chunks or warps";
   static int opted = 0;  // raised to the largest ring asked for so far (no stream work, so graph capture is safe)
   if (opted < bytes) {
