@@ -53,13 +53,13 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
-KINDS = ("fma", "dot", "mma", "tma")
+KINDS = ("fma", "dot", "mma", "tma", "tmap")
 # The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block); splits below.
 # Launches without the pipeline lost every case on the H100 (2026-12-05): only pipelined ones here. (The
 # shared-memory ring lost too: docs/results/w12-kernel/h100-2026-12-05-ring.patch.)
 MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
-# The TMA launch (kind tma, Hopper): (64-column chunks a stage, consumer warps, ring slots); those whose ring
-# fits a block's shared memory.
+# The TMA launch (kind tma, Hopper; tmap: the same tiles on a persistent grid): (64-column chunks a stage,
+# consumer warps, ring slots); those whose ring fits a block's shared memory.
 TMA_TILES = tuple(itertools.product((1, 2, 4), (2, 4, 8), (2, 4, 6)))
 
 
@@ -73,8 +73,10 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -
                 for bn, bj, st, w in DOT_TILES]
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
         out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
-    if "tma" in kinds and m <= cuda_mma.MAX_ROWS:
-        out += [cfg for c, w, st in tma_tiles if (cfg := MmaConfig(chunks=c, warps=w, stages=st)).fits(m)]
+    for kind, persistent in (("tma", False), ("tmap", True)):
+        if kind in kinds and m <= cuda_mma.MAX_ROWS:
+            out += [cfg for c, w, st in tma_tiles
+                    if (cfg := MmaConfig(chunks=c, warps=w, stages=st, persistent=persistent)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -266,9 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
                     "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores), tma (the "
-                    "same with a TMA ring, Hopper)")
+                    "same with a TMA ring, Hopper), tmap (the TMA launch on a persistent grid)")
     ap.add_argument("--tma-tiles", default=None, metavar="CxWxS,...",
-                    help="the TMA launches the sweep tries, as chunks x consumer warps x stages (default: every "
+                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages (default: every "
                          "combination of chunks 1/2/4, warps 2/4/8, stages 2/4/6 whose ring fits)")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))

@@ -224,9 +224,9 @@ PY
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
     done ;;
   w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
-    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register and TMA launches), the
+    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register, TMA and persistent TMA launches), the
     # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it
-    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
+    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma,tmap} \
       --sweep-m ${W12_MS:-1,2,4,8,16,17} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
       ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} \
       --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
@@ -246,7 +246,9 @@ from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul
 for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     w = (torch.randn(n, k, device='cuda') * 0.02).bfloat16(); x = torch.randn(m, k, device='cuda').bfloat16()
     p = pack(w); ref = x.float() @ decode(p).float().T
-    for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3)):
+    for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3),
+                MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=True),
+                MmaConfig(chunks=1, warps=2, stages=2, splits=3, persistent=True)):
         y = w12_mma_matmul(x, p, cfg); torch.cuda.synchronize()
         same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
         print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)

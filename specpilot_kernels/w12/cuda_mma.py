@@ -55,7 +55,9 @@ class MmaConfig:
 
     ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of one 16-row tile each, a
     producer warp streaming ``chunks`` chunks a stage into a ring of ``stages`` shared-memory slots
-    (``rows`` 1, not ``pipelined``)."""
+    (``rows`` 1, not ``pipelined``). ``persistent`` (TMA only): as many blocks as the card holds at once, each
+    walking (row tile, split) items with its ring running on across them, so splits add no waves and the next
+    item's copies overlap this one's math and epilogue (same bits)."""
 
     rows: int = 1
     chunks: int = 2
@@ -63,10 +65,11 @@ class MmaConfig:
     splits: int = 1
     pipelined: bool = False
     stages: int = 0
+    persistent: bool = False
 
     def key(self) -> str:
         if self.stages:
-            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}"
+            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}{'_p' if self.persistent else ''}"
         return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
 
     def smem_bytes(self, m: int) -> int:
@@ -78,8 +81,8 @@ class MmaConfig:
     def fits(self, m: int) -> bool:
         """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined
         one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4; a TMA
-        one's ring must fit a block's shared memory."""
-        if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16):
+        one's ring must fit a block's shared memory; only a TMA one can be persistent."""
+        if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16) or (self.persistent and not self.stages):
             return False
         if self.stages:
             return (self.rows == 1 and not self.pipelined and 2 <= self.stages <= 16 and 1 <= self.chunks <= 4
@@ -256,7 +259,7 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
     tiles = -(-p.n // (cfg.warps * cfg.rows * 16))
     counters = arrival_counters(x.device, tiles)
     return build().mma(x, p.low, p.nib, p.e0, p.esc_ptr, p.esc_idx, p.esc_val, counters, p.k, cfg.rows,
-                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages)
+                       cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages, cfg.persistent)
 
 
 __all__ = ["MAX_ROWS", "MmaConfig", "TUNED", "TUNED_ENV", "available", "build", "cuda_ready", "pick_mma_config",

@@ -66,6 +66,9 @@ def test_launches_fit_the_rows_of_x():
     assert MmaConfig(chunks=4, warps=8, stages=2).fits(16) and not MmaConfig(chunks=4, warps=8, stages=3).fits(16)
     assert not MmaConfig(rows=2, stages=2).fits(8) and not MmaConfig(stages=2, pipelined=True).fits(8)
     assert MmaConfig(chunks=4, warps=8, stages=2).key() == "tma_c4_w8_s1_st2"
+    # a persistent grid is the TMA launch's alone
+    assert MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=True).key() == "tma_c2_w4_s4_st4_p"
+    assert MmaConfig(stages=2, persistent=True).fits(16) and not MmaConfig(persistent=True).fits(16)
 
 
 @pytest.mark.slow
@@ -99,8 +102,8 @@ def _variants(m):
                         cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
                         if cfg.fits(m):
                             out.append(cfg)
-                for stages in (2, 4):
-                    cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages)
+                for stages, persistent in ((2, False), (4, False), (2, True)):
+                    cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
                     if rows == 1 and cfg.fits(m):
                         out.append(cfg)
     return out
@@ -160,14 +163,16 @@ def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
     ref = reference(x.float(), decode(p).float())
-    for chunks, warps, stages, splits in ((1, 2, 2, 1), (2, 4, 4, 2), (4, 8, 2, 3), (1, 8, 6, 1)):
-        cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages)
-        if not cfg.fits(m):
-            continue
-        y = w12_mma_matmul(x, p, cfg)
-        check_close(y, ref, rtol=1e-2)
+    for chunks, warps, stages, splits in ((1, 2, 2, 1), (2, 4, 4, 2), (4, 8, 2, 3), (1, 8, 6, 1), (1, 2, 2, 8)):
         plain = MmaConfig(chunks=chunks, warps=warps, splits=splits)
-        assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
+        y_plain = w12_mma_matmul(x, p, plain)
+        for persistent in (False, True):  # a persistent grid walks the same items: same bits
+            cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
+            if not cfg.fits(m):
+                continue
+            y = w12_mma_matmul(x, p, cfg)
+            check_close(y, ref, rtol=1e-2)
+            assert torch.equal(y.view(torch.int16), y_plain.view(torch.int16)), cfg
 
 
 @gpu
@@ -176,7 +181,8 @@ def test_deterministic_and_graph_replay():
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
     for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True),
-                MmaConfig(chunks=2, warps=4, splits=4, stages=4)):
+                MmaConfig(chunks=2, warps=4, splits=4, stages=4),
+                MmaConfig(chunks=1, warps=2, splits=8, stages=2, persistent=True)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 

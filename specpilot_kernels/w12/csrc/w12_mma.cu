@@ -17,7 +17,8 @@
 // in bf16) and each output row by 2^(e0 - 64) at the end: the result is the fp32 sum of the exact
 // products, as in the Triton kernel (valid for 2^-64 <= |x| < 2^64).
 //
-// Grid: x = blocks of warps x rows x 16 weight rows, y = K splits. With splits > 1 every block
+// Grid (register launch): x = blocks of warps x rows x 16 weight rows, y = K splits; the TMA launch walks the same
+// (row tile, split) items from a 1-D grid, one an item or persistent. With splits > 1 every block
 // stores its fp32 partial; the last block of a row tile to arrive (arrival counter) sums the
 // partials in split order, so the result never depends on arrival order, finishes the tile and
 // resets its counter to 0 (graph-capture safe). Escapes (stored as +0 in the planes) are added
@@ -194,11 +195,22 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[R][G][4], con
       }
 }
 
-// The block's outputs: finished in place (one split), or stored as this split's partial and, by the tile's
-// last block to arrive, summed over the splits in split order and finished. Every thread of the block calls it.
-template <int R, int G>
+// Block barriers for `store_tile`: the register launch syncs the whole block; the TMA launch only its consumer
+// warps (named barrier 1), since its producer may already be streaming a later item of a persistent grid.
+struct BlockBarrier {
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+struct ConsumerBarrier {
+  int threads;  // the consumer warps' threads, a multiple of 32
+  __device__ __forceinline__ void sync() const { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
+};
+
+// The outputs of row tile `tile`: finished in place (one split), or stored as this split's partial and, by the
+// tile's last block to arrive, summed over the splits in split order and finished. Every thread that `bar` syncs
+// calls it; thread 0 is one of them.
+template <int R, int G, typename Barrier>
 __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig,
-                                           int split) {
+                                           int tile, int split, const Barrier& bar) {
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
   if (a.splits == 1) {
     for_each_output(acc, a, n_warp, g, tig, [&](float v, int m, int n) {
@@ -209,10 +221,12 @@ __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const Mm
   for_each_output(acc, a, n_warp, g, tig,
                   [&](float v, int m, int n) { a.part[(int64_t(split) * a.M + m) * a.N + n] = v; });
   __threadfence();
-  __syncthreads();
+  bar.sync();
   __shared__ int last;
-  if (threadIdx.x == 0) last = atomicAdd(&a.counters[blockIdx.x], 1) == a.splits - 1;
-  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
+  bar.sync();
+  // every thread has read `last` before thread 0 can write it again: a later tile's store passes the first
+  // barrier above only when all of them have arrived there
   if (!last) return;
   __threadfence();
   for_each_output(acc, a, n_warp, g, tig, [&](float, int m, int n) {  // every split's partial, in split order
@@ -220,7 +234,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const Mm
     for (int s = 0; s < a.splits; ++s) sum += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
     y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, sum, m, n));
   });
-  if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
+  if (threadIdx.x == 0) a.counters[tile] = 0;
 }
 
 template <int R, int G, int U, bool PIPE>
@@ -283,7 +297,7 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
     c.compute(acc);
   }
 
-  store_tile(acc, a, n_warp, g, tig, split);
+  store_tile(acc, a, n_warp, g, tig, blockIdx.x, split, BlockBarrier{});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -353,7 +367,7 @@ __device__ __forceinline__ uint4 lds(const uint8_t* p) { return *reinterpret_cas
 constexpr int kSwizzleAlign = 1024;  // a 128-byte-swizzled box starts on a 1024-byte boundary
 
 template <int G>
-__global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ TmaParams p) {
+__global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kernel(const __grid_constant__ TmaParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAlign - 1) &
@@ -365,9 +379,11 @@ __global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ Tm
   const int chunk_bytes = 2 * x_box + 3 * w_box, stage_bytes = p.chunks * chunk_bytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + p.stages * stage_bytes);
   uint64_t* empty = full + p.stages;
-  const int split = blockIdx.y, n_block = blockIdx.x * 16 * warps;
-  const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
-  const int steps = (j_end - j_begin + 64 * p.chunks - 1) / (64 * p.chunks);
+  // Items: (row tile, split) pairs, tile fastest; block b takes items b, b + gridDim.x, ... (one each when the grid
+  // has a block an item; fewer, resident blocks make the grid persistent). The ring runs on across items: step t
+  // of the block's whole sequence uses slot t % stages, so the producer streams the next item during this one's
+  // math and epilogue.
+  const int tiles = (a.N + 16 * warps - 1) / (16 * warps), items = tiles * a.splits;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(full + s, 1);
@@ -377,18 +393,15 @@ __global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ Tm
   }
   __syncthreads();
 
-  float acc[1][G][4];
-#pragma unroll
-  for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[0][gg][i] = 0.0f;
-
-  if (warp == warps) {  // producer: one lane issues every copy
-    if (lane == 0) {
-      for (int t = 0; t < steps; ++t) {
+  if (warp == warps) {  // producer: one lane issues every copy, then leaves (the consumers keep the block alive)
+    if (lane != 0) return;
+    int t = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int n_block = (item % tiles) * 16 * warps, split = item / tiles;
+      const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
+      for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
         const int s = t % p.stages;
         mbar_wait(empty + s, ((t / p.stages) & 1) ^ 1);  // a fresh slot passes at once
-        const int j0 = j_begin + t * 64 * p.chunks;
         const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
         mbar_expect_tx(full + s, n_chunks * chunk_bytes);
         for (int c = 0; c < n_chunks; ++c) {
@@ -402,11 +415,21 @@ __global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ Tm
         }
       }
     }
-  } else {
-    for (int t = 0; t < steps; ++t) {
+    return;
+  }
+
+  int t = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int tile = item % tiles, split = item / tiles, n_block = tile * 16 * warps;
+    const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
+    float acc[1][G][4];
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][gg][i] = 0.0f;
+    for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
       const int s = t % p.stages;
       mbar_wait(full + s, (t / p.stages) & 1);
-      const int j0 = j_begin + t * 64 * p.chunks;
       const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
       for (int c = 0; c < n_chunks; ++c) {
         const uint8_t* base = smem + s * stage_bytes + c * chunk_bytes;
@@ -432,9 +455,8 @@ __global__ void __launch_bounds__(288) w12_tma_kernel(const __grid_constant__ Tm
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + s);
     }
+    store_tile<1, G>(acc, a, n_block + warp * 16, g, tig, tile, split, ConsumerBarrier{32 * warps});
   }
-  // the producer joins the epilogue's block barriers with no outputs of its own (n_warp past N)
-  store_tile<1, G>(acc, a, warp < warps ? n_block + warp * 16 : a.N, g, tig, split);
 #endif
 }
 
@@ -484,7 +506,7 @@ const char* encode_maps(TmaParams& p, int groups, int warps) {
 }
 
 template <int G>
-const char* launch_tma_g(TmaParams& p, int warps, cudaStream_t stream) {
+const char* launch_tma_g(TmaParams& p, int warps, bool persistent, cudaStream_t stream) {
   const int bytes = p.stages * tma_stage_bytes(G, warps, p.chunks) + kSwizzleAlign + 2 * 8 * p.stages;
   int device = 0, limit = 0;
   cudaGetDevice(&device);
@@ -504,8 +526,18 @@ const char* launch_tma_g(TmaParams& p, int warps, cudaStream_t stream) {
     if (err != cudaSuccess) return cudaGetErrorString(err);
     opted = bytes;
   }
-  const dim3 grid((p.a.N + 16 * warps - 1) / (16 * warps), p.a.splits);
-  w12_tma_kernel<G><<<grid, (warps + 1) * 32, bytes, stream>>>(p);
+  const int threads = (warps + 1) * 32;
+  const int items = (p.a.N + 16 * warps - 1) / (16 * warps) * p.a.splits;
+  int blocks = items;  // a block an item
+  if (persistent) {  // as many blocks as fit the card at once, each walking its share of the items
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w12_tma_kernel<G>, threads, bytes) != cudaSuccess ||
+        per_sm < 1)
+      return "cannot place a persistent TMA grid (occupancy query failed)";
+    blocks = min(items, sms * per_sm);
+  }
+  w12_tma_kernel<G><<<blocks, threads, bytes, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -542,7 +574,8 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cu
 
 }  // namespace
 
-const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, cudaStream_t stream) {
+const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, bool persistent,
+                       cudaStream_t stream) {
   if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
   if (stages < 2 || stages > 16 || chunks < 1 || chunks > 4) return "stages must be in 2..16 and chunks in 1..4";
@@ -559,10 +592,10 @@ const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, cuda
   p.stages = stages;
   if (const char* err = encode_maps(p, groups, warps)) return err;
   switch (groups) {
-    case 1: return launch_tma_g<1>(p, warps, stream);
-    case 2: return launch_tma_g<2>(p, warps, stream);
-    case 3: return launch_tma_g<3>(p, warps, stream);
-    default: return launch_tma_g<4>(p, warps, stream);
+    case 1: return launch_tma_g<1>(p, warps, persistent, stream);
+    case 2: return launch_tma_g<2>(p, warps, persistent, stream);
+    case 3: return launch_tma_g<3>(p, warps, persistent, stream);
+    default: return launch_tma_g<4>(p, warps, persistent, stream);
   }
 }
 
