@@ -370,8 +370,9 @@ template <int G>
 __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kernel(const __grid_constant__ TmaParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAlign - 1) &
-                                             ~uintptr_t(kSwizzleAlign - 1));
+  // aligned by offsetting the shared array itself (not through an integer), so the compiler still knows the ring
+  // is shared memory and reads it with LDS (a generic pointer gave generic 128-bit loads and 64-bit addressing)
+  uint8_t* smem = smem_raw + (kSwizzleAlign - smem_addr(smem_raw) % kSwizzleAlign) % kSwizzleAlign;
   const MmaArgs& a = p.a;
   const int warps = blockDim.x / 32 - 1;  // consumers; the last warp produces
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
