@@ -27,6 +27,7 @@
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
 #           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
+#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of two TMA launches: one call)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -253,6 +254,12 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
         same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
         print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
 " ;;
+  w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
+    # against the reference and the register launch's bits), then Nsight Compute on a plain and a persistent TMA launch
+    bash "$0" w12-smoke
+    timeout 300 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
+      echo "W12 GPU tests exited $?"
+    timeout 150 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p 4096x4096:1:tma_c1_w4_s4_st4_p" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
@@ -267,6 +274,6 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | w12-smoke | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | w12-smoke | w12-check | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac
