@@ -61,6 +61,8 @@ MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 # The TMA launch (kind tma, Hopper; tmap: the same tiles on a persistent grid): (64-column chunks a stage,
 # consumer warps, ring slots); those whose ring fits a block's shared memory.
 TMA_TILES = tuple(itertools.product((1, 2, 4), (2, 4, 8), (2, 4, 6)))
+# kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency)
+PERSISTENT = (1, 8)
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -> list[Config]:
@@ -73,10 +75,10 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -
                 for bn, bj, st, w in DOT_TILES]
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
         out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
-    for kind, persistent in (("tma", False), ("tmap", True)):
+    for kind, blocks_per_sm in (("tma", (0,)), ("tmap", PERSISTENT)):
         if kind in kinds and m <= cuda_mma.MAX_ROWS:
-            out += [cfg for c, w, st in tma_tiles
-                    if (cfg := MmaConfig(chunks=c, warps=w, stages=st, persistent=persistent)).fits(m)]
+            out += [cfg for c, w, st in tma_tiles for p in blocks_per_sm
+                    if (cfg := MmaConfig(chunks=c, warps=w, stages=st, persistent=p)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -92,7 +94,9 @@ def splits_for(cfg: Config | MmaConfig, n: int, k: int) -> list[int]:
     kh = 16 * ((k + 31) // 32)
     if isinstance(cfg, MmaConfig):
         tiles, steps = -(-n // (16 * cfg.rows * cfg.warps)), kh // (64 * cfg.chunks)
-        return [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
+        out = [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
+        # a persistent grid of no more items than multiprocessors is the plain launch: not timed twice
+        return [s for s in out if tiles * s > 132] if cfg.persistent else out
     tiles = -(-n // cfg.bn)
     out = []
     for s in (1, 2, 4, 8, 16):

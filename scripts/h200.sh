@@ -248,8 +248,8 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     w = (torch.randn(n, k, device='cuda') * 0.02).bfloat16(); x = torch.randn(m, k, device='cuda').bfloat16()
     p = pack(w); ref = x.float() @ decode(p).float().T
     for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3),
-                MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=True),
-                MmaConfig(chunks=1, warps=2, stages=2, splits=3, persistent=True)):
+                MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8),
+                MmaConfig(chunks=1, warps=2, stages=3, splits=8, persistent=1)):
         y = w12_mma_matmul(x, p, cfg); torch.cuda.synchronize()
         same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
         print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
@@ -259,7 +259,7 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     bash "$0" w12-smoke
     timeout 300 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
       echo "W12 GPU tests exited $?"
-    timeout 150 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p 4096x4096:1:tma_c1_w4_s4_st4_p" ;;
+    timeout 150 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"

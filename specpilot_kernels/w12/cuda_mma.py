@@ -55,9 +55,9 @@ class MmaConfig:
 
     ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of one 16-row tile each, a
     producer warp streaming ``chunks`` chunks a stage into a ring of ``stages`` shared-memory slots
-    (``rows`` 1, not ``pipelined``). ``persistent`` (TMA only): as many blocks as the card holds at once, each
-    walking (row tile, split) items with its ring running on across them, so splits add no waves and the next
-    item's copies overlap this one's math and epilogue (same bits)."""
+    (``rows`` 1, not ``pipelined``). ``persistent`` n > 0 (TMA only): at most n blocks an SM (fewer where fewer
+    fit), each walking (row tile, split) items with its ring running on across them, so splits add no waves and
+    the next item's copies overlap this one's math and epilogue (same bits); 0: a block an item."""
 
     rows: int = 1
     chunks: int = 2
@@ -65,11 +65,11 @@ class MmaConfig:
     splits: int = 1
     pipelined: bool = False
     stages: int = 0
-    persistent: bool = False
+    persistent: int = 0
 
     def key(self) -> str:
         if self.stages:
-            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}{'_p' if self.persistent else ''}"
+            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}{f'_p{self.persistent}' if self.persistent else ''}"
         return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
 
     def smem_bytes(self, m: int) -> int:
@@ -82,7 +82,8 @@ class MmaConfig:
         """Whether the kernel has this launch for ``m`` rows of x (rows = 2 tiles: up to 16): a pipelined
         one keeps two steps' fragments in registers, so rows x chunks x row groups is at most 4; a TMA
         one's ring must fit a block's shared memory; only a TMA one can be persistent."""
-        if not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16) or (self.persistent and not self.stages):
+        if (not 1 <= m <= MAX_ROWS or (self.rows == 2 and m > 16) or self.persistent < 0
+                or (self.persistent and not self.stages)):
             return False
         if self.stages:
             return (self.rows == 1 and not self.pipelined and 2 <= self.stages <= 16 and 1 <= self.chunks <= 4

@@ -66,9 +66,10 @@ def test_launches_fit_the_rows_of_x():
     assert MmaConfig(chunks=4, warps=8, stages=2).fits(16) and not MmaConfig(chunks=4, warps=8, stages=3).fits(16)
     assert not MmaConfig(rows=2, stages=2).fits(8) and not MmaConfig(stages=2, pipelined=True).fits(8)
     assert MmaConfig(chunks=4, warps=8, stages=2).key() == "tma_c4_w8_s1_st2"
-    # a persistent grid is the TMA launch's alone
-    assert MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=True).key() == "tma_c2_w4_s4_st4_p"
-    assert MmaConfig(stages=2, persistent=True).fits(16) and not MmaConfig(persistent=True).fits(16)
+    # a persistent grid (at most n blocks an SM) is the TMA launch's alone
+    assert MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8).key() == "tma_c2_w4_s4_st4_p8"
+    assert MmaConfig(stages=2, persistent=1).fits(16) and not MmaConfig(persistent=1).fits(16)
+    assert not MmaConfig(stages=2, persistent=-1).fits(16)
 
 
 @pytest.mark.slow
@@ -102,7 +103,8 @@ def _variants(m):
                         cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
                         if cfg.fits(m):
                             out.append(cfg)
-                for stages, persistent in ((2, False), (4, False), (2, True)):
+                # persistent 1: one block an SM, so large grids walk several items a block
+                for stages, persistent in ((2, 0), (4, 0), (2, 1)):
                     cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
                     if rows == 1 and cfg.fits(m):
                         out.append(cfg)
@@ -156,7 +158,7 @@ def test_every_variant_with_escapes(m):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 9, 16, 32])
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 32])
 def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
     from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
 
@@ -166,7 +168,8 @@ def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
     for chunks, warps, stages, splits in ((1, 2, 2, 1), (2, 4, 4, 2), (4, 8, 2, 3), (1, 8, 6, 1), (1, 2, 2, 8)):
         plain = MmaConfig(chunks=chunks, warps=warps, splits=splits)
         y_plain = w12_mma_matmul(x, p, plain)
-        for persistent in (False, True):  # a persistent grid walks the same items: same bits
+        # a persistent grid walks the same items: same bits (one block an SM: up to ~8 items a block here)
+        for persistent in (0, 1, 8):
             cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
             if not cfg.fits(m):
                 continue
@@ -182,7 +185,7 @@ def test_deterministic_and_graph_replay():
     p = pack(w)
     for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True),
                 MmaConfig(chunks=2, warps=4, splits=4, stages=4),
-                MmaConfig(chunks=1, warps=2, splits=8, stages=2, persistent=True)):
+                MmaConfig(chunks=1, warps=2, splits=8, stages=3, persistent=1)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 

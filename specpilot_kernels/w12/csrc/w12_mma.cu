@@ -365,6 +365,7 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0
 __device__ __forceinline__ uint4 lds(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
 constexpr int kSwizzleAlign = 1024;  // a 128-byte-swizzled box starts on a 1024-byte boundary
+constexpr int kMaxDevices = 64;  // the shared-memory opt-in is kept per device
 
 template <int G>
 __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kernel(const __grid_constant__ TmaParams p) {
@@ -507,7 +508,7 @@ const char* encode_maps(TmaParams& p, int groups, int warps) {
 }
 
 template <int G>
-const char* launch_tma_g(TmaParams& p, int warps, bool persistent, cudaStream_t stream) {
+const char* launch_tma_g(TmaParams& p, int warps, int persistent, cudaStream_t stream) {
   const int bytes = p.stages * tma_stage_bytes(G, warps, p.chunks) + kSwizzleAlign + 2 * 8 * p.stages;
   int device = 0, limit = 0;
   cudaGetDevice(&device);
@@ -521,22 +522,24 @@ const char* launch_tma_g(TmaParams& p, int warps, bool persistent, cudaStream_t 
   // the opt-in covers dynamic memory only: the static part comes off the card's limit
   if (bytes + static_bytes > limit)
     return "the TMA ring does not fit the card's shared memory: fewer stages, chunks or warps";
-  static int opted = 0;  // raised to the largest ring asked for so far (no stream work, so graph capture is safe)
-  if (opted < bytes) {
+  // raised per device to the largest ring asked for so far (no stream work, so graph capture is safe)
+  static int opted[kMaxDevices] = {};
+  if (device >= kMaxDevices) return "the TMA launch keeps its shared-memory opt-in for devices 0..63";
+  if (opted[device] < bytes) {
     const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return cudaGetErrorString(err);
-    opted = bytes;
+    opted[device] = bytes;
   }
   const int threads = (warps + 1) * 32;
   const int items = (p.a.N + 16 * warps - 1) / (16 * warps) * p.a.splits;
   int blocks = items;  // a block an item
-  if (persistent) {  // as many blocks as fit the card at once, each walking its share of the items
+  if (persistent > 0) {  // at most `persistent` blocks an SM (fewer if fewer fit), each walking its share of the items
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w12_tma_kernel<G>, threads, bytes) != cudaSuccess ||
         per_sm < 1)
       return "cannot place a persistent TMA grid (occupancy query failed)";
-    blocks = min(items, sms * per_sm);
+    blocks = min(items, sms * min(per_sm, persistent));
   }
   w12_tma_kernel<G><<<blocks, threads, bytes, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
@@ -575,11 +578,12 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cu
 
 }  // namespace
 
-const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, bool persistent,
+const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, int persistent,
                        cudaStream_t stream) {
   if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
   if (stages < 2 || stages > 16 || chunks < 1 || chunks > 4) return "stages must be in 2..16 and chunks in 1..4";
+  if (persistent < 0) return "persistent (blocks an SM) must be 0 (a block an item) or more";
   if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0 || a.ldx % 8 != 0)
     return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K and x's row stride of 8";
   int device = 0, major = 0;

@@ -12,7 +12,7 @@ namespace {
 at::Tensor mma(const at::Tensor& x, const at::Tensor& low, const at::Tensor& nib, const at::Tensor& e0,
                const at::Tensor& esc_ptr, const at::Tensor& esc_idx, const at::Tensor& esc_val,
                const at::Tensor& counters, int64_t k, int64_t rows, int64_t chunks, int64_t warps, int64_t splits,
-               bool pipelined, int64_t stages, bool persistent) {
+               bool pipelined, int64_t stages, int64_t persistent) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-D bf16 CUDA tensor");
   TORCH_CHECK(x.size(1) == k && k % 8 == 0, "x must be [M, K] with K a multiple of 8");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -59,9 +59,10 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& low, const at::Tensor& nib
   a.splits = static_cast<int>(used_splits);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   TORCH_CHECK(stages == 0 || (rows == 1 && !pipelined), "a TMA launch (stages > 0) takes rows = 1, not pipelined");
-  TORCH_CHECK(stages > 0 || !persistent, "only a TMA launch (stages > 0) can be persistent");
+  TORCH_CHECK(persistent >= 0 && (stages > 0 || persistent == 0),
+              "persistent (blocks an SM, >= 0) is the TMA launch's (stages > 0) alone");
   const char* err = stages > 0 ? specpilot_w12::launch_tma(a, static_cast<int>(chunks), static_cast<int>(warps),
-                                                           static_cast<int>(stages), persistent, stream)
+                                                           static_cast<int>(stages), static_cast<int>(persistent), stream)
                                : specpilot_w12::launch_mma(a, static_cast<int>(rows), static_cast<int>(chunks),
                                                            static_cast<int>(warps), pipelined, stream);
   TORCH_CHECK(err == nullptr, "W12 tensor-core kernel: ", err);
@@ -72,7 +73,7 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& low, const at::Tensor& nib
 
 TORCH_LIBRARY(specpilot_w12, lib) {
   lib.def("mma(Tensor x, Tensor low, Tensor nib, Tensor e0, Tensor esc_ptr, Tensor esc_idx, Tensor esc_val, "
-          "Tensor counters, int k, int rows, int chunks, int warps, int splits, bool pipelined, int stages, bool persistent) -> Tensor");
+          "Tensor counters, int k, int rows, int chunks, int warps, int splits, bool pipelined, int stages, int persistent) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpilot_w12, CUDA, lib) { lib.impl("mma", &mma); }
