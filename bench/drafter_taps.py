@@ -65,6 +65,10 @@ class TapsNet(nn.Module):
         return self.inner.candidates(logits, look)
 
 
+def _log(msg: str) -> None:
+    print(f"[drafter_taps {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 @torch.no_grad()
 def generate_with_taps(model, prompts: list[list[int]], new_tokens: int, stop_ids, taps: list[int]) -> dict:
     """`train.generate_batch`, with the residual stream after each tapped layer at the same positions as its
@@ -122,15 +126,13 @@ def main(argv=None) -> int:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     groups = [order[i: i + args.batch] for i in range(0, len(order), args.batch)]
     rng.shuffle(groups)
-    console = Console(stderr=True)
     batches, t0 = [], time.perf_counter()
     for grp in groups:
         if time.perf_counter() - t0 > 60 * args.gen_minutes and len(batches) >= 4:
             break
         batches.append(generate_with_taps(model, [prompts[i] for i in grp], args.new_tokens, cfg.stop_ids, taps))
         n_tok = sum(int(b["alive"].sum()) for b in batches)
-        console.print(f"[drafter_taps] {len(batches)} batches, {n_tok} tokens, "
-                      f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
+        _log(f"{len(batches)} batches, {n_tok} tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s")
     gen_s = time.perf_counter() - t0
     n_val = max(1, len(batches) // 20)
     index = SuffixIndex(periodic=True)
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
             ap.error(f"--arms: unknown arm {arm!r} (last, taps)")
         fit = T.train(net, tr, va, 60 * args.train_minutes, args.lr, args.train_batch, args.seed, 0.1)
         results[arm] = {**T.evaluate(net, va), "steps": fit["steps"], "best_step": fit["best_step"]}
-        console.print(f"[drafter_taps] {arm}: {results[arm]}")
+        _log(f"{arm}: {results[arm]}")
 
     table = Table(title=f"parallel drafter, last layer vs taps {taps} (held-out sequences)")
     for col in ("arm", "tau (chain est.)", *[f"acc t+{j + 2}" for j in range(args.k)], "steps"):

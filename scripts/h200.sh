@@ -27,6 +27,7 @@
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
 #           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
+#           bash scripts/h200.sh drafter-taps [flags]   (after stash: the drafter from several target layers vs the last)
 #           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of two TMA launches: one call)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
@@ -254,6 +255,14 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
         same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
         print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
 " ;;
+  drafter-taps)  # after stash: the parallel drafter from the target's layers TAPS (default 9,19) beside its last one
+    # against the last one alone, same data and seconds (bench/drafter_taps.py; ~8 min: generation ~3 min, each arm 2)
+    shift
+    timeout 590 python3 bench/drafter_taps.py --device cuda --deployment smollm2-h200 --gen-minutes "${TAPS_GEN_MIN:-3}" \
+      --train-minutes "${TAPS_TRAIN_MIN:-2}" --batch 1024 --train-batch 4096 --new-tokens 160 \
+      --prompts 24000 --docstrings 7000 --general-chat 20000 "$@" > "$OUT/drafter_taps.txt" 2>&1 ||
+      echo "drafter_taps exited $?"
+    grep -v '^\[drafter_taps' "$OUT/drafter_taps.txt" | tail -12 ;;
   w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
     # against the reference and the register launch's bits), then Nsight Compute on a plain and a persistent TMA launch
     bash "$0" w12-smoke
@@ -274,6 +283,6 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | w12 | w12-smoke | w12-check | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | drafter-taps [flags] | w12 | w12-smoke | w12-check | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac
