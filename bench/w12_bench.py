@@ -59,8 +59,12 @@ KINDS = ("fma", "dot", "mma", "tma", "tmap")
 # shared-memory ring lost too: docs/results/w12-kernel/h100-2026-12-05-ring.patch.)
 MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 # The TMA launch (kind tma, Hopper; tmap: the same tiles on a persistent grid): (64-column chunks a stage,
-# consumer warps, ring slots); those whose ring fits a block's shared memory.
-TMA_TILES = tuple(itertools.product((1, 2, 4), (2, 4, 8), (2, 4, 6)))
+# consumer warps, ring slots), chosen by residency (row group 1; an SM has 228 KB): 1x8x2 (53 KB, session 37's
+# best on 28672x4096) and 1x2x6 (49 KB) four blocks an SM; 1x4x4 (57 KB) three or four; 2x4x3, 1x4x6 (86 KB),
+# 1x8x4 and 2x8x2 (106 KB) two; 2x4x4 (session 37's best on 4096x4096) and 4x4x2 (114 KB) one. (Every
+# combination of chunks 1/2/4, warps 2/4/8 and stages 2/4/6 is 27 tiles, twice more with tmap: past a sweep's
+# time on the device.)
+TMA_TILES = ((1, 8, 2), (1, 2, 6), (1, 4, 4), (2, 4, 3), (1, 4, 6), (1, 8, 4), (2, 8, 2), (2, 4, 4), (4, 4, 2))
 # kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency)
 PERSISTENT = (1, 8)
 
@@ -274,8 +278,8 @@ def main(argv=None) -> int:
                     "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores), tma (the "
                     "same with a TMA ring, Hopper), tmap (the TMA launch on a persistent grid)")
     ap.add_argument("--tma-tiles", default=None, metavar="CxWxS,...",
-                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages (default: every "
-                         "combination of chunks 1/2/4, warps 2/4/8, stages 2/4/6 whose ring fits)")
+                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages (default: "
+                         "nine tiles chosen by residency, TMA_TILES)")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
