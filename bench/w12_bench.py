@@ -65,6 +65,9 @@ MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 # combination of chunks 1/2/4, warps 2/4/8 and stages 2/4/6 is 27 tiles, twice more with tmap: past a sweep's
 # time on the device.)
 TMA_TILES = ((1, 8, 2), (1, 2, 6), (1, 4, 4), (2, 4, 3), (1, 4, 6), (1, 8, 4), (2, 8, 2), (2, 4, 4), (4, 4, 2))
+# And two 16-row tiles a warp (rows 2, up to 16 rows of x: x's boxes are re-read by half as many blocks): (chunks,
+# warps, stages, rows): 1x4x4 (106 KB) two blocks an SM, 1x8x2 (102 KB) two, 1x2x6 (86 KB) two, 2x4x2 (106 KB) two.
+TMA_TILES += ((1, 4, 4, 2), (1, 8, 2, 2), (1, 2, 6, 2), (2, 4, 2, 2))
 # kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency)
 PERSISTENT = (1, 8)
 
@@ -81,8 +84,8 @@ def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -
         out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
     for kind, blocks_per_sm in (("tma", (0,)), ("tmap", PERSISTENT)):
         if kind in kinds and m <= cuda_mma.MAX_ROWS:
-            out += [cfg for c, w, st in tma_tiles for p in blocks_per_sm
-                    if (cfg := MmaConfig(chunks=c, warps=w, stages=st, persistent=p)).fits(m)]
+            out += [cfg for c, w, st, *r in tma_tiles for p in blocks_per_sm
+                    if (cfg := MmaConfig(rows=r[0] if r else 1, chunks=c, warps=w, stages=st, persistent=p)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
@@ -277,9 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
                     "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores), tma (the "
                     "same with a TMA ring, Hopper), tmap (the TMA launch on a persistent grid)")
-    ap.add_argument("--tma-tiles", default=None, metavar="CxWxS,...",
-                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages (default: "
-                         "nine tiles chosen by residency, TMA_TILES)")
+    ap.add_argument("--tma-tiles", default=None, metavar="CxWxS[xR],...",
+                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages, and "
+                         "x rows (16-row tiles a warp, 1 or 2) where not 1 (default: TMA_TILES, chosen by residency)")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -310,10 +313,11 @@ def main(argv=None) -> int:
     try:
         tma_tiles = (tuple(tuple(int(v) for v in t.split("x")) for t in args.tma_tiles.split(","))
                      if args.tma_tiles else TMA_TILES)
-        if any(len(t) != 3 for t in tma_tiles):
+        if any(len(t) not in (3, 4) for t in tma_tiles):
             raise ValueError
     except ValueError:
-        ap.error(f"--tma-tiles: expected chunks x warps x stages, comma-separated (e.g. 2x4x4,1x8x2), got {args.tma_tiles!r}")
+        ap.error(f"--tma-tiles: expected chunks x warps x stages [x rows], comma-separated (e.g. 2x4x4,1x8x2x2), "
+                 f"got {args.tma_tiles!r}")
     best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms, tma_tiles) if args.sweep else {}
 
     results = []

@@ -3,7 +3,7 @@
 Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
 ``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
 ``NxK:M`` with an optional configuration key (``Config.key()``, or ``MmaConfig.key()`` for the
-CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``, or its TMA launch ``tma_c1_w8_s1_st2``, ``_pN`` persistent, N blocks an SM);
+CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``, or its TMA launch ``tma_c1_w8_s1_st2``, ``tma_r2_...`` two tiles a warp, ``_pN`` persistent, N blocks an SM);
 without one ``pick_config``'s choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
 
     ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
@@ -29,7 +29,7 @@ from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa
 
 KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
 MMA_KEY = re.compile(r"mma_r(\d+)_c(\d+)_w(\d+)_s(\d+)(_pipe)?")
-TMA_KEY = re.compile(r"tma_c(\d+)_w(\d+)_s(\d+)_st(\d+)(?:_p(\d+))?")
+TMA_KEY = re.compile(r"tma_(?:r(\d+)_)?c(\d+)_w(\d+)_s(\d+)_st(\d+)(?:_p(\d+))?")
 
 
 def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
@@ -46,9 +46,10 @@ def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
         return n, k, m, MmaConfig(rows=int(rows), chunks=int(chunks), warps=int(warps), splits=int(splits),
                                   pipelined=pipe is not None)
     if hit := TMA_KEY.fullmatch(parts[2]):
-        chunks, warps, splits, stages = map(int, hit.groups()[:4])
-        return n, k, m, MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages,
-                                  persistent=int(hit.group(5) or 0))
+        rows, chunks, warps, splits, stages, persistent = (int(v or d) for v, d in zip(hit.groups(), (1, 0, 0, 0, 0, 0),
+                                                                                        strict=True))
+        return n, k, m, MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
+                                  persistent=persistent)
     hit = KEY.fullmatch(parts[2])
     if not hit:
         raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")

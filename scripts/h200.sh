@@ -28,7 +28,7 @@
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
 #           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
 #           bash scripts/h200.sh drafter-taps [flags]   (after stash: the drafter from several target layers vs the last)
-#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of two TMA launches: one call)
+#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of five TMA launches: one call)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -250,9 +250,11 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     p = pack(w); ref = x.float() @ decode(p).float().T
     for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3),
                 MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8),
-                MmaConfig(chunks=1, warps=2, stages=3, splits=8, persistent=1)):
+                MmaConfig(chunks=1, warps=2, stages=3, splits=8, persistent=1),
+                MmaConfig(rows=2, chunks=1, warps=8, stages=2, splits=2, persistent=1)):
+        if not cfg.fits(m): continue
         y = w12_mma_matmul(x, p, cfg); torch.cuda.synchronize()
-        same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
+        same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
         print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
 " ;;
   drafter-taps)  # after stash: the parallel drafter from the target's layers TAPS (default 9,19) beside its last one
@@ -264,11 +266,11 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
       echo "drafter_taps exited $?"
     grep -v '^\[drafter_taps' "$OUT/drafter_taps.txt" | tail -12 ;;
   w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
-    # against the reference and the register launch's bits), then Nsight Compute on a plain and a persistent TMA launch
-    bash "$0" w12-smoke
-    timeout 300 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
+    # against the reference and the register launch's bits), then Nsight Compute on five TMA launches (plain, persistent, two tiles a warp)
+    bash "$0" w12-smoke || echo "w12-smoke exited $?"
+    timeout 280 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
       echo "W12 GPU tests exited $?"
-    timeout 150 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
+    timeout 180 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_r2_c1_w8_s2_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"

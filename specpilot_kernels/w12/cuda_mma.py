@@ -53,9 +53,9 @@ class MmaConfig:
     (1, 2, 4), ``warps`` a block (1..8), ``splits`` K splits (merged in the same launch), ``pipelined``: the
     next step's loads go out before this step's math (twice the fragment registers).
 
-    ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of one 16-row tile each, a
-    producer warp streaming ``chunks`` chunks a stage into a ring of ``stages`` shared-memory slots
-    (``rows`` 1, not ``pipelined``). ``persistent`` n > 0 (TMA only): at most n blocks an SM (fewer where fewer
+    ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of ``rows`` 16-row tiles each
+    (the register launch's rows, so its bits), a producer warp streaming ``chunks`` chunks a stage into a ring
+    of ``stages`` shared-memory slots (not ``pipelined``). ``persistent`` n > 0 (TMA only): at most n blocks an SM (fewer where fewer
     fit), each walking (row tile, split) items with its ring running on across them, so splits add no waves and
     the next item's copies overlap this one's math and epilogue (same bits); 0: a block an item."""
 
@@ -69,13 +69,15 @@ class MmaConfig:
 
     def key(self) -> str:
         if self.stages:
-            return f"tma_c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}{f'_p{self.persistent}' if self.persistent else ''}"
+            rows = f"r{self.rows}_" if self.rows != 1 else ""  # rows 1 keeps session 37's keys
+            return (f"tma_{rows}c{self.chunks}_w{self.warps}_s{self.splits}_st{self.stages}"
+                    f"{f'_p{self.persistent}' if self.persistent else ''}")
         return f"mma_r{self.rows}_c{self.chunks}_w{self.warps}_s{self.splits}{'_pipe' if self.pipelined else ''}"
 
     def smem_bytes(self, m: int) -> int:
         """Shared memory of a TMA launch for ``m`` rows of x: the ring (csrc: tma_stage_bytes), its alignment and
         barriers, and the kernel's 16 static bytes."""
-        stage = self.chunks * (2 * 1024 * row_groups(m) + 3 * 1024 * self.warps)
+        stage = self.chunks * (2 * 1024 * row_groups(m) + 3 * 1024 * self.rows * self.warps)
         return self.stages * stage + 1024 + 16 * self.stages + 16
 
     def fits(self, m: int) -> bool:
@@ -86,7 +88,7 @@ class MmaConfig:
                 or (self.persistent and not self.stages)):
             return False
         if self.stages:
-            return (self.rows == 1 and not self.pipelined and 2 <= self.stages <= 16 and 1 <= self.chunks <= 4
+            return (self.rows in (1, 2) and not self.pipelined and 2 <= self.stages <= 16 and 1 <= self.chunks <= 4
                     and self.smem_bytes(m) <= TMA_SMEM_LIMIT)
         return not self.pipelined or self.rows * self.chunks * row_groups(m) <= MAX_PIPELINED
 

@@ -61,11 +61,15 @@ def test_launches_fit_the_rows_of_x():
     assert MmaConfig().fits(17) and MmaConfig().fits(32) and not MmaConfig().fits(33) and not MmaConfig().fits(0)
     assert not MmaConfig(rows=2).fits(17) and MmaConfig(rows=2).fits(16)
     assert MmaConfig(chunks=1, pipelined=True).fits(32) and not MmaConfig(chunks=2, pipelined=True).fits(25)
-    # a TMA launch: one tile a warp, not pipelined, its ring inside a block's shared memory
+    # a TMA launch: not pipelined, its ring inside a block's shared memory; two tiles a warp up to 16 rows of x
     assert MmaConfig(chunks=2, warps=4, stages=4).fits(16) and MmaConfig(chunks=1, warps=8, stages=6).fits(32)
     assert MmaConfig(chunks=4, warps=8, stages=2).fits(16) and not MmaConfig(chunks=4, warps=8, stages=3).fits(16)
-    assert not MmaConfig(rows=2, stages=2).fits(8) and not MmaConfig(stages=2, pipelined=True).fits(8)
+    assert MmaConfig(rows=2, chunks=1, warps=8, stages=2).fits(16) and not MmaConfig(rows=2, stages=2).fits(17)
+    assert MmaConfig(rows=2, chunks=2, warps=8, stages=2).fits(16)  # 2 x 104 KB: fits 227 KB
+    assert not MmaConfig(rows=2, chunks=2, warps=8, stages=3).fits(16)  # 3 x 104 KB does not
+    assert not MmaConfig(stages=2, pipelined=True).fits(8)
     assert MmaConfig(chunks=4, warps=8, stages=2).key() == "tma_c4_w8_s1_st2"
+    assert MmaConfig(rows=2, chunks=1, warps=8, stages=2).key() == "tma_r2_c1_w8_s1_st2"
     # a persistent grid (at most n blocks an SM) is the TMA launch's alone
     assert MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8).key() == "tma_c2_w4_s4_st4_p8"
     assert MmaConfig(stages=2, persistent=1).fits(16) and not MmaConfig(persistent=1).fits(16)
@@ -82,8 +86,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
     # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4;
     # row groups 3-4 (17-32 rows of x) with rows 1: chunks {1, 2, 4} and the pipelined chunks 1
-    # and the TMA launch's four (one a row group)
-    assert len(kernels) == 12 + 8 + 8 + 4
+    # and the TMA launch's six (rows 1: one a row group; rows 2: row groups 1-2)
+    assert len(kernels) == 12 + 8 + 8 + 6
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -105,8 +109,9 @@ def _variants(m):
                             out.append(cfg)
                 # persistent 1: one block an SM, so large grids walk several items a block
                 for stages, persistent in ((2, 0), (4, 0), (2, 1)):
-                    cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
-                    if rows == 1 and cfg.fits(m):
+                    cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
+                                    persistent=persistent)
+                    if cfg.fits(m):
                         out.append(cfg)
     return out
 
@@ -165,12 +170,16 @@ def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
     ref = reference(x.float(), decode(p).float())
-    for chunks, warps, stages, splits in ((1, 2, 2, 1), (2, 4, 4, 2), (4, 8, 2, 3), (1, 8, 6, 1), (1, 2, 2, 8)):
-        plain = MmaConfig(chunks=chunks, warps=warps, splits=splits)
+    for rows, chunks, warps, stages, splits in ((1, 1, 2, 2, 1), (1, 2, 4, 4, 2), (1, 4, 8, 2, 3), (1, 1, 8, 6, 1),
+                                                (1, 1, 2, 2, 8), (2, 1, 8, 2, 1), (2, 2, 2, 3, 4)):
+        plain = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits)
+        if not plain.fits(m):
+            continue
         y_plain = w12_mma_matmul(x, p, plain)
         # a persistent grid walks the same items: same bits (one block an SM: up to ~8 items a block here)
         for persistent in (0, 1, 8):
-            cfg = MmaConfig(chunks=chunks, warps=warps, splits=splits, stages=stages, persistent=persistent)
+            cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
+                            persistent=persistent)
             if not cfg.fits(m):
                 continue
             y = w12_mma_matmul(x, p, cfg)

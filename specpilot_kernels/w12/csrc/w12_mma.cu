@@ -303,16 +303,16 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
 // ---------------------------------------------------------------------------------------------------------------
 // The TMA launch (Hopper, sm_90): a producer warp streams the planes and x into a ring of shared-memory stages with
 // the tensor-memory accelerator (one instruction a box, no registers held by loads in flight); `warps` consumer
-// warps, one 16-row weight tile each, read their fragments from the ring (the same 16 columns a thread as the
-// register launch, so `Chunks::compute` is shared) and hand the stage back. A stage is `chunks` 64-column chunks:
+// warps, `rows` (1, 2) 16-row weight tiles each, read their fragments from the ring (the same 16 columns a thread
+// and the same rows a warp as the register launch, so `Chunks::compute` is shared) and hand the stage back. A stage is `chunks` 64-column chunks:
 // for each, x's columns j.. and kh + j.. (boxes of 8 G rows x 128 bytes, 128-byte swizzle: a thread's two 16-byte
-// units of row g land on distinct banks) and the tile rows' nib, low j.. and low kh + j.. bytes (boxes of 16 warps
-// rows x 64 bytes: rows 2p and 2p + 1 of a quarter-warp share one 128-byte line, so no bank is read twice). The
+// units of row g land on distinct banks) and the tile rows' nib, low j.. and low kh + j.. bytes (boxes of 16 rows warps
+// weight rows x 64 bytes; rows 2 halves x's boxes a weight byte: rows 2p and 2p + 1 of a quarter-warp share one 128-byte line, so no bank is read twice). The
 // tensor maps zero-fill past the planes' columns (low is viewed as [N, 2, kh]), past N and past x's M rows and K
 // columns, so no load is masked and any kh % 16 == 0 works. Same split-K merge, epilogue and bits as `store_tile`.
 struct TmaParams {
-  CUtensorMap nib;  // uint8 [N, kh], box [64, 16 warps]
-  CUtensorMap low;  // uint8 [N, 2, kh], box [64, 1, 16 warps]
+  CUtensorMap nib;  // uint8 [N, kh], box [64, 16 rows warps]
+  CUtensorMap low;  // uint8 [N, 2, kh], box [64, 1, 16 rows warps]
   CUtensorMap x;    // bf16 [M, K], box [64, 8 G], 128-byte swizzle
   MmaArgs a;
   int chunks;  // 64-column chunks a stage
@@ -367,8 +367,9 @@ __device__ __forceinline__ uint4 lds(const uint8_t* p) { return *reinterpret_cas
 constexpr int kSwizzleAlign = 1024;  // a 128-byte-swizzled box starts on a 1024-byte boundary
 constexpr int kMaxDevices = 64;  // the shared-memory opt-in is kept per device
 
-template <int G>
-__global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kernel(const __grid_constant__ TmaParams p) {
+template <int R, int G>
+__global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
+    w12_tma_kernel(const __grid_constant__ TmaParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
   // aligned by offsetting the shared array itself (not through an integer), so the compiler still knows the ring
@@ -377,7 +378,8 @@ __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kern
   const MmaArgs& a = p.a;
   const int warps = blockDim.x / 32 - 1;  // consumers; the last warp produces
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int x_box = 1024 * G, w_box = 1024 * warps;  // bytes: 8 G rows x 128, 16 warps rows x 64
+  const int rows = 16 * R * warps;  // weight rows a block: R 16-row tiles a consumer warp
+  const int x_box = 1024 * G, w_box = 64 * rows;  // bytes: 8 G rows x 128, the block's rows x 64
   const int chunk_bytes = 2 * x_box + 3 * w_box, stage_bytes = p.chunks * chunk_bytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + p.stages * stage_bytes);
   uint64_t* empty = full + p.stages;
@@ -385,7 +387,7 @@ __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kern
   // has a block an item; fewer, resident blocks make the grid persistent). The ring runs on across items: step t
   // of the block's whole sequence uses slot t % stages, so the producer streams the next item during this one's
   // math and epilogue.
-  const int tiles = (a.N + 16 * warps - 1) / (16 * warps), items = tiles * a.splits;
+  const int tiles = (a.N + rows - 1) / rows, items = tiles * a.splits;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(full + s, 1);
@@ -399,7 +401,7 @@ __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kern
     if (lane != 0) return;
     int t = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int n_block = (item % tiles) * 16 * warps, split = item / tiles;
+      const int n_block = (item % tiles) * rows, split = item / tiles;
       const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
       for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
         const int s = t % p.stages;
@@ -422,27 +424,31 @@ __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kern
 
   int t = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int tile = item % tiles, split = item / tiles, n_block = tile * 16 * warps;
+    const int tile = item % tiles, split = item / tiles, n_block = tile * rows;
     const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
-    float acc[1][G][4];
+    float acc[R][G][4];
 #pragma unroll
-    for (int gg = 0; gg < G; ++gg)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[0][gg][i] = 0.0f;
+      for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
     for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
       const int s = t % p.stages;
       mbar_wait(full + s, (t / p.stages) & 1);
       const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
       for (int c = 0; c < n_chunks; ++c) {
         const uint8_t* base = smem + s * stage_bytes + c * chunk_bytes;
-        Chunks<1, G, 1> ch;
+        Chunks<R, G, 1> ch;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int off = (warp * 16 + h * 8 + g) * 64 + tig * 16;
-          ch.wn[0][0][h] = lds(base + 2 * x_box + off);
-          ch.wl0[0][0][h] = lds(base + 2 * x_box + w_box + off);
-          ch.wl1[0][0][h] = lds(base + 2 * x_box + 2 * w_box + off);
-        }
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // the register launch's rows: tile r of the warp, then h * 8 + g
+            const int off = ((warp * R + r) * 16 + h * 8 + g) * 64 + tig * 16;
+            ch.wn[0][r][h] = lds(base + 2 * x_box + off);
+            ch.wl0[0][r][h] = lds(base + 2 * x_box + w_box + off);
+            ch.wl1[0][r][h] = lds(base + 2 * x_box + 2 * w_box + off);
+          }
 #pragma unroll
         for (int gg = 0; gg < G; ++gg) {
           const int row = gg * 8 + g, swz = row & 7;  // 128-byte swizzle: unit u of row r sits at u ^ (r % 8)
@@ -457,14 +463,16 @@ __global__ void __launch_bounds__(288, G == 1 ? 3 : G == 2 ? 2 : 1) w12_tma_kern
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + s);
     }
-    store_tile<1, G>(acc, a, n_block + warp * 16, g, tig, tile, split, ConsumerBarrier{32 * warps});
+    store_tile<R, G>(acc, a, n_block + warp * 16 * R, g, tig, tile, split, ConsumerBarrier{32 * warps});
   }
 #endif
 }
 
-int tma_stage_bytes(int groups, int warps, int chunks) { return chunks * (2 * 1024 * groups + 3 * 1024 * warps); }
+int tma_stage_bytes(int groups, int rows, int warps, int chunks) {
+  return chunks * (2 * 1024 * groups + 3 * 1024 * rows * warps);
+}
 
-const char* encode_maps(TmaParams& p, int groups, int warps) {
+const char* encode_maps(TmaParams& p, int groups, int block_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -480,7 +488,7 @@ const char* encode_maps(TmaParams& p, int groups, int warps) {
   {
     const cuuint64_t dims[2] = {cuuint64_t(a.kh), cuuint64_t(a.N)};
     const cuuint64_t strides[1] = {cuuint64_t(a.kh)};
-    const cuuint32_t box[2] = {64, cuuint32_t(16 * warps)};
+    const cuuint32_t box[2] = {64, cuuint32_t(block_rows)};
     if (encode(&p.nib, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(a.nib), dims, strides, box, ones,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -489,7 +497,7 @@ const char* encode_maps(TmaParams& p, int groups, int warps) {
   {
     const cuuint64_t dims[3] = {cuuint64_t(a.kh), 2, cuuint64_t(a.N)};
     const cuuint64_t strides[2] = {cuuint64_t(a.kh), cuuint64_t(2 * a.kh)};
-    const cuuint32_t box[3] = {64, 1, cuuint32_t(16 * warps)};
+    const cuuint32_t box[3] = {64, 1, cuuint32_t(block_rows)};
     if (encode(&p.low, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(a.low), dims, strides, box, ones,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -507,16 +515,16 @@ const char* encode_maps(TmaParams& p, int groups, int warps) {
   return nullptr;
 }
 
-template <int G>
+template <int R, int G>
 const char* launch_tma_g(TmaParams& p, int warps, int persistent, cudaStream_t stream) {
-  const int bytes = p.stages * tma_stage_bytes(G, warps, p.chunks) + kSwizzleAlign + 2 * 8 * p.stages;
+  const int bytes = p.stages * tma_stage_bytes(G, R, warps, p.chunks) + kSwizzleAlign + 2 * 8 * p.stages;
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   static int static_bytes = -1;  // the kernel's static shared memory (the epilogue's flag), read once
   if (static_bytes < 0) {
     cudaFuncAttributes attrs{};
-    if (cudaFuncGetAttributes(&attrs, w12_tma_kernel<G>) != cudaSuccess) return "cannot read the TMA kernel's attributes";
+    if (cudaFuncGetAttributes(&attrs, w12_tma_kernel<R, G>) != cudaSuccess) return "cannot read the TMA kernel's attributes";
     static_bytes = int(attrs.sharedSizeBytes);
   }
   // the opt-in covers dynamic memory only: the static part comes off the card's limit
@@ -526,22 +534,22 @@ const char* launch_tma_g(TmaParams& p, int warps, int persistent, cudaStream_t s
   static int opted[kMaxDevices] = {};
   if (device >= kMaxDevices) return "the TMA launch keeps its shared-memory opt-in for devices 0..63";
   if (opted[device] < bytes) {
-    const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t err = cudaFuncSetAttribute(w12_tma_kernel<R, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return cudaGetErrorString(err);
     opted[device] = bytes;
   }
   const int threads = (warps + 1) * 32;
-  const int items = (p.a.N + 16 * warps - 1) / (16 * warps) * p.a.splits;
+  const int items = (p.a.N + 16 * R * warps - 1) / (16 * R * warps) * p.a.splits;
   int blocks = items;  // a block an item
   if (persistent > 0) {  // at most `persistent` blocks an SM (fewer if fewer fit), each walking its share of the items
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w12_tma_kernel<G>, threads, bytes) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w12_tma_kernel<R, G>, threads, bytes) != cudaSuccess ||
         per_sm < 1)
       return "cannot place a persistent TMA grid (occupancy query failed)";
     blocks = min(items, sms * min(per_sm, persistent));
   }
-  w12_tma_kernel<G><<<blocks, threads, bytes, stream>>>(p);
+  w12_tma_kernel<R, G><<<blocks, threads, bytes, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -578,7 +586,7 @@ const char* launch_u(const MmaArgs& a, int chunks, int warps, bool pipelined, cu
 
 }  // namespace
 
-const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, int persistent,
+const char* launch_tma(const MmaArgs& a, int rows, int chunks, int warps, int stages, int persistent,
                        cudaStream_t stream) {
   if (a.M < 1 || a.M > kMaxRows) return "M must be in 1..32";
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
@@ -595,12 +603,16 @@ const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, int 
   p.a = a;
   p.chunks = chunks;
   p.stages = stages;
-  if (const char* err = encode_maps(p, groups, warps)) return err;
+  if (rows != 1 && rows != 2) return "rows must be 1 or 2";
+  if (rows == 2 && groups > 2) return "rows 2 takes at most 16 rows of x";
+  if (const char* err = encode_maps(p, groups, 16 * rows * warps)) return err;
+  if (rows == 2) return groups == 2 ? launch_tma_g<2, 2>(p, warps, persistent, stream)
+                                    : launch_tma_g<2, 1>(p, warps, persistent, stream);
   switch (groups) {
-    case 1: return launch_tma_g<1>(p, warps, persistent, stream);
-    case 2: return launch_tma_g<2>(p, warps, persistent, stream);
-    case 3: return launch_tma_g<3>(p, warps, persistent, stream);
-    default: return launch_tma_g<4>(p, warps, persistent, stream);
+    case 1: return launch_tma_g<1, 1>(p, warps, persistent, stream);
+    case 2: return launch_tma_g<1, 2>(p, warps, persistent, stream);
+    case 3: return launch_tma_g<1, 3>(p, warps, persistent, stream);
+    default: return launch_tma_g<1, 4>(p, warps, persistent, stream);
   }
 }
 

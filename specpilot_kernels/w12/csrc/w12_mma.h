@@ -29,10 +29,11 @@ struct MmaArgs {
 // steps' registers). Returns an error string or nullptr.
 const char* launch_mma(const MmaArgs& a, int rows, int chunks, int warps, bool pipelined, cudaStream_t stream);
 
-// The TMA launch (Hopper only): `warps` consumer warps of one 16-row tile each and a producer warp that streams
-// `chunks` 64-column chunks a stage into a ring of `stages` shared-memory slots. persistent = 0: a block an item
-// ((row tile, split) pair); n > 0: at most n blocks an SM (fewer where fewer fit), each walking items with its
-// ring running on across them. Returns an error string or nullptr.
-const char* launch_tma(const MmaArgs& a, int chunks, int warps, int stages, int persistent, cudaStream_t stream);
+// The TMA launch (Hopper only): `warps` consumer warps of `rows` (1, 2; 2: M <= 16) 16-row tiles each and a
+// producer warp that streams `chunks` 64-column chunks a stage into a ring of `stages` shared-memory slots.
+// persistent = 0: a block an item ((row tile, split) pair); n > 0: at most n blocks an SM (fewer where fewer
+// fit), each walking items with its ring running on across them. Returns an error string or nullptr.
+const char* launch_tma(const MmaArgs& a, int rows, int chunks, int warps, int stages, int persistent,
+                       cudaStream_t stream);
 
 }  // namespace specpilot_w12

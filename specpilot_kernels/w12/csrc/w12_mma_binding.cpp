@@ -58,11 +58,12 @@ at::Tensor mma(const at::Tensor& x, const at::Tensor& low, const at::Tensor& nib
   a.j_per_split = static_cast<int>(per_split);
   a.splits = static_cast<int>(used_splits);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  TORCH_CHECK(stages == 0 || (rows == 1 && !pipelined), "a TMA launch (stages > 0) takes rows = 1, not pipelined");
+  TORCH_CHECK(stages == 0 || !pipelined, "a TMA launch (stages > 0) is not pipelined");
   TORCH_CHECK(persistent >= 0 && (stages > 0 || persistent == 0),
               "persistent (blocks an SM, >= 0) is the TMA launch's (stages > 0) alone");
-  const char* err = stages > 0 ? specpilot_w12::launch_tma(a, static_cast<int>(chunks), static_cast<int>(warps),
-                                                           static_cast<int>(stages), static_cast<int>(persistent), stream)
+  const char* err = stages > 0 ? specpilot_w12::launch_tma(a, static_cast<int>(rows), static_cast<int>(chunks),
+                                                           static_cast<int>(warps), static_cast<int>(stages),
+                                                           static_cast<int>(persistent), stream)
                                : specpilot_w12::launch_mma(a, static_cast<int>(rows), static_cast<int>(chunks),
                                                            static_cast<int>(warps), pipelined, stream);
   TORCH_CHECK(err == nullptr, "W12 tensor-core kernel: ", err);
