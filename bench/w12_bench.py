@@ -66,8 +66,9 @@ MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 # time on the device.)
 TMA_TILES = ((1, 8, 2), (1, 2, 6), (1, 4, 4), (2, 4, 3), (1, 4, 6), (1, 8, 4), (2, 8, 2), (2, 4, 4), (4, 4, 2))
 # And two 16-row tiles a warp (rows 2, up to 16 rows of x: x's boxes are re-read by half as many blocks): (chunks,
-# warps, stages, rows): 1x4x4 (106 KB) two blocks an SM, 1x8x2 (102 KB) two, 1x2x6 (86 KB) two, 2x4x2 (106 KB) two.
-TMA_TILES += ((1, 4, 4, 2), (1, 8, 2, 2), (1, 2, 6, 2), (2, 4, 2, 2))
+# warps, stages, rows), rings that let two blocks an SM at 9-16 rows of x too: 1x4x3 (86 KB), 1x2x6 (98 KB), 2x2x3
+# (98 KB), and 1x8x2 (106 KB; 256 rows a block, but 118 registers x 288 threads: one block an SM at 9-16 rows).
+TMA_TILES += ((1, 4, 3, 2), (1, 2, 6, 2), (2, 2, 3, 2), (1, 8, 2, 2))
 # kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency)
 PERSISTENT = (1, 8)
 
@@ -313,7 +314,7 @@ def main(argv=None) -> int:
     try:
         tma_tiles = (tuple(tuple(int(v) for v in t.split("x")) for t in args.tma_tiles.split(","))
                      if args.tma_tiles else TMA_TILES)
-        if any(len(t) not in (3, 4) for t in tma_tiles):
+        if any(len(t) not in (3, 4) or (len(t) == 4 and t[3] not in (1, 2)) for t in tma_tiles):
             raise ValueError
     except ValueError:
         ap.error(f"--tma-tiles: expected chunks x warps x stages [x rows], comma-separated (e.g. 2x4x4,1x8x2x2), "

@@ -268,9 +268,9 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
   w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
     # against the reference and the register launch's bits), then Nsight Compute on five TMA launches (plain, persistent, two tiles a warp)
     bash "$0" w12-smoke || echo "w12-smoke exited $?"
-    timeout 280 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
+    timeout 250 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
       echo "W12 GPU tests exited $?"
-    timeout 180 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_r2_c1_w8_s2_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
+    timeout 180 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_r2_c1_w8_s4_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"

@@ -194,7 +194,8 @@ def test_deterministic_and_graph_replay():
     p = pack(w)
     for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True),
                 MmaConfig(chunks=2, warps=4, splits=4, stages=4),
-                MmaConfig(chunks=1, warps=2, splits=8, stages=3, persistent=1)):
+                MmaConfig(chunks=1, warps=2, splits=8, stages=3, persistent=1),
+                MmaConfig(rows=2, chunks=1, warps=4, splits=4, stages=3, persistent=1)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 
@@ -249,6 +250,20 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
     check_close(w12_matmul(x33, p), reference(x33.float(), w.float()), rtol=1e-2)
     with pytest.raises(ValueError, match="does not take 17 rows"):
         w12_mma_matmul(torch.randn(17, 576, device="cuda", dtype=torch.bfloat16), p, MmaConfig(rows=2))
+
+
+def test_the_bench_sweeps_tma_launches_the_kernel_takes_and_the_profile_reads_their_keys():
+    from bench.w12_bench import TMA_TILES, sweep_configs
+    from bench.w12_profile import parse_case
+
+    for m in (1, 8, 16, 17):
+        cfgs = sweep_configs(m, ("tma", "tmap"))
+        assert cfgs and all(c.stages and c.fits(m) for c in cfgs)
+        # rows 2 up to 16 rows of x only; both grids of each tile
+        assert any(c.rows == 2 for c in cfgs) == (m <= 16) and {c.persistent for c in cfgs} == {0, 1, 8}
+        for c in cfgs:  # every key names its launch: ncu-w12 and --write-tuned readers rebuild it from the key
+            assert parse_case(f"4096x4096:{m}:{c.key()}") == (4096, 4096, m, c)
+    assert all(len(t) == 3 or t[3] == 2 for t in TMA_TILES)
 
 
 def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):

@@ -304,12 +304,13 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
 // The TMA launch (Hopper, sm_90): a producer warp streams the planes and x into a ring of shared-memory stages with
 // the tensor-memory accelerator (one instruction a box, no registers held by loads in flight); `warps` consumer
 // warps, `rows` (1, 2) 16-row weight tiles each, read their fragments from the ring (the same 16 columns a thread
-// and the same rows a warp as the register launch, so `Chunks::compute` is shared) and hand the stage back. A stage is `chunks` 64-column chunks:
-// for each, x's columns j.. and kh + j.. (boxes of 8 G rows x 128 bytes, 128-byte swizzle: a thread's two 16-byte
-// units of row g land on distinct banks) and the tile rows' nib, low j.. and low kh + j.. bytes (boxes of 16 rows warps
-// weight rows x 64 bytes; rows 2 halves x's boxes a weight byte: rows 2p and 2p + 1 of a quarter-warp share one 128-byte line, so no bank is read twice). The
-// tensor maps zero-fill past the planes' columns (low is viewed as [N, 2, kh]), past N and past x's M rows and K
-// columns, so no load is masked and any kh % 16 == 0 works. Same split-K merge, epilogue and bits as `store_tile`.
+// and the same rows a warp as the register launch, so `Chunks::compute` is shared) and hand the stage back. A stage
+// is `chunks` 64-column chunks: for each, x's columns j.. and kh + j.. (boxes of 8 G rows x 128 bytes, 128-byte
+// swizzle: a thread's two 16-byte units of row g land on distinct banks) and the block's weight rows' nib, low j..
+// and low kh + j.. bytes (boxes of 16 rows warps rows x 64 bytes: rows 2p and 2p + 1 of a quarter-warp share one
+// 128-byte line, so no bank is read twice; rows 2 shares each x box between twice the weight rows). The tensor maps
+// zero-fill past the planes' columns (low is viewed as [N, 2, kh]), past N and past x's M rows and K columns, so
+// no load is masked and any kh % 16 == 0 works. Same split-K merge, epilogue and bits as `store_tile`.
 struct TmaParams {
   CUtensorMap nib;  // uint8 [N, kh], box [64, 16 rows warps]
   CUtensorMap low;  // uint8 [N, 2, kh], box [64, 1, 16 rows warps]
@@ -378,8 +379,8 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
   const MmaArgs& a = p.a;
   const int warps = blockDim.x / 32 - 1;  // consumers; the last warp produces
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int rows = 16 * R * warps;  // weight rows a block: R 16-row tiles a consumer warp
-  const int x_box = 1024 * G, w_box = 64 * rows;  // bytes: 8 G rows x 128, the block's rows x 64
+  const int block_rows = 16 * R * warps;  // weight rows a block: R 16-row tiles a consumer warp
+  const int x_box = 1024 * G, w_box = 64 * block_rows;  // bytes: 8 G rows x 128, the block's rows x 64
   const int chunk_bytes = 2 * x_box + 3 * w_box, stage_bytes = p.chunks * chunk_bytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + p.stages * stage_bytes);
   uint64_t* empty = full + p.stages;
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
   // has a block an item; fewer, resident blocks make the grid persistent). The ring runs on across items: step t
   // of the block's whole sequence uses slot t % stages, so the producer streams the next item during this one's
   // math and epilogue.
-  const int tiles = (a.N + rows - 1) / rows, items = tiles * a.splits;
+  const int tiles = (a.N + block_rows - 1) / block_rows, items = tiles * a.splits;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(full + s, 1);
@@ -401,7 +402,7 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
     if (lane != 0) return;
     int t = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int n_block = (item % tiles) * rows, split = item / tiles;
+      const int n_block = (item % tiles) * block_rows, split = item / tiles;
       const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
       for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
         const int s = t % p.stages;
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
 
   int t = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int tile = item % tiles, split = item / tiles, n_block = tile * rows;
+    const int tile = item % tiles, split = item / tiles, n_block = tile * block_rows;
     const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
     float acc[R][G][4];
 #pragma unroll
