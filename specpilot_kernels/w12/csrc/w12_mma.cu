@@ -177,6 +177,16 @@ struct Chunks {
   }
 };
 
+template <int R, int G>
+__device__ __forceinline__ void zero(float (&acc)[R][G][4]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
+}
+
 constexpr int kMaxRows = 32;  // rows of x: four 8-row groups (1 row tile a warp beyond 16)
 
 // f(value, m, n) for each output of the warp's D fragments inside [M, N]: acc[r][gg] holds
@@ -266,12 +276,7 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
   }
 
   float acc[R][G][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
+  zero(acc);
 
   int j0 = j_begin;
   const int full_end = j_begin + (j_end - j_begin) / (64 * U) * (64 * U);
@@ -428,12 +433,7 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
     const int tile = item % tiles, split = item / tiles, n_block = tile * block_rows;
     const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
     float acc[R][G][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[r][gg][i] = 0.0f;
+    zero(acc);
     for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
       const int s = t % p.stages;
       mbar_wait(full + s, (t / p.stages) & 1);
