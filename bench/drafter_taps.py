@@ -65,6 +65,9 @@ class TapsNet(nn.Module):
         return self.inner.candidates(logits, look)
 
 
+ARMS = ("last", "taps")
+
+
 def _log(msg: str) -> None:
     print(f"[drafter_taps {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -106,8 +109,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="where the target generates and the arms train (a GPU: minutes "
                     "for millions of tokens; this 2-core CPU generates ~30 tokens/s, too few to train on)")
-    ap.add_argument("--arms", default="last,taps", help="which arms to train (last, taps)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"which arms to train ({', '.join(ARMS)})")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if unknown := [a for a in arms if a not in ARMS]:  # before minutes of generation, not after
+        ap.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from specpilot_engine.weights import load_model
@@ -148,17 +154,15 @@ def main(argv=None) -> int:
                           lookup=True, lookup_periodic=True, copy_min_match=3)
     width = cfg.dim
     results = {}
-    for arm in args.arms.split(","):
+    for arm in arms:
         torch.manual_seed(args.seed)
         inner = ParallelDrafterNet(pcfg, vocab_ids, model.embed.weight.detach())
         if arm == "last":
             net = inner.to(device)
             tr = {**train_data, "hidden": train_data["hidden"][:, :width]}
             va = {**val_data, "hidden": val_data["hidden"][:, :width]}
-        elif arm == "taps":
+        else:  # "taps"
             net, tr, va = TapsNet(inner, 1 + len(taps)).to(device), train_data, val_data
-        else:
-            ap.error(f"--arms: unknown arm {arm!r} (last, taps)")
         fit = T.train(net, tr, va, 60 * args.train_minutes, args.lr, args.train_batch, args.seed, 0.1)
         results[arm] = {**T.evaluate(net, va), "steps": fit["steps"], "best_step": fit["best_step"]}
         _log(f"{arm}: {results[arm]}")

@@ -3,8 +3,9 @@
 Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
 ``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
 ``NxK:M`` with an optional configuration key (``Config.key()``, or ``MmaConfig.key()`` for the
-CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``, or its TMA launch ``tma_c1_w8_s1_st2``, ``tma_r2_...`` two tiles a warp, ``_pN`` persistent, N blocks an SM);
-without one ``pick_config``'s choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
+CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``, or its TMA launch ``tma_c1_w8_s1_st2``,
+``tma_r2_...`` two tiles a warp, ``..._pN`` persistent with N blocks an SM); without one ``pick_config``'s
+choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
 
     ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
         python bench/w12_profile.py 28672x4096:8 28672x4096:1
@@ -46,10 +47,9 @@ def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
         return n, k, m, MmaConfig(rows=int(rows), chunks=int(chunks), warps=int(warps), splits=int(splits),
                                   pipelined=pipe is not None)
     if hit := TMA_KEY.fullmatch(parts[2]):
-        rows, chunks, warps, splits, stages, persistent = (int(v or d) for v, d in zip(hit.groups(), (1, 0, 0, 0, 0, 0),
-                                                                                        strict=True))
-        return n, k, m, MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
-                                  persistent=persistent)
+        rows, chunks, warps, splits, stages, persistent = hit.groups()  # rows and persistent are optional
+        return n, k, m, MmaConfig(rows=int(rows or 1), chunks=int(chunks), warps=int(warps), splits=int(splits),
+                                  stages=int(stages), persistent=int(persistent or 0))
     hit = KEY.fullmatch(parts[2])
     if not hit:
         raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")

@@ -10,9 +10,9 @@ verification of up to 16 drafted tokens and their root: hence up to 32 rows here
 planes through shared memory and converts layouts. Here the weights are ``mma.sync``'s A operand:
 each thread loads 16 contiguous bytes of each plane straight into registers (no shared memory, no
 shuffles; the k-order of the MMA is chosen per thread so that its bytes decode in place), and the
-MMA makes the cost of 16 rows of ``x`` the cost of one. On Hopper a TMA launch (``MmaConfig.stages``) feeds the
-same MMAs from a shared-memory ring that a producer warp fills with bulk tensor copies, so the bytes in flight
-hold no registers; it gives the register launch's bits (same chunks and splits).
+MMA makes the cost of 16 rows of ``x`` the cost of one. On Hopper a TMA launch (``MmaConfig.stages``)
+feeds the same MMAs from a shared-memory ring that a producer warp fills with bulk tensor copies, so the
+bytes in flight hold no registers; it gives the register launch's bits (same rows, chunks and splits).
 
 Contract: CUDA, compute capability >= 8.0, ``x`` bf16 with 1-32 rows, ``K % 8 == 0``, rows
 contiguous and 16-byte aligned (`supports`). The launch configuration (`MmaConfig`) is a pure
@@ -55,9 +55,10 @@ class MmaConfig:
 
     ``stages`` > 0 is the TMA launch instead (Hopper): ``warps`` consumer warps of ``rows`` 16-row tiles each
     (the register launch's rows, so its bits), a producer warp streaming ``chunks`` chunks a stage into a ring
-    of ``stages`` shared-memory slots (not ``pipelined``). ``persistent`` n > 0 (TMA only): at most n blocks an SM (fewer where fewer
-    fit), each walking (row tile, split) items with its ring running on across them, so splits add no waves and
-    the next item's copies overlap this one's math and epilogue (same bits); 0: a block an item."""
+    of ``stages`` shared-memory slots (not ``pipelined``). ``persistent`` n > 0 (TMA only): at most n
+    blocks an SM (fewer where fewer fit), each walking (row tile, split) items with its ring running on
+    across them, so splits add no waves and the next item's copies overlap this one's math and epilogue
+    (same bits); 0: a block an item."""
 
     rows: int = 1
     chunks: int = 2

@@ -593,6 +593,8 @@ const char* launch_tma(const MmaArgs& a, int rows, int chunks, int warps, int st
   if (warps < 1 || warps > 8) return "warps must be in 1..8";
   if (stages < 2 || stages > 16 || chunks < 1 || chunks > 4) return "stages must be in 2..16 and chunks in 1..4";
   if (persistent < 0) return "persistent (blocks an SM) must be 0 (a block an item) or more";
+  if (rows != 1 && rows != 2) return "rows must be 1 or 2";
+  if (rows == 2 && a.M > 16) return "rows 2 takes at most 16 rows of x";
   if (a.kh % 16 != 0 || a.j_per_split % (64 * chunks) != 0 || a.K % 8 != 0 || a.ldx % 8 != 0)
     return "kh must be a multiple of 16, the columns a split a multiple of 64 * chunks, K and x's row stride of 8";
   int device = 0, major = 0;
@@ -604,8 +606,6 @@ const char* launch_tma(const MmaArgs& a, int rows, int chunks, int warps, int st
   p.a = a;
   p.chunks = chunks;
   p.stages = stages;
-  if (rows != 1 && rows != 2) return "rows must be 1 or 2";
-  if (rows == 2 && groups > 2) return "rows 2 takes at most 16 rows of x";
   if (const char* err = encode_maps(p, groups, 16 * rows * warps)) return err;
   if (rows == 2) return groups == 2 ? launch_tma_g<2, 2>(p, warps, persistent, stream)
                                     : launch_tma_g<2, 1>(p, warps, persistent, stream);
