@@ -130,9 +130,12 @@ def build():
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}{'a' if major == 9 else ''}"  # sm_90a: Hopper's own target
+    # ptxas takes most of the build, one kernel after another unless split (a fresh GPU host builds in about
+    # half the time with it); Hopper needs CUDA >= 12, whose nvcc has the flag, older cards may not
+    split = ["-split-compile=0"] if major >= 9 else []
     load(name=f"specpilot_w12_{_digest()}_sm{arch}", sources=[str(CSRC / s) for s in SOURCES],
          extra_include_paths=[str(CSRC)], extra_cflags=["-O3"],
-         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", *split],
          is_python_module=False, verbose=False)
     return torch.ops.specpilot_w12
 
