@@ -86,23 +86,6 @@ __device__ __forceinline__ uint4 scale_x(uint4 v) {
   return make_uint4(scale_pair(v.x), scale_pair(v.y), scale_pair(v.z), scale_pair(v.w));
 }
 
-// The finished value of output (m, n) from its scaled sum: row scale, then the row's escapes.
-__device__ __forceinline__ float finish(const MmaArgs& a, float acc, int m, int n) {
-  // 2^(e0 - 64) as 2^63 * 2^(e0 - 127): both normal floats for e0 in 1..239
-  float v = acc * 9223372036854775808.0f * __int_as_float(int(a.e0[n]) << 23);
-  const int group = n >> 4;
-  const int64_t lo = int64_t(n) * a.K, hi = lo + a.K;
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x) + int64_t(m) * a.ldx;
-  for (int e = a.esc_ptr[group], end = a.esc_ptr[group + 1]; e < end; ++e) {
-    const int64_t idx = a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
-    if (idx >= lo && idx < hi) {
-      const float w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
-      v += __bfloat162float(x[idx - lo]) * w;
-    }
-  }
-  return v;
-}
-
 // U chunks of 64 nib columns, loaded together (`load`), then decoded and multiplied (`compute`). MASKED
 // (the tail of a split): a thread whose 16 columns start at or past j_end loads zeros.
 template <int R, int G, int U>
@@ -215,6 +198,51 @@ struct ConsumerBarrier {
   __device__ __forceinline__ void sync() const { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 };
 
+// The finished values of a warp's outputs from their scaled sums, in place (outputs outside [M, N] are left as they
+// are): each row's scale, then the row's escapes in index order, as x[m, k] * w. One pass over a tile's 16-row
+// escape group serves all the thread's outputs of that tile, and a split merge has each split's reads in flight
+// together. (As first written, each output scanned the group and summed the splits on its own, one after another:
+// 2 scans a thread at M = 1, 4 at 2-8, 8 at 9-16, 12 at 17-24, a plausible cause of the launches' growth with x's
+// rows (session 39's sweep), not yet timed. Each output's sums and their order are the same, so are the bits.)
+template <int R, int G>
+__device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig) {
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n_tile = n_warp + r * 16, n0 = n_tile + g;  // the thread's rows: n0 (outputs i = 0, 1), n0 + 8 (2, 3)
+    if (n_tile >= a.N) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + 8 * h;
+      if (n >= a.N) continue;
+      const float row_scale = __int_as_float(int(a.e0[n]) << 23);  // 2^(e0 - 64) as 2^63 * 2^(e0 - 127)
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+        for (int i = 2 * h; i < 2 * h + 2; ++i) v[r][gg][i] = v[r][gg][i] * 9223372036854775808.0f * row_scale;
+    }
+    const int64_t lo0 = int64_t(n0) * a.K, lo1 = lo0 + 8 * int64_t(a.K);  // rows past N hold no escapes
+    for (int e = a.esc_ptr[n_tile >> 4], end = a.esc_ptr[(n_tile >> 4) + 1]; e < end; ++e) {
+      const int64_t idx = a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+      const bool row0 = idx >= lo0 && idx < lo0 + a.K, row1 = idx >= lo1 && idx < lo1 + a.K;
+      if (!row0 && !row1) continue;
+      const float w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+      const int64_t k = idx - (row0 ? lo0 : lo1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if ((h == 0) != row0) continue;
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+          for (int i = 2 * h; i < 2 * h + 2; ++i) {
+            const int m = gg * 8 + 2 * tig + (i & 1);
+            if (m < a.M) v[r][gg][i] += __bfloat162float(x[int64_t(m) * a.ldx + k]) * w;
+          }
+      }
+    }
+  }
+}
+
 // The outputs of row tile `tile`: finished in place (one split), or stored as this split's partial and, by the
 // tile's last block to arrive, summed over the splits in split order and finished. Every thread that `bar` syncs
 // calls it; thread 0 is one of them.
@@ -222,29 +250,42 @@ template <int R, int G, typename Barrier>
 __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig,
                                            int tile, int split, const Barrier& bar) {
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
+  float v[R][G][4];
   if (a.splits == 1) {
-    for_each_output(acc, a, n_warp, g, tig, [&](float v, int m, int n) {
-      y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, v, m, n));
-    });
-    return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[r][gg][i] = acc[r][gg][i];
+  } else {
+    for_each_output(acc, a, n_warp, g, tig,
+                    [&](float value, int m, int n) { a.part[(int64_t(split) * a.M + m) * a.N + n] = value; });
+    __threadfence();
+    bar.sync();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
+    bar.sync();
+    // every thread has read `last` before thread 0 can write it again: a later tile's store passes the first
+    // barrier above only when all of them have arrived there
+    if (!last) return;
+    __threadfence();
+    zero(v);
+    for (int s = 0; s < a.splits; ++s)  // every split's partial, in split order; a split's reads all in flight
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
+            if (n < a.N && m < a.M) v[r][gg][i] += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
+          }
+    if (threadIdx.x == 0) a.counters[tile] = 0;
   }
-  for_each_output(acc, a, n_warp, g, tig,
-                  [&](float v, int m, int n) { a.part[(int64_t(split) * a.M + m) * a.N + n] = v; });
-  __threadfence();
-  bar.sync();
-  __shared__ int last;
-  if (threadIdx.x == 0) last = atomicAdd(&a.counters[tile], 1) == a.splits - 1;
-  bar.sync();
-  // every thread has read `last` before thread 0 can write it again: a later tile's store passes the first
-  // barrier above only when all of them have arrived there
-  if (!last) return;
-  __threadfence();
-  for_each_output(acc, a, n_warp, g, tig, [&](float, int m, int n) {  // every split's partial, in split order
-    float sum = 0.0f;
-    for (int s = 0; s < a.splits; ++s) sum += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
-    y[int64_t(m) * a.N + n] = __float2bfloat16(finish(a, sum, m, n));
-  });
-  if (threadIdx.x == 0) a.counters[tile] = 0;
+  finish_tile(v, a, n_warp, g, tig);
+  for_each_output(v, a, n_warp, g, tig,
+                  [&](float value, int m, int n) { y[int64_t(m) * a.N + n] = __float2bfloat16(value); });
 }
 
 template <int R, int G, int U, bool PIPE>
