@@ -65,11 +65,14 @@ MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
 # combination of chunks 1/2/4, warps 2/4/8 and stages 2/4/6 is 27 tiles, twice more with tmap: past a sweep's
 # time on the device.)
 TMA_TILES = ((1, 8, 2), (1, 2, 6), (1, 4, 4), (2, 4, 3), (1, 4, 6), (1, 8, 4), (2, 8, 2), (2, 4, 4), (4, 4, 2))
-# And two 16-row tiles a warp (rows 2, up to 16 rows of x: x's boxes are re-read by half as many blocks): (chunks,
+# Two 16-row tiles a warp (rows 2, up to 16 rows of x: x's boxes are re-read by half as many blocks): (chunks,
 # warps, stages, rows), rings that let two blocks an SM at 9-16 rows of x too: 1x4x3 (86 KB), 1x2x6 (98 KB), 2x2x3
 # (98 KB), and 1x8x2 (106 KB; 256 rows a block, but 118 registers x 288 threads: one block an SM at 9-16 rows).
-TMA_TILES += ((1, 4, 3, 2), (1, 2, 6, 2), (2, 2, 3, 2), (1, 8, 2, 2))
-# kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency)
+# Not swept by default: on the H100 (session 39) every one was 3-45% behind the best rows-1 launch; `--tma-tiles`
+# names them (e.g. 1x4x3x2).
+TMA_TILES_ROWS2 = ((1, 4, 3, 2), (1, 2, 6, 2), (2, 2, 3, 2), (1, 8, 2, 2))
+# kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency); not in `h200.sh w12`'s
+# kinds since session 39 (on the H100 1-18% slower than the same launch without it)
 PERSISTENT = (1, 8)
 
 

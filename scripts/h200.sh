@@ -28,7 +28,7 @@
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
 #           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
 #           bash scripts/h200.sh drafter-taps [flags]   (after stash: the drafter from several target layers vs the last)
-#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of five TMA launches: one call)
+#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of five launches: one call)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -226,9 +226,9 @@ PY
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
     done ;;
   w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
-    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register, TMA and persistent TMA launches), the
+    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register and TMA launches), the
     # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it
-    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma,tmap} \
+    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
       --sweep-m ${W12_MS:-1,2,4,8,16,17} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
       ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} \
       --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
@@ -266,11 +266,12 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
       echo "drafter_taps exited $?"
     grep -v '^\[drafter_taps' "$OUT/drafter_taps.txt" | tail -12 ;;
   w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
-    # against the reference and the register launch's bits), then Nsight Compute on five TMA launches (plain, persistent, two tiles a warp)
+    # against the reference and the register launch's bits), then Nsight Compute on five launches: 4096x4096 at M = 1, 2
+    # and 16 (session 39's epilogue reading: M = 2-16 should now cost about what M = 1 does) and two at M = 16
     bash "$0" w12-smoke || echo "w12-smoke exited $?"
     timeout 250 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
       echo "W12 GPU tests exited $?"
-    timeout 180 bash "$0" ncu-w12 "28672x4096:1:tma_c1_w8_s1_st2 28672x4096:1:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_c1_w8_s4_st2_p8 28672x4096:16:tma_r2_c1_w8_s4_st2_p8 4096x4096:1:tma_c1_w4_s4_st4_p8" ;;
+    timeout 180 bash "$0" ncu-w12 "4096x4096:1:tma_c4_w4_s1_st2 4096x4096:2:tma_c4_w4_s1_st2 4096x4096:16:tma_c4_w4_s1_st2 4096x4096:16:mma_r1_c2_w2_s1_pipe 28672x4096:16:tma_c1_w8_s1_st2" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"

@@ -254,17 +254,17 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
 
 
 def test_the_bench_sweeps_tma_launches_the_kernel_takes_and_the_profile_reads_their_keys():
-    from bench.w12_bench import TMA_TILES, sweep_configs
+    from bench.w12_bench import TMA_TILES, TMA_TILES_ROWS2, sweep_configs
     from bench.w12_profile import parse_case
 
     for m in (1, 8, 16, 17):
-        cfgs = sweep_configs(m, ("tma", "tmap"))
+        cfgs = sweep_configs(m, ("tma", "tmap"), TMA_TILES + TMA_TILES_ROWS2)
         assert cfgs and all(c.stages and c.fits(m) for c in cfgs)
         # rows 2 up to 16 rows of x only; both grids of each tile
         assert any(c.rows == 2 for c in cfgs) == (m <= 16) and {c.persistent for c in cfgs} == {0, 1, 8}
         for c in cfgs:  # every key names its launch: ncu-w12 and --write-tuned readers rebuild it from the key
             assert parse_case(f"4096x4096:{m}:{c.key()}") == (4096, 4096, m, c)
-    assert all(len(t) == 3 or t[3] == 2 for t in TMA_TILES)
+    assert all(len(t) == 3 for t in TMA_TILES) and all(t[3] == 2 for t in TMA_TILES_ROWS2)
 
 
 def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):
