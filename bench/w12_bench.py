@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specpilot_kernels.w12 import cuda_mma  # noqa: E402
 from specpilot_kernels.w12.cuda_mma import MmaConfig  # noqa: E402
 from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
-from specpilot_kernels.w12.kernel import Config, pick_config, tensor_core_config, w12_matmul  # noqa: E402
+from specpilot_kernels.w12.kernel import (  # noqa: E402
+    TUNED_ENV,
+    Config,
+    pick_config,
+    tensor_core_config,
+    tuned_to_json,
+    w12_matmul,
+)
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64]
@@ -221,7 +228,7 @@ def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
     if m <= cuda_mma.MAX_ROWS and k % 8 == 0:
         if (mma := tensor_core_config(m, n, k, torch.device("cuda", torch.cuda.current_device()))) is not None:
             return mma
-    return pick_config(m, n, k)
+    return pick_config(m, n, k, torch.cuda.get_device_name())
 
 
 def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tuple[str, ...] = KINDS,
@@ -230,7 +237,7 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tup
     return the best."""
     def candidates(m: int, n: int, k: int) -> list[Config | MmaConfig]:
         cfgs = sweep_configs(m, kinds, tma_tiles)
-        own = replace(pick_config(m, n, k), split=1)
+        own = replace(pick_config(m, n, k, torch.cuda.get_device_name()), split=1)
         return cfgs if own in cfgs or not {"fma", "dot"} & set(kinds) else [own, *cfgs]
 
     jobs = list({(m, c.key()): (m, c) for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)
@@ -291,8 +298,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--write-tuned", default=None, metavar="FILE",
-                    help="write the table's tensor-core launches that beat the Triton kernels as a tuned table "
-                         f"(JSON; `{cuda_mma.TUNED_ENV}=FILE` makes w12_matmul's auto dispatch use them)")
+                    help="write the table's launches that beat the Triton kernels' own choice (tensor-core launches "
+                         f"and swept Triton tiles) as a tuned table (JSON; `{TUNED_ENV}=FILE` makes w12_matmul's "
+                         "dispatch use them)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "w12_summary", "error": "no CUDA device"}))
@@ -333,14 +341,14 @@ def main(argv=None) -> int:
             cfg = tuned[1] if tuned is not None else None
             t_torch = sb.torch_us(x, args.reps)
             t_w12 = sb.w12_us(x, cfg, args.reps)
-            triton_cfg = pick_config(m, n, k)
+            triton_cfg = pick_config(m, n, k, dev.name)
             t_triton = t_w12 if cfg is None and default_config(m, n, k) == triton_cfg else sb.w12_us(x, triton_cfg, args.reps)
             used = cfg or default_config(m, n, k)
             rec = {"bench": "w12_gemv", "device": dev.name, "shape": [n, k], "m": m, "us": round(t_w12, 2),
                    "tb_s": round(sb.w12_bytes / t_w12 / 1e6, 3), "torch_us": round(t_torch, 2),
                    "torch_tb_s": round(sb.bf16_bytes / t_torch / 1e6, 3), "vs_torch": round(t_torch / t_w12, 3),
                    "triton_us": round(t_triton, 2), "triton_vs_torch": round(t_torch / t_triton, 3),
-                   "config": used.key(), "launch": asdict(used) if isinstance(used, MmaConfig) else None,
+                   "config": used.key(), "launch": asdict(used),
                    "tuned": tuned is not None, "copies": sb.copies,
                    "escapes": sb.escapes, "rel_err": sb.check(x, cfg)}
             results.append(rec)
@@ -352,9 +360,10 @@ def main(argv=None) -> int:
 
     _table(results, env)
     if args.write_tuned:
-        won = winners(results)
-        Path(args.write_tuned).write_text(json.dumps(cuda_mma.tuned_to_json({dev.name: won}), indent=1))
-        print(f"# {sum(map(len, won.values()))} tensor-core launches beat Triton: {args.write_tuned}", flush=True)
+        won = winners(results, dev.name)
+        Path(args.write_tuned).write_text(json.dumps(tuned_to_json({dev.name: won}), indent=1))
+        print(f"# {sum(map(len, won.values()))} launches beat the Triton kernels' own choice: {args.write_tuned}",
+              flush=True)
     small = [r["vs_torch"] for r in results if r["m"] <= 16]
     summary = {"bench": "w12_summary", "device": dev.name, "date": time.strftime("%Y-%m-%d"),
                "geomean_speedup_m1_16": round(math.exp(statistics.mean(math.log(v) for v in small)), 3) if small else None,
@@ -379,13 +388,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def winners(results: list[dict]) -> dict[tuple[int, int], dict[int, MmaConfig]]:
-    """The tensor-core launches of ``results`` (w12_gemv records) faster than the Triton kernels' choice, by
-    shape and M class: the auto dispatch's table (`cuda_mma.TUNED`'s shape for one card)."""
-    out: dict[tuple[int, int], dict[int, MmaConfig]] = {}
+def winners(results: list[dict], card: str) -> dict[tuple[int, int], dict[int, Config | MmaConfig]]:
+    """The launches of ``results`` (w12_gemv records) faster than the Triton kernels' own choice on ``card``, by
+    shape and M class: one card's part of a tuned table (`kernel.tuned_to_json`), tensor-core launches and
+    swept Triton tiles alike."""
+    out: dict[tuple[int, int], dict[int, Config | MmaConfig]] = {}
     for r in results:
-        if r["launch"] is not None and r["us"] < r["triton_us"]:
-            out.setdefault(tuple(r["shape"]), {})[cuda_mma.m_class(r["m"])] = MmaConfig(**r["launch"])
+        launch = r["launch"]
+        cfg = Config(**launch) if "bj" in launch else MmaConfig(**launch)
+        if r["us"] < r["triton_us"] and cfg != pick_config(r["m"], *r["shape"], card):
+            out.setdefault(tuple(r["shape"]), {})[cuda_mma.m_class(r["m"])] = cfg
     return out
 
 

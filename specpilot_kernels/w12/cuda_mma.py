@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -160,7 +158,8 @@ def supports(x: torch.Tensor, p: W12Weight) -> bool:
 # choice, per card (torch's device name), Llama-8B shape and M class; `w12_matmul` routes exactly these
 # cases here by default ("auto"). H100 80GB HBM3, 2026-12-05: the cases where a pipelined register launch
 # beat Triton by >= 3% (docs/results/w12-kernel/h100-2026-12-05-mma-pipelined-sweep.jsonl; M = 1, 4, 16
-# swept). Not yet swept on the H200: no entries, so the H200 stays on Triton.
+# swept). Not yet swept on the H200: no entries, so the H200 stays on Triton. A tuned file adds entries when
+# `kernel` (the dispatch) is imported (`kernel.TUNED_ENV`).
 _PIPE_R1_C4_W2 = MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
 TUNED: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]] = {
     "NVIDIA H100 80GB HBM3": {
@@ -171,48 +170,6 @@ TUNED: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]] = {
 }
 
 
-TUNED_ENV = "SPECPILOT_W12_TUNED"  # a JSON file of more winners (bench/w12_bench.py --write-tuned), read at import
-
-
-def tuned_to_json(table: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]]) -> dict:
-    """``table`` (`TUNED`'s shape) as JSON: ``{card: {"NxK": {"M class": MmaConfig fields}}}``."""
-    return {card: {f"{n}x{k}": {str(mc): asdict(cfg) for mc, cfg in by_m.items()} for (n, k), by_m in shapes.items()}
-            for card, shapes in table.items()}
-
-
-def tuned_from_json(doc: dict) -> dict[str, dict[tuple[int, int], dict[int, MmaConfig]]]:
-    """The inverse of `tuned_to_json`; raises ValueError naming what is malformed."""
-    out: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]] = {}
-    try:
-        for card, shapes in doc.items():
-            for shape, by_m in shapes.items():
-                n, k = (int(v) for v in shape.split("x"))
-                for mc, fields in by_m.items():
-                    out.setdefault(card, {}).setdefault((n, k), {})[int(mc)] = MmaConfig(**fields)
-    except (AttributeError, TypeError, ValueError) as e:
-        raise ValueError(f"a W12 tuned table must be {{card: {{'NxK': {{'M class': MmaConfig fields}}}}}}: {e}") from e
-    return out
-
-
-def merge_tuned(extra: dict[str, dict[tuple[int, int], dict[int, MmaConfig]]]) -> None:
-    """Add ``extra``'s winners to `TUNED` (an entry there replaces the built-in one for its case)."""
-    for card, shapes in extra.items():
-        for shape, by_m in shapes.items():
-            TUNED.setdefault(card, {}).setdefault(shape, {}).update(by_m)
-
-
-def _load_tuned_env() -> None:
-    path = os.environ.get(TUNED_ENV)
-    if not path:
-        return
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RuntimeError(f"{TUNED_ENV}={path}: cannot read a W12 tuned table ({e}); unset it or write it with "
-                           "bench/w12_bench.py --write-tuned") from e
-    merge_tuned(tuned_from_json(doc))
-
-
 def m_class(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32
 
@@ -220,9 +177,6 @@ def m_class(m: int) -> int:
 def tuned_mma_config(m: int, n: int, k: int, card: str) -> MmaConfig | None:
     """The swept launch for ``(M, N, K)`` on ``card`` where the tensor-core kernel beat Triton there, else None."""
     return TUNED.get(card, {}).get((n, k), {}).get(m_class(m))
-
-
-_load_tuned_env()
 
 
 @functools.cache
@@ -269,6 +223,6 @@ def w12_mma_matmul(x: torch.Tensor, p: W12Weight, config: MmaConfig | None = Non
                        cfg.chunks, cfg.warps, cfg.splits, cfg.pipelined, cfg.stages, cfg.persistent)
 
 
-__all__ = ["MAX_ROWS", "MmaConfig", "TUNED", "TUNED_ENV", "available", "build", "cuda_ready", "pick_mma_config",
-           "supports", "card_name", "m_class", "merge_tuned", "tuned_from_json", "tuned_to_json", "tuned_mma_config",
+__all__ = ["MAX_ROWS", "MmaConfig", "TUNED", "available", "build", "cuda_ready", "pick_mma_config",
+           "supports", "card_name", "m_class", "tuned_mma_config",
            "w12_mma_matmul"]

@@ -45,8 +45,10 @@ Under ``TRITON_INTERPRET=1`` (CPU) everything is computed in fp32 (``tl.dot`` wi
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -54,7 +56,16 @@ import triton.language as tl
 
 from specpilot_kernels.counters import arrival_counters
 
-from .cuda_mma import MmaConfig, card_name, pick_mma_config, supports, tuned_mma_config, w12_mma_matmul
+from .cuda_mma import (
+    TUNED,
+    MmaConfig,
+    card_name,
+    m_class,
+    pick_mma_config,
+    supports,
+    tuned_mma_config,
+    w12_mma_matmul,
+)
 from .cuda_mma import available as mma_available
 from .format import ESC_GROUP, W12Weight
 
@@ -487,23 +498,82 @@ TUNED_H200: dict[tuple[int, int], dict[int, Config]] = {
 }
 
 
+# Triton launches a sweep on a card found faster than `pick_config`'s own choice there, by card (torch's device
+# name), (N, K) and M class (`cuda_mma.m_class`): none built in (the H200 table above is every card's default);
+# a tuned file adds them (`TUNED_ENV`).
+TUNED_TRITON: dict[str, dict[tuple[int, int], dict[int, Config]]] = {}
+
+# A JSON file of a card's winners, both kinds (bench/w12_bench.py --write-tuned), read when this module is imported:
+# tensor-core launches go to `cuda_mma.TUNED`, Triton ones to `TUNED_TRITON`.
+TUNED_ENV = "SPECPILOT_W12_TUNED"
+Tuned = dict[str, dict[tuple[int, int], dict[int, "MmaConfig | Config"]]]
+
+
+def tuned_to_json(table: Tuned) -> dict:
+    """``table`` as JSON: ``{card: {"NxK": {"M class": MmaConfig or Config fields}}}``."""
+    return {card: {f"{n}x{k}": {str(mc): asdict(cfg) for mc, cfg in by_m.items()} for (n, k), by_m in shapes.items()}
+            for card, shapes in table.items()}
+
+
+def tuned_from_json(doc: dict) -> Tuned:
+    """The inverse of `tuned_to_json` (a Triton launch is the one with ``bj``); raises ValueError naming what is
+    malformed."""
+    out: Tuned = {}
+    try:
+        for card, shapes in doc.items():
+            for shape, by_m in shapes.items():
+                n, k = (int(v) for v in shape.split("x"))
+                for mc, fields in by_m.items():
+                    launch = Config(**fields) if "bj" in fields else MmaConfig(**fields)
+                    out.setdefault(card, {}).setdefault((n, k), {})[int(mc)] = launch
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError("a W12 tuned table must be {card: {'NxK': {'M class': MmaConfig or Config fields}}}: "
+                         f"{e}") from e
+    return out
+
+
+def merge_tuned(extra: Tuned) -> None:
+    """Add ``extra``'s winners to the dispatch (an entry replaces the built-in one for its case, and a tensor-core
+    entry and a Triton one for the same case replace each other)."""
+    for card, shapes in extra.items():
+        for shape, by_m in shapes.items():
+            for mc, launch in by_m.items():
+                mine, other = (TUNED, TUNED_TRITON) if isinstance(launch, MmaConfig) else (TUNED_TRITON, TUNED)
+                mine.setdefault(card, {}).setdefault(shape, {})[mc] = launch
+                other.get(card, {}).get(shape, {}).pop(mc, None)
+
+
+def _load_tuned_env() -> None:
+    path = os.environ.get(TUNED_ENV)
+    if not path:
+        return
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise RuntimeError(f"{TUNED_ENV}={path}: cannot read a W12 tuned table ({e}); unset it or write it with "
+                           "bench/w12_bench.py --write-tuned") from e
+    merge_tuned(tuned_from_json(doc))
+
+
 def _batch_class(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 32 else 64
 
 
-def pick_config(m: int, n: int, k: int) -> Config:
-    """The launch configuration for ``(M, N, K)``: a pure function, so results are reproducible
+def pick_config(m: int, n: int, k: int, card: str = "") -> Config:
+    """The launch configuration for ``(M, N, K)`` on ``card``: a pure function, so results are reproducible
     (an autotuner that times candidates at run time could pick differently in another process
-    and change the reduction order). Swept shapes come from ``TUNED_H200``; others from the rule
-    those results suggest: the CUDA-core path with one warp and 4 rows a program at M <= 2 (and at
-    M <= 4 below 8192 rows), ``tl.dot`` with BN = 32 above, no split-K (it never won).
+    and change the reduction order). The card's own swept winners come first (``TUNED_TRITON``), then
+    the H200's (``TUNED_H200``); others from the rule those results suggest: the CUDA-core path with one
+    warp and 4 rows a program at M <= 2 (and at M <= 4 below 8192 rows), ``tl.dot`` with BN = 32 above,
+    no split-K (it never won on the H200).
     """
     if INTERPRET:  # small tiles: the interpreter's cost is per element
         if m <= 8:
             return _fma(_next_pow2(m), 16, 16, 1)
         return Config(bm=16 if m <= 16 else 32, bn=16, bj=16, split=1, use_dot=True, num_warps=1, num_stages=1)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    cfg = TUNED_H200.get((n, k), {}).get(_batch_class(m))
+    own = TUNED_TRITON.get(card, {}).get((n, k), {}).get(m_class(m)) if m <= 32 else None
+    cfg = own if own is not None else TUNED_H200.get((n, k), {}).get(_batch_class(m))
     if cfg is not None:
         return cfg if not cfg.use_dot else replace(cfg, bm=bm)
     if m <= 2 or (m <= 4 and n <= 8192):
@@ -575,7 +645,7 @@ def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or pick_config(m, n, k)
+    cfg = config or pick_config(m, n, k, card_name(x.device) if x.is_cuda else "")
     kh = p.kh
     cols_per_split = triton.cdiv(triton.cdiv(kh, cfg.split), cfg.bj) * cfg.bj
     split = triton.cdiv(kh, cols_per_split)
@@ -601,3 +671,6 @@ def w12_matmul(x: torch.Tensor, p: W12Weight, config: Config | MmaConfig | None 
         _w12_fma_kernel[grid](x, x.view(torch.int64) if xwords else x, *planes, XWORDS=xwords,
                               FP16=x.dtype == torch.float16, **common)
     return y
+
+
+_load_tuned_env()

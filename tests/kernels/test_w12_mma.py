@@ -268,24 +268,45 @@ def test_the_bench_sweeps_tma_launches_the_kernel_takes_and_the_profile_reads_th
 
 
 def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):
-    from specpilot_kernels.w12 import cuda_mma
+    from specpilot_kernels.w12 import kernel
 
-    table = {"Some Card": {(4096, 4096): {16: MmaConfig(chunks=2, warps=4, splits=2, stages=4)},
+    triton_tile = kernel.Config(bm=4, bn=8, bj=512, split=2, use_dot=False, num_warps=2, num_stages=1)
+    table = {"Some Card": {(4096, 4096): {16: MmaConfig(chunks=2, warps=4, splits=2, stages=4), 4: triton_tile},
                            (6144, 4096): {1: MmaConfig(chunks=4, warps=2, pipelined=True)}}}
-    assert cuda_mma.tuned_from_json(cuda_mma.tuned_to_json(table)) == table
+    assert kernel.tuned_from_json(kernel.tuned_to_json(table)) == table
     with pytest.raises(ValueError, match="NxK"):
-        cuda_mma.tuned_from_json({"Some Card": {"4096": {"16": {}}}})
-    with pytest.raises(ValueError, match="MmaConfig fields"):
-        cuda_mma.tuned_from_json({"Some Card": {"4096x4096": {"16": {"lanes": 3}}}})
-    # the file named by the environment: read in a fresh process, so the table is the process's own
+        kernel.tuned_from_json({"Some Card": {"4096": {"16": {}}}})
+    with pytest.raises(ValueError, match="MmaConfig or Config fields"):
+        kernel.tuned_from_json({"Some Card": {"4096x4096": {"16": {"lanes": 3}}}})
+    # the file named by the environment, read in a fresh process when the dispatch is imported: its tensor-core
+    # launches go to the card's tensor-core table, its Triton tiles to pick_config on that card (on that card only)
     path = tmp_path / "tuned.json"
-    path.write_text(json.dumps(cuda_mma.tuned_to_json(table)))
-    code = ("from specpilot_kernels.w12.cuda_mma import tuned_mma_config as t; "
-            "print(t(9, 4096, 4096, 'Some Card').key(), t(1, 4096, 4096, 'Some Card'))")
-    env = {**os.environ, cuda_mma.TUNED_ENV: str(path)}
+    path.write_text(json.dumps(kernel.tuned_to_json(table)))
+    code = ("from specpilot_kernels.w12.kernel import pick_config as p, tuned_mma_config as t; "
+            "print(t(9, 4096, 4096, 'Some Card').key(), t(1, 4096, 4096, 'Some Card'), "
+            "p(3, 4096, 4096, 'Some Card').key(), p(3, 4096, 4096, 'Other Card') == p(3, 4096, 4096))")
+    env = {**os.environ, kernel.TUNED_ENV: str(path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["tma_c2_w4_s2_st4", "None"]
+    assert out.stdout.split() == ["tma_c2_w4_s2_st4", "None", triton_tile.key(), "True"]
+    assert kernel.pick_config(3, 4096, 4096, "Some Card") != triton_tile  # this process read no file
     path.write_text("{not json")
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--write-tuned" in bad.stderr
+
+
+def test_a_tuned_entry_of_one_kind_replaces_the_other_kinds_for_its_case(monkeypatch):
+    from specpilot_kernels.w12 import cuda_mma, kernel
+
+    monkeypatch.setattr(cuda_mma, "TUNED", {})
+    monkeypatch.setattr(kernel, "TUNED", cuda_mma.TUNED)
+    monkeypatch.setattr(kernel, "TUNED_TRITON", {})
+    mma = MmaConfig(chunks=2, warps=4, stages=4)
+    tile = kernel.Config(bm=16, bn=32, bj=128, split=1, use_dot=True, num_warps=4, num_stages=2)
+    kernel.merge_tuned({"Card": {(4096, 4096): {16: mma}}})
+    assert cuda_mma.tuned_mma_config(12, 4096, 4096, "Card") == mma
+    kernel.merge_tuned({"Card": {(4096, 4096): {16: tile}}})
+    assert cuda_mma.tuned_mma_config(12, 4096, 4096, "Card") is None
+    assert kernel.pick_config(12, 4096, 4096, "Card") == tile
+    kernel.merge_tuned({"Card": {(4096, 4096): {16: mma}}})
+    assert kernel.pick_config(12, 4096, 4096, "Card") != tile and cuda_mma.tuned_mma_config(12, 4096, 4096, "Card") == mma
