@@ -198,12 +198,13 @@ struct ConsumerBarrier {
   __device__ __forceinline__ void sync() const { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 };
 
-// The finished values of a warp's outputs from their scaled sums, in place (outputs outside [M, N] are never stored:
-// what they hold does not matter): each row's scale, then the row's escapes in index order, as x[m, k] * w. One pass over a tile's 16-row
-// escape group serves all the thread's outputs of that tile, and a split merge has each split's reads in flight
-// together. (As first written, each output scanned the group and summed the splits on its own, one after another:
-// 2 scans a thread at M = 1, 4 at 2-8, 8 at 9-16, 12 at 17-24, a plausible cause of the launches' growth with x's
-// rows (session 39's sweep), not yet timed. Each output's sums and their order are the same, so are the bits.)
+// The finished values of a warp's outputs from their scaled sums, in place (outputs outside [M, N] are never
+// stored: what they hold does not matter): each row's scale, then the row's escapes in index order, as x[m, k] *
+// w. One pass over a tile's 16-row escape group serves all the thread's outputs of that tile, and a split merge
+// has each split's reads in flight together. (As first written, each output scanned the group and summed the
+// splits on its own, one after another: 2 scans a thread at M = 1, 4 at 2-8, 8 at 9-16, 12 at 17-24, a plausible
+// cause of the launches' growth with x's rows (session 39's sweep), not yet timed. Each output's sums and their
+// order are the same, so are the bits.)
 template <int R, int G>
 __device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig) {
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
