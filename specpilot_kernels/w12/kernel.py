@@ -3,7 +3,8 @@
 What it computes: for ``x [M, K]`` (bf16, fp16 or fp32) and a packed ``W [N, K]``, ``y [M, N]`` in
 ``x``'s dtype, accumulated in fp32. BF16 weights are decoded in registers and never written to
 memory; escapes are added exactly; the reduction order depends only on the launch configuration,
-which is a pure function of ``(M, N, K)`` (``pick_config``), so repeated runs are bitwise identical.
+which is a pure function of ``(M, N, K)`` and the card (``pick_config``; a tuned file read at import,
+``TUNED_ENV``, is part of that function), so repeated runs are bitwise identical.
 
 Decode (a few integer ops per weight, no per-weight branch). The planes hold the
 *window-relative* pattern ``r = sign<<15 | o<<7 | m``, whose value is ``w * 2**-e0`` (zeros stay
