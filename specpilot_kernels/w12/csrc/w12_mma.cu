@@ -174,9 +174,9 @@ constexpr int kMaxRows = 32;  // rows of x: four 8-row groups (1 row tile a warp
 
 // f(value, m, n) for each output of the warp's D fragments inside [M, N]: acc[r][gg] holds
 // {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = the tile's row g and m = 8gg + 2tig.
-template <int R, int G, typename F>
-__device__ __forceinline__ void for_each_output(const float (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g,
-                                                int tig, F&& f) {
+template <int R, int G, typename T, typename F>  // T: float, or const float
+__device__ __forceinline__ void for_each_output(T (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig,
+                                                F&& f) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -224,7 +224,8 @@ __device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& 
     }
     const int64_t lo0 = int64_t(n0) * a.K, lo1 = lo0 + 8 * int64_t(a.K);  // rows past N hold no escapes
     for (int e = a.esc_ptr[n_tile >> 4], end = a.esc_ptr[(n_tile >> 4) + 1]; e < end; ++e) {
-      const int64_t idx = a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+      const int64_t idx =
+          a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
       const bool row0 = idx >= lo0 && idx < lo0 + a.K, row1 = idx >= lo1 && idx < lo1 + a.K;
       if (!row0 && !row1) continue;
       const float w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
@@ -273,15 +274,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const Mm
     __threadfence();
     zero(v);
     for (int s = 0; s < a.splits; ++s)  // every split's partial, in split order; a split's reads all in flight
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int n = n_warp + r * 16 + g + 8 * (i >> 1), m = gg * 8 + 2 * tig + (i & 1);
-            if (n < a.N && m < a.M) v[r][gg][i] += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
-          }
+      for_each_output(v, a, n_warp, g, tig, [&](float& value, int m, int n) {
+        value += __ldcg(a.part + (int64_t(s) * a.M + m) * a.N + n);
+      });
     if (threadIdx.x == 0) a.counters[tile] = 0;
   }
   finish_tile(v, a, n_warp, g, tig);
