@@ -39,6 +39,7 @@ from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
 from specpilot_kernels.w12.kernel import (  # noqa: E402
     TUNED_ENV,
     Config,
+    launch_from_fields,
     pick_config,
     tensor_core_config,
     tuned_to_json,
@@ -394,8 +395,7 @@ def winners(results: list[dict], card: str) -> dict[tuple[int, int], dict[int, C
     swept Triton tiles alike."""
     out: dict[tuple[int, int], dict[int, Config | MmaConfig]] = {}
     for r in results:
-        launch = r["launch"]
-        cfg = Config(**launch) if "bj" in launch else MmaConfig(**launch)
+        cfg = launch_from_fields(r["launch"])
         if r["us"] < r["triton_us"] and cfg != pick_config(r["m"], *r["shape"], card):
             out.setdefault(tuple(r["shape"]), {})[cuda_mma.m_class(r["m"])] = cfg
     return out

@@ -516,17 +516,20 @@ def tuned_to_json(table: Tuned) -> dict:
             for card, shapes in table.items()}
 
 
+def launch_from_fields(fields: dict) -> MmaConfig | Config:
+    """A launch from its dataclass fields (a tuned file's entry, a bench record's ``launch``): Triton's has ``bj``."""
+    return Config(**fields) if "bj" in fields else MmaConfig(**fields)
+
+
 def tuned_from_json(doc: dict) -> Tuned:
-    """The inverse of `tuned_to_json` (a Triton launch is the one with ``bj``); raises ValueError naming what is
-    malformed."""
+    """The inverse of `tuned_to_json`; raises ValueError naming what is malformed."""
     out: Tuned = {}
     try:
         for card, shapes in doc.items():
             for shape, by_m in shapes.items():
                 n, k = (int(v) for v in shape.split("x"))
                 for mc, fields in by_m.items():
-                    launch = Config(**fields) if "bj" in fields else MmaConfig(**fields)
-                    out.setdefault(card, {}).setdefault((n, k), {})[int(mc)] = launch
+                    out.setdefault(card, {}).setdefault((n, k), {})[int(mc)] = launch_from_fields(fields)
     except (AttributeError, TypeError, ValueError) as e:
         raise ValueError("a W12 tuned table must be {card: {'NxK': {'M class': MmaConfig or Config fields}}}: "
                          f"{e}") from e

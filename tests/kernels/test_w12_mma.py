@@ -310,3 +310,21 @@ def test_a_tuned_entry_of_one_kind_replaces_the_other_kinds_for_its_case(monkeyp
     assert kernel.pick_config(12, 4096, 4096, "Card") == tile
     kernel.merge_tuned({"Card": {(4096, 4096): {16: mma}}})
     assert kernel.pick_config(12, 4096, 4096, "Card") != tile and cuda_mma.tuned_mma_config(12, 4096, 4096, "Card") == mma
+
+
+def test_the_bench_keeps_only_launches_that_beat_the_triton_kernels_own_choice():
+    from dataclasses import asdict
+
+    from bench.w12_bench import winners
+    from specpilot_kernels.w12.kernel import Config, pick_config
+
+    own = pick_config(4, 4096, 4096, "Card")
+    tile = Config(bm=4, bn=8, bj=512, split=2, use_dot=False, num_warps=2, num_stages=1)
+    mma = MmaConfig(chunks=4, warps=2, pipelined=True)
+    records = [{"shape": [4096, 4096], "m": 4, "us": 9.0, "triton_us": 10.0, "launch": asdict(tile)},
+               {"shape": [4096, 4096], "m": 16, "us": 9.0, "triton_us": 10.0, "launch": asdict(mma)},
+               {"shape": [6144, 4096], "m": 1, "us": 11.0, "triton_us": 10.0, "launch": asdict(mma)},  # slower
+               {"shape": [6144, 4096], "m": 4, "us": 9.0, "triton_us": 10.0,  # Triton's own choice, timed twice
+                "launch": asdict(pick_config(4, 6144, 4096, "Card"))}]
+    assert own != tile
+    assert winners(records, "Card") == {(4096, 4096): {4: tile, 16: mma}}
