@@ -198,47 +198,123 @@ struct ConsumerBarrier {
   __device__ __forceinline__ void sync() const { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 };
 
-// The finished values of a warp's outputs from their scaled sums, in place (outputs outside [M, N] are never
-// stored: what they hold does not matter): each row's scale, then the row's escapes in index order, as x[m, k] *
-// w. One pass over a tile's 16-row escape group serves all the thread's outputs of that tile, and a split merge
-// has each split's reads in flight together. (As first written, each output scanned the group and summed the
-// splits on its own, one after another: 2 scans a thread at M = 1, 4 at 2-8, 8 at 9-16, 12 at 17-24, a plausible
-// cause of the launches' growth with x's rows (session 39's sweep), not yet timed. Each output's sums and their
-// order are the same, so are the bits.)
-template <int R, int G>
-__device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig) {
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+// What a warp's epilogue reads besides its sums, loaded before the warp's main loop: each of its rows' base exponent
+// (as the row scale), each tile's escape range and, lane l, the tile's escape begin + l (flat index minus the tile's
+// first flat index, below 16 K, and its value). These sit in lines no other load touches (e0, esc_ptr, esc_idx,
+// esc_val: cold in DRAM when the weights are), and each read depends on the one before (range, then index, then x
+// at that column), so read in the epilogue they were a chain of DRAM round trips at the end of every block, after
+// its last weight byte had arrived: on a grid of about one wave (the small shapes) the chain is the kernel's tail.
+// Loaded in the main loop they arrive while the weights stream. A tile's escapes past its first 32 are read in the
+// epilogue. (A hypothesis of session 40, from the sweep's small shapes: measured by the next device call.)
+template <int R>
+struct EpilogueInputs {
+  float row_scale[R][2];  // 2^(e0 - 64) as 2^63 * 2^(e0 - 127), rows n0 and n0 + 8 of tile r
+  int begin[R], end[R];   // the tile's escapes: esc_idx[begin .. end)
+  int esc_off[R];         // lane l: escape begin + l's flat index minus n_tile * K (when begin + l < end)
+  float esc_w[R];         // its value
+  bool have_escapes;      // load_escapes has run
+
+  // The loads that depend on nothing: issued at the warp's start, used no sooner than `load_escapes`.
+  __device__ __forceinline__ void load_ranges(const MmaArgs& a, int n_warp, int g) {
+    have_escapes = false;
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n_tile = n_warp + r * 16, n0 = n_tile + g;  // the thread's rows: n0 (outputs i = 0, 1), n0 + 8 (2, 3)
-    if (n_tile >= a.N) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + 8 * h;
-      if (n >= a.N) continue;
-      const float row_scale = __int_as_float(int(a.e0[n]) << 23);  // 2^(e0 - 64) as 2^63 * 2^(e0 - 127)
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-        for (int i = 2 * h; i < 2 * h + 2; ++i) v[r][gg][i] = v[r][gg][i] * 9223372036854775808.0f * row_scale;
-    }
-    const int64_t lo0 = int64_t(n0) * a.K, lo1 = lo0 + 8 * int64_t(a.K);  // rows past N hold no escapes
-    for (int e = a.esc_ptr[n_tile >> 4], end = a.esc_ptr[(n_tile >> 4) + 1]; e < end; ++e) {
-      const int64_t idx =
-          a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
-      const bool row0 = idx >= lo0 && idx < lo0 + a.K, row1 = idx >= lo1 && idx < lo1 + a.K;
-      if (!row0 && !row1) continue;
-      const float w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
-      const int64_t k = idx - (row0 ? lo0 : lo1);
+    for (int r = 0; r < R; ++r) {
+      const int n_tile = n_warp + r * 16;
+      begin[r] = end[r] = esc_off[r] = 0;
+      esc_w[r] = 0.0f;
+      row_scale[r][0] = row_scale[r][1] = 0.0f;
+      if (n_tile >= a.N) continue;  // the warp's rows past N: never finished
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if ((h == 0) != row0) continue;
+        const int n = n_tile + g + 8 * h;
+        if (n < a.N) row_scale[r][h] = __int_as_float(int(a.e0[n]) << 23);
+      }
+      begin[r] = a.esc_ptr[n_tile >> 4];
+      end[r] = a.esc_ptr[(n_tile >> 4) + 1];
+    }
+  }
+
+  // The escapes' own loads, which need the ranges: called once after the warp's first step of math (by then the
+  // ranges, issued with that step's loads, have arrived, so the warp does not wait on them), or before the
+  // epilogue where the warp had no step.
+  __device__ __forceinline__ void load_escapes(const MmaArgs& a, int n_warp, int lane) {
+    if (have_escapes) return;
+    have_escapes = true;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int e = begin[r] + lane;
+      if (e < end[r]) {
+        const int64_t idx =
+            a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+        esc_off[r] = int(idx - int64_t(n_warp + r * 16) * a.K);
+        esc_w[r] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+      }
+    }
+  }
+};
+
+// The finished values of a warp's outputs from their scaled sums, in place (outputs outside [M, N] are never
+// stored: what they hold does not matter): each row's scale, then the row's escapes in index order, as x[m, k] *
+// w. One pass over a tile's 16-row escape group serves all the thread's outputs of that tile (session 39; each
+// output had scanned the group on its own: 2 scans a thread at M = 1, 4 at 2-8, 8 at 9-16). The escapes come from
+// `EpilogueInputs` (lane e - begin holds escape e, shuffled to the warp; every lane runs the same loop), and x's
+// values for a batch of them are loaded together before any is added, so the batch costs one round trip to L2,
+// not one an escape. Each output's sums and their order are the same as a scan with one read at a time.
+template <int R, int G>
+__device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& a, const EpilogueInputs<R>& in,
+                                            int n_warp, int g, int tig) {
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+  constexpr int kBatch = G <= 2 ? 4 : 2;  // escapes whose x values are in flight together (registers: kBatch x 2G)
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n_tile = n_warp + r * 16;  // the thread's rows: n_tile + g (outputs i = 0, 1) and + 8 (i = 2, 3)
+    if (n_tile >= a.N) continue;
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[r][gg][i] = v[r][gg][i] * 9223372036854775808.0f * in.row_scale[r][i >> 1];
+    const int lo0 = g * a.K, lo1 = lo0 + 8 * a.K;  // the rows' first flat index past n_tile * K (16 K < 2^31)
+    for (int e0 = in.begin[r]; e0 < in.end[r]; e0 += kBatch) {  // warp-uniform bounds: every lane shuffles
+      int off[kBatch];
+      float w[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int e = e0 + b, slot = e - in.begin[r];
+        off[b] = -1;  // no row
+        w[b] = 0.0f;
+        if (e >= in.end[r]) continue;
+        if (slot < 32) {
+          off[b] = __shfl_sync(0xffffffffu, in.esc_off[r], slot);
+          w[b] = __shfl_sync(0xffffffffu, in.esc_w[r], slot);
+        } else {
+          const int64_t idx =
+              a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+          off[b] = int(idx - int64_t(n_tile) * a.K);
+          w[b] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+        }
+      }
+      float xv[kBatch][G][2];  // x[m, k] of each escape's column for the thread's rows of x (0 where not its row)
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const bool row0 = off[b] >= lo0 && off[b] < lo0 + a.K, row1 = off[b] >= lo1 && off[b] < lo1 + a.K;
+        const int k = off[b] - (row0 ? lo0 : lo1);
 #pragma unroll
         for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-          for (int i = 2 * h; i < 2 * h + 2; ++i) {
+          for (int j = 0; j < 2; ++j) {
+            const int m = gg * 8 + 2 * tig + j;
+            xv[b][gg][j] = (row0 || row1) && m < a.M ? __bfloat162float(x[int64_t(m) * a.ldx + k]) : 0.0f;
+          }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {  // in index order
+        const bool row0 = off[b] >= lo0 && off[b] < lo0 + a.K, row1 = off[b] >= lo1 && off[b] < lo1 + a.K;
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
             const int m = gg * 8 + 2 * tig + (i & 1);
-            if (m < a.M) v[r][gg][i] += __bfloat162float(x[int64_t(m) * a.ldx + k]) * w;
+            if ((i < 2 ? row0 : row1) && m < a.M) v[r][gg][i] += xv[b][gg][i & 1] * w[b];
           }
       }
     }
@@ -249,8 +325,8 @@ __device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& 
 // tile's last block to arrive, summed over the splits in split order and finished. Every thread that `bar` syncs
 // calls it; thread 0 is one of them.
 template <int R, int G, typename Barrier>
-__device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const MmaArgs& a, int n_warp, int g, int tig,
-                                           int tile, int split, const Barrier& bar) {
+__device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const MmaArgs& a, const EpilogueInputs<R>& in,
+                                           int n_warp, int g, int tig, int tile, int split, const Barrier& bar) {
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.y);
   float v[R][G][4];
   if (a.splits == 1) {
@@ -279,7 +355,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[R][G][4], const Mm
       });
     if (threadIdx.x == 0) a.counters[tile] = 0;
   }
-  finish_tile(v, a, n_warp, g, tig);
+  finish_tile(v, a, in, n_warp, g, tig);
   for_each_output(v, a, n_warp, g, tig,
                   [&](float value, int m, int n) { y[int64_t(m) * a.N + n] = __float2bfloat16(value); });
 }
@@ -317,10 +393,22 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
 
   int j0 = j_begin;
   const int full_end = j_begin + (j_end - j_begin) / (64 * U) * (64 * U);
+  EpilogueInputs<R> in;
+  in.load_ranges(a, n_warp, g);
   if (PIPE && j0 < full_end) {  // software pipeline: the next step's loads go out before this step's math
     Chunks<R, G, U> cur;
     cur.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
-    for (j0 += 64 * U; j0 < full_end; j0 += 64 * U) {
+    j0 += 64 * U;
+    if (j0 < full_end) {  // the first step, peeled: the escapes' loads go out after its math (a flag in the loop
+      // cost the c4 launch 27 registers and a spill)
+      Chunks<R, G, U> next;
+      next.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
+      cur.compute(acc);
+      in.load_escapes(a, n_warp, lane);
+      cur = next;
+      j0 += 64 * U;
+    }
+    for (; j0 < full_end; j0 += 64 * U) {
       Chunks<R, G, U> next;
       next.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
       cur.compute(acc);
@@ -338,8 +426,9 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
     c.template load<true, false>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
     c.compute(acc);
   }
+  in.load_escapes(a, n_warp, lane);  // unpipelined launches, and a warp of one step, read them here
 
-  store_tile(acc, a, n_warp, g, tig, blockIdx.x, split, BlockBarrier{});
+  store_tile(acc, a, in, n_warp, g, tig, blockIdx.x, split, BlockBarrier{});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -471,9 +560,12 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
     const int j_begin = split * a.j_per_split, j_end = min(a.kh, j_begin + a.j_per_split);
     float acc[R][G][4];
     zero(acc);
+    EpilogueInputs<R> in;  // the ranges read while the producer's first copies of the item are in flight
+    in.load_ranges(a, n_block + warp * 16 * R, g);
     for (int j0 = j_begin; j0 < j_end; j0 += 64 * p.chunks, ++t) {
       const int s = t % p.stages;
       mbar_wait(full + s, (t / p.stages) & 1);
+      in.load_escapes(a, n_block + warp * 16 * R, lane);  // the ranges are in by now: the first copies were slower
       const int n_chunks = min(p.chunks, (j_end - j0 + 63) / 64);
       for (int c = 0; c < n_chunks; ++c) {
         const uint8_t* base = smem + s * stage_bytes + c * chunk_bytes;
@@ -501,7 +593,8 @@ __global__ void __launch_bounds__(288, R * G == 1 ? 3 : R * G == 2 ? 2 : 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + s);
     }
-    store_tile<R, G>(acc, a, n_block + warp * 16 * R, g, tig, tile, split, ConsumerBarrier{32 * warps});
+    in.load_escapes(a, n_block + warp * 16 * R, lane);
+    store_tile<R, G>(acc, a, in, n_block + warp * 16 * R, g, tig, tile, split, ConsumerBarrier{32 * warps});
   }
 #endif
 }
