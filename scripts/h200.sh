@@ -21,6 +21,7 @@
 #           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)
 #           bash scripts/h200.sh batch-ab [bench flags]      (compiled device drafts vs uncompiled, one process)
 #           bash scripts/h200.sh train-gen MINUTES; train-fit MINUTES [--k 8 ...]   (a new parallel drafter, 2 calls)
+#           bash scripts/h200.sh compose   (batch 1 over AR: stock, parallel drafter, fused_gemv, both; ~6 min)
 #           bash scripts/h200.sh drafter-ab WEIGHTS   (that drafter against the shipped one, batched and batch 1;
 #           train-fit leaves its file at /tmp/smollm2_parallel_new.pt)
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
@@ -142,6 +143,18 @@ case "${1:-}" in
     timeout 90 $b1 --out "$OUT/b1_stock" 2>&1 | grep "end to end"
     timeout 90 $b1 --out "$OUT/b1_shipped" --drafter parallel --block-size 6 2>&1 | grep "end to end"
     timeout 90 $b1 --out "$OUT/b1_new" --drafter parallel --block-size 6 --drafter-weights "$w" 2>&1 | grep "end to end" ;;
+  compose)  # after stash (issue 31 item 2): how far the round's two levers go together at batch 1 over the graphed
+    # stock (smollm2-h200: graphs + fused kernels + n-gram): the parallel drafter, fused_gemv (norms and SiLU inside the
+    # GEMVs: 1.49x AR on an H200, session 8, but little at the 5-9 rows a verification has), and both; each over AR
+    # on the same 48 dev requests, one process a row (ratios between rows are of separate processes: a first look)
+    b1="python3 -m specpilot.harness.bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
+    for row in "stock|" "parallel|--drafter parallel --block-size 6" "gemv|--fused-gemv" \
+               "parallel_gemv|--drafter parallel --block-size 6 --fused-gemv"; do
+      name=${row%%|*}
+      echo "== $name"
+      timeout 100 $b1 --out "$OUT/b1_$name" ${row#*|} > "$OUT/b1_$name.txt" 2>&1 || echo "$name exited $?"
+      grep "end to end" "$OUT/b1_$name.txt" || tail -3 "$OUT/b1_$name.txt"
+    done ;;
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings),
     # with everyday chat since session 35
@@ -286,6 +299,6 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     ncu --clock-control none -k regex:'nvjet|gemm|gemv|sm90|cutlass' --launch-skip 5 --launch-count 1 $S \
       python3 bench/w12_profile.py 28672x4096:8 --torch --min-bytes 3e8 >> "$OUT/ncu.txt" 2>&1 || true
     grep -E "^===|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|warp cycles per issued" "$OUT/ncu.txt" | head -120 ;;
-  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | drafter-taps [flags] | w12 | w12-smoke | w12-check | ncu-w12 [CASES]" >&2
+  *) echo "usage: bash scripts/h200.sh parts N | stash | round-start [flags] | round-wait SECONDS | gpu-check | batch-bench [flags] | train-gen MIN | train-fit MIN [flags] | noise DEVICE TRIALS RUNS | fused | gemv [--random] [--sweep] | startup [DEP] [OPTS] | drafter-taps [flags] | compose | w12 | w12-smoke | w12-check | ncu-w12 [CASES]" >&2
      exit 2 ;;
 esac
