@@ -399,8 +399,8 @@ __global__ void __launch_bounds__(256) w12_mma_kernel(const MmaArgs a) {
     Chunks<R, G, U> cur;
     cur.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
     j0 += 64 * U;
-    if (j0 < full_end) {  // the first step, peeled: the escapes' loads go out after its math (a flag in the loop
-      // cost the c4 launch 27 registers and a spill)
+    if (j0 < full_end) {  // the first step, peeled: the escapes' loads go out after its math (the c4 launch
+      // still spills 16-24 bytes: prefetched values stored before the main loop and loaded after it, none inside)
       Chunks<R, G, U> next;
       next.template load<false, true>(a, nib_row, low_row, x_row, x_live, j0, j_end, tig);
       cur.compute(acc);
