@@ -258,17 +258,28 @@ def _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M, c0, kh, K
 
 
 @triton.jit
-def _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-            BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
-    """Scale rows back (``* 2**(e0-64)``), add escapes in index order, cast, store ``[BM, BN]``."""
-    nmask = rn < N
-    mmask = rm < M
-    e0 = tl.load(E0 + rn, mask=nmask, other=127).to(tl.int32)
+def _finish_inputs(pid_n, rn, N, E0, ESC_PTR, BN: tl.constexpr, GROUP: tl.constexpr):
+    """What `_finish` reads first: the rows' scales ``2**(e0-127)`` and the tile's escape range. Loaded
+    at the program's start, before its main loop, so they arrive while the weights stream: read in
+    `_finish` they were the first of three dependent round trips to DRAM (range, then escapes, then x)
+    after the last weight byte (session 40; ``e0`` and ``esc_ptr`` lines are cold whenever the weights
+    are)."""
+    e0 = tl.load(E0 + rn, mask=rn < N, other=127).to(tl.int32)
     row_scale = (e0 << 23).to(tl.float32, bitcast=True)  # 2**(e0-127), a normal fp32 (e0 >= 1)
-    y = (acc * 9223372036854775808.0) * row_scale[None, :]  # * 2**63 * 2**(e0-127) = 2**(e0-64)
     n0 = pid_n * BN
     p0 = tl.load(ESC_PTR + n0 // GROUP)
     p1 = tl.load(ESC_PTR + (tl.minimum(n0 + BN, N) - 1) // GROUP + 1)
+    return row_scale, p0, p1
+
+
+@triton.jit
+def _finish(acc, row_scale, p0, p1, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, ESC_IDX, ESC_VAL,
+            EC: tl.constexpr):
+    """Scale rows back (``* 2**(e0-64)``), add escapes in index order, cast, store ``[BM, BN]``
+    (``row_scale``, ``p0``, ``p1``: `_finish_inputs`)."""
+    nmask = rn < N
+    mmask = rm < M
+    y = (acc * 9223372036854775808.0) * row_scale[None, :]  # * 2**63 * 2**(e0-127) = 2**(e0-64)
     for p in range(p0, p1, EC):
         pe = p + tl.arange(0, EC)
         em = pe < p1
@@ -285,8 +296,8 @@ def _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR
 
 
 @triton.jit
-def _merge_splits(tile, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX,
-                  ESC_VAL, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
+def _merge_splits(tile, row_scale, p0, p1, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
+                  ESC_VAL, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr):
     """After this program stored its split's partial of the ``[BM, BN]`` tile: count it in; the last of
     the tile's ``S`` programs to arrive sums the partials in split order (so the result does not depend
     on the order of arrival), finishes the tile and resets the tile's counter (specpilot_kernels.counters)."""
@@ -298,8 +309,7 @@ def _merge_splits(tile, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for s in range(0, S):
             acc += tl.load(P + s * M * N + off, mask=msk, other=0.0, cache_modifier=".cg")
-        _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                BN, EC, GROUP)
+        _finish(acc, row_scale, p0, p1, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, ESC_IDX, ESC_VAL, EC)
         tl.atomic_xchg(CNT + tile, 0)  # ready for the next launch (and graph replay)
 
 
@@ -322,6 +332,7 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     j_lo = pid_s * cols_per_split
     j_hi = tl.minimum(j_lo + cols_per_split, KH)
     j_full = j_lo + ((j_hi - j_lo) // BJ) * BJ
+    row_scale, p0, p1 = _finish_inputs(pid_n, rn, N, E0, ESC_PTR, BN, GROUP)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j0 in range(j_lo, j_full, BJ):
         j = tl.max_contiguous(tl.multiple_of(j0 + rj, BJ), BJ)
@@ -338,26 +349,27 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
         la = tl.load(low_p + jj, mask=jm, other=0)
         lb = tl.load(low_p + (KH + jj), mask=jm, other=0)
         acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
-    if not SPLIT_K:
-        _finish(acc, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                BN, EC, GROUP)
-    else:
-        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
-        _merge_splits(pid_m * tl.num_programs(0) + pid_n, pid_n, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym,
-                      P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
+    _out(acc, row_scale, p0, p1, pid_m * tl.num_programs(0) + pid_n, pid_s, rm, rn, M, N, K, S, X, stride_xm, Y,
+         stride_ym, P, CNT, ESC_IDX, ESC_VAL, SPLIT_K, BM, BN, EC)
 
 
 @triton.jit
-def _fma_out(acc, r, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-             SPLIT_K: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr, GROUP: tl.constexpr):
-    """Row ``m0 + r`` of an FMA tile: finished, or stored as split ``pid_s``'s fp32 partial."""
-    row = tl.sum(acc, axis=1)[None, :]
-    rm = m0 + r + tl.arange(0, 1)
+def _out(acc, row_scale, p0, p1, tile, pid_s, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
+         ESC_VAL, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr):
+    """A program's ``[BM, BN]`` tile: finished, or stored as split ``pid_s``'s fp32 partial and merged by the
+    tile's last program to arrive."""
     if not SPLIT_K:
-        _finish(row, pid_n, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                BN, EC, GROUP)
+        _finish(acc, row_scale, p0, p1, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, ESC_IDX, ESC_VAL, EC)
     else:
-        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], row, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _merge_splits(tile, row_scale, p0, p1, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
+                      ESC_VAL, BM, BN, EC)
+
+
+@triton.jit
+def _put_row(tile, acc, r: tl.constexpr, BM: tl.constexpr):
+    """Row ``r`` of an FMA program's ``[BM, BN]`` tile: its ``[BN, BW]`` accumulator summed over the words."""
+    return tl.where((tl.arange(0, BM) == r)[:, None], tl.sum(acc, axis=1)[None, :], tile)
 
 
 @triton.jit
@@ -388,6 +400,7 @@ def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
     w_lo = (pid_s * cols_per_split) // 4
     w_hi = tl.minimum(w_lo + cols_per_split // 4, KW)
     w_full = w_lo + ((w_hi - w_lo) // BW) * BW
+    row_scale, p0, p1 = _finish_inputs(pid_n, rn, N, E0, ESC_PTR, BN, GROUP)
     a0 = tl.zeros((BN, BW), dtype=tl.float32)
     a1 = tl.zeros((BN, BW), dtype=tl.float32)
     a2 = tl.zeros((BN, BW), dtype=tl.float32)
@@ -420,28 +433,21 @@ def _w12_fma_kernel(X, XQ, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
         a0, a1, a2, a3, a4, a5, a6, a7 = _fma_step(a0, a1, a2, a3, a4, a5, a6, a7, q, la, lb, X, XQ, m0, M,
                                                    4 * w_full, KH, K, stride_xm, BM, BW, XWORDS, FP16,
                                                    True, ASM)
-    _fma_out(a0, 0, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
+    # one tile of the BM rows, finished in one pass over the escapes (each row had finished on its own: up to
+    # eight passes, each a chain of dependent loads, one after another; session 40)
+    tile = _put_row(tl.zeros((BM, BN), dtype=tl.float32), a0, 0, BM)
     if BM > 1:
-        _fma_out(a1, 1, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
+        tile = _put_row(tile, a1, 1, BM)
     if BM > 2:
-        _fma_out(a2, 2, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
-        _fma_out(a3, 3, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
+        tile = _put_row(tile, a2, 2, BM)
+        tile = _put_row(tile, a3, 3, BM)
     if BM > 4:
-        _fma_out(a4, 4, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
-        _fma_out(a5, 5, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
-        _fma_out(a6, 6, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
-        _fma_out(a7, 7, m0, pid_n, pid_s, rn, M, N, K, X, stride_xm, Y, stride_ym, P, E0, ESC_PTR, ESC_IDX, ESC_VAL,
-                 SPLIT_K, BN, EC, GROUP)
-    if SPLIT_K:
-        _merge_splits(tl.program_id(2) * tl.num_programs(0) + pid_n, pid_n, m0 + tl.arange(0, BM), rn, M, N, K, S,
-                      X, stride_xm, Y, stride_ym, P, CNT, E0, ESC_PTR, ESC_IDX, ESC_VAL, BM, BN, EC, GROUP)
+        tile = _put_row(tile, a4, 4, BM)
+        tile = _put_row(tile, a5, 5, BM)
+        tile = _put_row(tile, a6, 6, BM)
+        tile = _put_row(tile, a7, 7, BM)
+    _out(tile, row_scale, p0, p1, tl.program_id(2) * tl.num_programs(0) + pid_n, pid_s, m0 + tl.arange(0, BM), rn,
+         M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX, ESC_VAL, SPLIT_K, BM, BN, EC)
 
 
 # --------------------------------------------------------------------------------------------
