@@ -314,6 +314,19 @@ def _merge_splits(tile, row_scale, p0, p1, rm, rn, M, N, K, S, X, stride_xm, Y, 
 
 
 @triton.jit
+def _out(acc, row_scale, p0, p1, tile, pid_s, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
+         ESC_VAL, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr):
+    """A program's ``[BM, BN]`` tile: finished, or stored as split ``pid_s``'s fp32 partial and merged by the
+    tile's last program to arrive."""
+    if not SPLIT_K:
+        _finish(acc, row_scale, p0, p1, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, ESC_IDX, ESC_VAL, EC)
+    else:
+        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _merge_splits(tile, row_scale, p0, p1, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
+                      ESC_VAL, BM, BN, EC)
+
+
+@triton.jit
 def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
                     M, N, K, KH, cols_per_split, S, stride_xm, stride_ym,
                     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -351,19 +364,6 @@ def _w12_dot_kernel(X, LOW, NIB, E0, ESC_PTR, ESC_IDX, ESC_VAL, Y, P, CNT,
         acc = _dot_step(acc, q, la, lb, X, rm, M, j, KH, K, stride_xm, True, DOT_BF16, ASM)
     _out(acc, row_scale, p0, p1, pid_m * tl.num_programs(0) + pid_n, pid_s, rm, rn, M, N, K, S, X, stride_xm, Y,
          stride_ym, P, CNT, ESC_IDX, ESC_VAL, SPLIT_K, BM, BN, EC)
-
-
-@triton.jit
-def _out(acc, row_scale, p0, p1, tile, pid_s, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
-         ESC_VAL, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EC: tl.constexpr):
-    """A program's ``[BM, BN]`` tile: finished, or stored as split ``pid_s``'s fp32 partial and merged by the
-    tile's last program to arrive."""
-    if not SPLIT_K:
-        _finish(acc, row_scale, p0, p1, rm, rn, M, N, K, X, stride_xm, Y, stride_ym, ESC_IDX, ESC_VAL, EC)
-    else:
-        tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
-        _merge_splits(tile, row_scale, p0, p1, rm, rn, M, N, K, S, X, stride_xm, Y, stride_ym, P, CNT, ESC_IDX,
-                      ESC_VAL, BM, BN, EC)
 
 
 @triton.jit

@@ -198,6 +198,13 @@ struct ConsumerBarrier {
   __device__ __forceinline__ void sync() const { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 };
 
+// Escape e of the tile whose first row is n_tile: its flat index minus n_tile * K (below 16 K) and its value.
+__device__ __forceinline__ void read_escape(const MmaArgs& a, int e, int n_tile, int& off, float& w) {
+  const int64_t idx = a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
+  off = int(idx - int64_t(n_tile) * a.K);
+  w = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+}
+
 // What a warp's epilogue reads besides its sums, loaded before the warp's main loop: each of its rows' base exponent
 // (as the row scale), each tile's escape range and, lane l, the tile's escape begin + l (flat index minus the tile's
 // first flat index, below 16 K, and its value). These sit in lines no other load touches (e0, esc_ptr, esc_idx,
@@ -243,12 +250,7 @@ struct EpilogueInputs {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int e = begin[r] + lane;
-      if (e < end[r]) {
-        const int64_t idx =
-            a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
-        esc_off[r] = int(idx - int64_t(n_warp + r * 16) * a.K);
-        esc_w[r] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
-      }
+      if (e < end[r]) read_escape(a, e, n_warp + r * 16, esc_off[r], esc_w[r]);
     }
   }
 };
@@ -287,10 +289,7 @@ __device__ __forceinline__ void finish_tile(float (&v)[R][G][4], const MmaArgs& 
           off[b] = __shfl_sync(0xffffffffu, in.esc_off[r], slot);
           w[b] = __shfl_sync(0xffffffffu, in.esc_w[r], slot);
         } else {
-          const int64_t idx =
-              a.idx64 ? static_cast<const int64_t*>(a.esc_idx)[e] : static_cast<const int32_t*>(a.esc_idx)[e];
-          off[b] = int(idx - int64_t(n_tile) * a.K);
-          w[b] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(a.esc_val[e])));
+          read_escape(a, e, n_tile, off[b], w[b]);
         }
       }
       float xv[kBatch][G][2];  // x[m, k] of each escape's column for the thread's rows of x (0 where not its row)
