@@ -40,8 +40,10 @@ from specpilot_kernels.w12.kernel import (  # noqa: E402
     TUNED_ENV,
     Config,
     launch_from_fields,
+    merge_tuned,
     pick_config,
     tensor_core_config,
+    tuned_from_json,
     tuned_to_json,
     w12_matmul,
 )
@@ -85,8 +87,8 @@ PERSISTENT = (1, 8)
 
 
 def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -> list[Config]:
-    """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``) and the CUDA-core path
-    (``fma``, M <= 8)."""
+    """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``), the CUDA C++ tensor-core
+    launches (``mma``, ``tma``, ``tmap``) and the CUDA-core path (``fma``, M <= 8)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
     if "dot" in kinds:
@@ -302,12 +304,23 @@ def main(argv=None) -> int:
                     help="write the table's launches that beat the Triton kernels' own choice (tensor-core launches "
                          f"and swept Triton tiles) as a tuned table (JSON; `{TUNED_ENV}=FILE` makes w12_matmul's "
                          "dispatch use them)")
+    ap.add_argument("--base-tuned", default=None, metavar="FILE",
+                    help=f"a previous sweep's tuned table: the dispatch uses it (as `{TUNED_ENV}=FILE` would), and "
+                         "--write-tuned writes it back with the entries of the swept shapes and M classes replaced "
+                         "by this sweep's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "w12_summary", "error": "no CUDA device"}))
         return 1
     import triton
 
+    base = None
+    if args.base_tuned:
+        try:
+            base = tuned_from_json(json.loads(Path(args.base_tuned).read_text()))
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            ap.error(f"--base-tuned {args.base_tuned}: {e}")
+        merge_tuned(base)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     out = open(args.out, "a") if args.out else None  # noqa: SIM115
@@ -362,6 +375,9 @@ def main(argv=None) -> int:
     _table(results, env)
     if args.write_tuned:
         won = winners(results, dev.name)
+        if base is not None:
+            won = rebase(base.get(dev.name, {}), won, {(n, k, cuda_mma.m_class(m)) for n, k in shapes
+                                                       for m in (sweep_ms if args.sweep else ms)})
         Path(args.write_tuned).write_text(json.dumps(tuned_to_json({dev.name: won}), indent=1))
         print(f"# {sum(map(len, won.values()))} launches beat the Triton kernels' own choice: {args.write_tuned}",
               flush=True)
@@ -399,6 +415,19 @@ def winners(results: list[dict], card: str) -> dict[tuple[int, int], dict[int, C
         if r["us"] < r["triton_us"] and cfg != pick_config(r["m"], *r["shape"], card):
             out.setdefault(tuple(r["shape"]), {})[cuda_mma.m_class(r["m"])] = cfg
     return out
+
+
+def rebase(base: dict, won: dict, covered: set[tuple[int, int, int]]) -> dict:
+    """``base`` (one card's tuned entries) with this run's ``won`` on top: a covered ``(n, k, M class)`` without a
+    winner keeps only a Triton entry of ``base`` (the run's Triton choice was that entry, and it won), never a
+    tensor-core one (the run timed it against that choice and it lost)."""
+    out = {shape: dict(by_m) for shape, by_m in base.items()}
+    for (n, k, mc) in covered:
+        if isinstance(out.get((n, k), {}).get(mc), MmaConfig):
+            del out[(n, k)][mc]
+    for shape, by_m in won.items():
+        out.setdefault(shape, {}).update(by_m)
+    return {shape: by_m for shape, by_m in out.items() if by_m}
 
 
 def _table(results: list[dict], env: dict) -> None:

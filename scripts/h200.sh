@@ -240,18 +240,18 @@ PY
     done ;;
   w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
     # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register and TMA launches), the
-    # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it
+    # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it.
+    # W12_SWEEP_MS: sweep only these M (default W12_MS); W12_BASE: a previous tuned table the others keep.
     timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
-      --sweep-m ${W12_MS:-1,2,4,8,16,17} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
-      ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} \
+      --sweep-m ${W12_SWEEP_MS:-${W12_MS:-1,2,4,8,16,17}} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
+      ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} ${W12_BASE:+--base-tuned $W12_BASE} \
       --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
     grep -v '^{' "$OUT/w12.txt" | tail -40; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
-    for w in "" --w12; do
-      SPECPILOT_W12_TUNED=$OUT/tuned.json timeout ${W12_STEP_S:-150} python3 bench/engine_bench.py --model llama3-8b --device cuda \
-        --dtype bf16 --cuda-graphs --fused $w --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b${w:+_w12}.txt" 2>&1 ||
-        echo "engine_bench $w exited $?"
-      tail -4 "$OUT/step8b${w:+_w12}.txt"
-    done ;;
+    # one run times both: the bf16 step (mode graphs) and the W12 one (graphs_w12)
+    SPECPILOT_W12_TUNED=$OUT/tuned.json timeout ${W12_STEP_S:-150} python3 bench/engine_bench.py --model llama3-8b \
+      --device cuda --dtype bf16 --cuda-graphs --fused --w12 --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b_w12.txt" 2>&1 ||
+      echo "engine_bench exited $?"
+    tail -6 "$OUT/step8b_w12.txt" | grep -v '^{' ;;
   w12-smoke)  # the tensor-core W12 launches (register and TMA) against the reference on three shapes, in ~1 min
     # with the build: run it first, so a launch that hangs or errs costs one short call, not a sweep's
     timeout 100 python3 -c "

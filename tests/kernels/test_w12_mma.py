@@ -328,3 +328,20 @@ def test_the_bench_keeps_only_launches_that_beat_the_triton_kernels_own_choice()
                 "launch": asdict(pick_config(4, 6144, 4096, "Card"))}]
     assert own != tile
     assert winners(records, "Card") == {(4096, 4096): {4: tile, 16: mma}}
+
+
+def test_a_rebased_tuned_table_keeps_what_the_sweep_did_not_cover():
+    from bench.w12_bench import rebase
+    from specpilot_kernels.w12.kernel import Config
+
+    old_mma, new_mma = MmaConfig(chunks=4, warps=2, pipelined=True), MmaConfig(chunks=2, warps=2, pipelined=True)
+    fma = Config(bm=1, bn=4, bj=512, split=1, use_dot=False, num_warps=1, num_stages=1)
+    dot = Config(bm=16, bn=32, bj=256, split=1, use_dot=True, num_warps=4, num_stages=3)
+    wide = Config(bm=32, bn=64, bj=128, split=2, use_dot=True, num_warps=4, num_stages=3)
+    base = {(4096, 4096): {1: fma, 8: old_mma, 16: dot}, (6144, 4096): {8: old_mma, 32: old_mma}}
+    covered = {(n, k, mc) for n, k in ((4096, 4096), (6144, 4096)) for mc in (8, 16, 32)}
+    won = {(6144, 4096): {32: wide}, (4096, 4096): {8: new_mma}}
+    # uncovered M class 1 stays; covered: a winner replaces, a tensor-core entry with no winner goes (it lost to
+    # the Triton choice), a Triton entry with no winner stays (it was that choice); empty shapes drop out
+    assert rebase(base, won, covered) == {(4096, 4096): {1: fma, 8: new_mma, 16: dot}, (6144, 4096): {32: wide}}
+    assert base[(6144, 4096)] == {8: old_mma, 32: old_mma}  # the base table is not modified
