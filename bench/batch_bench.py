@@ -5,13 +5,13 @@ deployment (HumanEval and chat) under ``--concurrency`` closed-loop clients (`sp
 batched AR (no drafter) against batched speculation (the n-gram drafter, chain of ``--block`` tokens; and
 the parallel drafter where its weights ship), every system on the same requests in the same order. The
 stock of a batched deployment is the same draft length and chain for every request and each prompt
-admitted as a step of its own (`specpilot_engine.batch`). Reports output tokens/s, p50/p99 latency and
+admitted as a step of its own (`specpilot.engine.batch`). Reports output tokens/s, p50/p99 latency and
 time to first token, tau, the forward's seconds by rows in flight, and the speedup over batched AR;
 checks that every system's tokens equal batched AR's (lossless). Prints a table, then one JSON line.
 
 Usage: ``python bench/batch_bench.py [--concurrency 8] [--requests 16] [--max-new-tokens 128]
 [--dtype fp32] [--drafters none,ngram,parallel] [--block 4] [--threads 2] [--node-budget N]
-[--adaptive-block]`` (the last two: `specpilot_engine.batch.BatchPolicy`; AR drafts nothing either way)
+[--adaptive-block]`` (the last two: `specpilot.engine.batch.BatchPolicy`; AR drafts nothing either way)
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import time
 
 import torch
 
+from specpilot.engine.api import apply_model_options
+from specpilot.engine.batch import BatchDecoder, BatchPolicy
+from specpilot.engine.decode import DecodeConfig
+from specpilot.engine.drafters import make_drafter
+from specpilot.engine.options import EngineOptions
+from specpilot.engine.weights import load_model
 from specpilot.harness.deployment import load_deployment
 from specpilot.harness.loadgen import closed_loop
 from specpilot.harness.requests import encode_requests, fit_context, load_requests
-from specpilot_engine.api import apply_model_options
-from specpilot_engine.batch import BatchDecoder, BatchPolicy
-from specpilot_engine.decode import DecodeConfig
-from specpilot_engine.drafters import make_drafter
-from specpilot_engine.options import EngineOptions
-from specpilot_engine.weights import load_model
 
 
 def main() -> int:

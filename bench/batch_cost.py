@@ -3,7 +3,7 @@ batched ceiling reads (`specpilot.services.master.costmodel.batched_ceiling`).
 
 For each B rows and N drafts a row: the ragged forward of B rows of 1 + N new tokens each over a context of
 ``--context`` cached slots a row, against B rows of one token (batched AR's step), median of ``--reps``
-(`specpilot.harness.batch_bench.step_cost`; each cell's first call is untimed); also AR's own growth with the
+(`specpilot.harness.step_cost.step_cost`; each cell's first call is untimed); also AR's own growth with the
 rows, t(0, B) / t(0, 1), and the full-acceptance ceiling (N + 1) / c(N, B). Needs no model files.
 
     PYTHONPATH=. python bench/batch_cost.py --model llama3-8b --device cuda --dtype bf16 \
@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot.harness.batch_bench import cost_table  # noqa: E402
-from specpilot_engine.model import DTYPES, build_random, get_config  # noqa: E402
+from specpilot.engine.model import DTYPES, build_random, get_config  # noqa: E402
+from specpilot.harness.step_cost import cost_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a config of specpilot_engine.model.CONFIGS")
+    ap.add_argument("--model", default="smollm2-135m", help="a config of specpilot.engine.model.CONFIGS")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")

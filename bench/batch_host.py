@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_engine.batch import BatchDecoder, BatchRequest  # noqa: E402
-from specpilot_engine.decode import DecodeConfig  # noqa: E402
-from specpilot_engine.drafters.ngram import NgramDrafter  # noqa: E402
-from specpilot_engine.model import build_random, get_config  # noqa: E402
+from specpilot.engine.batch import BatchDecoder, BatchRequest  # noqa: E402
+from specpilot.engine.decode import DecodeConfig  # noqa: E402
+from specpilot.engine.drafters.ngram import NgramDrafter  # noqa: E402
+from specpilot.engine.model import build_random, get_config  # noqa: E402
 
 
 def host_time(model, drafter: str, rows: int, prompts: list[list[int]], max_new: int, block: int) -> dict:
@@ -50,7 +50,7 @@ def host_time(model, drafter: str, rows: int, prompts: list[list[int]], max_new:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", help="a config of specpilot_engine.model.CONFIGS (random weights)")
+    ap.add_argument("--model", default="tiny", help="a config of specpilot.engine.model.CONFIGS (random weights)")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=48)

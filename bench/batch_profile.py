@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot.harness.bench import dev_requests, system_and_stock_models  # noqa: E402
+from specpilot.engine.api import Engine  # noqa: E402
+from specpilot.engine.options import add_option_flags, overrides_from_args  # noqa: E402
 from specpilot.harness.deployment import load_deployment  # noqa: E402
 from specpilot.harness.loadgen import closed_loop  # noqa: E402
-from specpilot.harness.requests import encode_requests, fit_context  # noqa: E402
-from specpilot_engine.api import Engine  # noqa: E402
-from specpilot_engine.options import add_option_flags, overrides_from_args  # noqa: E402
+from specpilot.harness.requests import bench_requests, encode_requests, fit_context  # noqa: E402
+from specpilot.harness.speed import system_and_stock_models  # noqa: E402
 
 
 def main() -> int:
@@ -49,7 +49,7 @@ def main() -> int:
     opts = dep.options(overrides_from_args(args))
     device = torch.device(dep.device)
     model, _, tok = system_and_stock_models(dep, opts, device)
-    prompts = fit_context(encode_requests(dev_requests(dep, args), tok), model.cfg.max_seq_len, dep.max_new_tokens)
+    prompts = fit_context(encode_requests(bench_requests(dep, args.set, args.limit), tok), model.cfg.max_seq_len, dep.max_new_tokens)
     decoder = Engine(model, tok, opts).batch_decoder(dep.concurrency, max(map(len, prompts)) + dep.max_new_tokens)
     closed_loop(decoder, prompts, dep.concurrency, dep.max_new_tokens, len(prompts))  # captures every graph
     profile = cProfile.Profile()

@@ -26,7 +26,7 @@ CHILD = """
 import json, sys, time
 import torch
 torch.set_num_threads(1)
-from specpilot_engine.weights import load_model
+from specpilot.engine.weights import load_model
 def hwm():  # VmHWM: this process's peak resident memory (ru_maxrss would keep the parent's across exec)
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))
 base = hwm()
@@ -64,7 +64,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from specpilot_engine.weights import export_smollm2
+    from specpilot.engine.weights import export_smollm2
 
     console = Console(stderr=True, width=120)
     rows: dict[str, list[dict]] = {"gguf-cold": [], "gguf-cached": [], "checkpoint": []}

@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from specpilot.engine.options import options_from_dict  # noqa: E402
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT  # noqa: E402
 from specpilot.services.controller import stats, timing  # noqa: E402
 from specpilot.services.controller.evaluate import Evaluator, System  # noqa: E402
-from specpilot_engine.options import options_from_dict  # noqa: E402
 
 
 def main() -> None:

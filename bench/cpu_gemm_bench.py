@@ -1,4 +1,4 @@
-"""The AVX2 weight-streaming GEMM (`specpilot_kernels.cpu_gemm.packed_linear`, option ``linear_backend =
+"""The AVX2 weight-streaming GEMM (`specpilot.kernels.cpu_gemm.packed_linear`, option ``linear_backend =
 "stream"``) against PyTorch's CPU ``F.linear`` on SmolLM2's linear shapes, at M = 1-10 rows.
 
     python bench/cpu_gemm_bench.py                 # fp32 and bf16 weights, M = 1, 2, 4, 8, 10
@@ -30,7 +30,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_kernels.cpu_gemm import (  # noqa: E402
+from specpilot.kernels.cpu_gemm import (  # noqa: E402
     cpu_has_amx,
     cpu_supported,
     pack,

@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from specpilot.engine.api import MODEL_OPTIONS, Engine
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment, load_engine
 from specpilot.harness.requests import encode_requests, load_requests
-from specpilot_engine.api import MODEL_OPTIONS, Engine
 
 
 def parse_setting(text: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Benchmark: every drafter, chain and tree, on one deployment: tau, c, tokens/s and speedup over AR.
 
-Runs `specpilot bench` (``python -m specpilot.harness.bench``) once per (drafter, verification) in a fresh
+Runs `specpilot bench` (``python -m specpilot.app.cmd_bench``) once per (drafter, verification) in a fresh
 process each, on the same dev requests, and collects its figures: ``tau`` and ``c`` at the draft
 length ``--n`` (for a tree: its depth, with ``--tree-nodes`` nodes), and the end-to-end speedup
 over AR with its 95% interval (AR and the system alternate request by request, ABBA). Prints a
@@ -25,7 +25,7 @@ DRAFTERS = ("ngram", "parallel", "eagle")
 
 
 def bench_row(args: argparse.Namespace, drafter: str, verify: str) -> dict:
-    cmd = [sys.executable, "-m", "specpilot.harness.bench", "--deployment", args.deployment, "--limit", str(args.limit),
+    cmd = [sys.executable, "-m", "specpilot.app.cmd_bench", "--deployment", args.deployment, "--limit", str(args.limit),
            "--max-new-tokens", str(args.max_new_tokens), "--ns", str(args.n), "--drafter", drafter,
            "--verify", verify, "--no-peer", "--no-profile", "--no-plots", "--out", str(args.out / f"{drafter}-{verify}")]
     if verify == "tree":

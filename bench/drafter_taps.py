@@ -5,7 +5,7 @@ EAGLE-3 feeds its drafter the target's low, middle and high layers instead of th
 Issue 31's round needs a drafter that commits ~3.3 tokens a step; this measures, before any engine work,
 whether that input would raise the parallel drafter's acceptance.
 
-One set of self-distillation data (`specpilot.harness.train`'s prompts and `generate_batch`), generated once
+One set of self-distillation data (`specpilot.harness.corpus`'s prompts and `distill.generate_batch`), generated once
 with the residual stream after ``--taps`` layers recorded beside the final-norm state, trains two arms for the
 same seconds, the same seed and the same batches:
 
@@ -13,7 +13,7 @@ same seconds, the same seed and the same batches:
 - ``taps``: the same net, its hidden input replaced by ``W [norm(h_last); norm(h_a); norm(h_b) ...]`` (a learned
   projection of the normalised taps back to the target's width, trained with the net).
 
-Both are scored on the same held-out sequences (5% of the batches) by `train.evaluate`: top-1 accuracy per
+Both are scored on the same held-out sequences (5% of the batches) by `fit.evaluate`: top-1 accuracy per
 drafted position and the chain tau it implies. Nothing is saved or shipped: the engine does not hand a drafter
 the target's inner layers (that plumbing comes only if this wins). Prints a table and a JSON line.
 
@@ -36,10 +36,12 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot.harness import train as T  # noqa: E402
+from specpilot.engine.drafters.ngram import SuffixIndex  # noqa: E402
+from specpilot.engine.drafters.parallel import ParallelConfig, ParallelDrafterNet, _Norm  # noqa: E402
+from specpilot.harness.corpus import collect_prompts  # noqa: E402
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment  # noqa: E402
-from specpilot_engine.drafters.ngram import SuffixIndex  # noqa: E402
-from specpilot_engine.drafters.parallel import ParallelConfig, ParallelDrafterNet, _Norm  # noqa: E402
+from specpilot.harness.distill import draft_vocabulary, generate_batch, make_examples, to_draft_ids  # noqa: E402
+from specpilot.harness.fit import evaluate, train  # noqa: E402
 
 
 class TapsNet(nn.Module):
@@ -74,13 +76,13 @@ def _log(msg: str) -> None:
 
 @torch.no_grad()
 def generate_with_taps(model, prompts: list[list[int]], new_tokens: int, stop_ids, taps: list[int]) -> dict:
-    """`train.generate_batch`, with the residual stream after each tapped layer at the same positions as its
+    """`distill.generate_batch`, with the residual stream after each tapped layer at the same positions as its
     hidden states, concatenated after them: hidden [B, G, (1 + len(taps)) * d]."""
     seen: dict[int, list[Tensor]] = {i: [] for i in taps}
     hooks = [model.layers[i].register_forward_hook(lambda _m, _a, out, i=i: seen[i].append(out[:, -1].float()))
              for i in taps]
     try:
-        b = T.generate_batch(model, prompts, new_tokens, stop_ids)
+        b = generate_batch(model, prompts, new_tokens, stop_ids)
     finally:
         for h in hooks:
             h.remove()
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         ap.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     dep = load_deployment(args.deployment)
     device = torch.device(args.device)
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     if any(not 0 <= i < cfg.n_layers - 1 for i in taps):
         ap.error(f"--taps: layers are 0..{cfg.n_layers - 2} (the last one's output is the final state)")
     rng = random.Random(args.seed)
-    prompts = T.collect_prompts(dep, tok, rng, 192, args.prompts, include_dev=False, docstrings=args.docstrings,
+    prompts = collect_prompts(dep, tok, rng, 192, args.prompts, include_dev=False, docstrings=args.docstrings,
                                 variants=True, general_chat=args.general_chat)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     groups = [order[i: i + args.batch] for i in range(0, len(order), args.batch)]
@@ -142,11 +144,11 @@ def main(argv=None) -> int:
     gen_s = time.perf_counter() - t0
     n_val = max(1, len(batches) // 20)
     index = SuffixIndex(periodic=True)
-    train_data = T.make_examples(batches[n_val:], 3, args.k, index)
-    val_data = T.make_examples(batches[:n_val], 3, args.k, index)
-    vocab_ids = T.draft_vocabulary(train_data["targets"], train_data["ctx"], 4096)
+    train_data = make_examples(batches[n_val:], 3, args.k, index)
+    val_data = make_examples(batches[:n_val], 3, args.k, index)
+    vocab_ids = draft_vocabulary(train_data["targets"], train_data["ctx"], 4096)
     for d in (train_data, val_data):
-        d["y"] = T.to_draft_ids(d["targets"], vocab_ids, cfg.vocab_size)
+        d["y"] = to_draft_ids(d["targets"], vocab_ids, cfg.vocab_size)
         for key in ("hidden", "ctx", "y", "targets", "look", "match"):
             d[key] = d[key].to(device)
     vocab_ids = vocab_ids.to(device)
@@ -163,8 +165,8 @@ def main(argv=None) -> int:
             va = {**val_data, "hidden": val_data["hidden"][:, :width]}
         else:  # "taps"
             net, tr, va = TapsNet(inner, 1 + len(taps)).to(device), train_data, val_data
-        fit = T.train(net, tr, va, 60 * args.train_minutes, args.lr, args.train_batch, args.seed, 0.1)
-        results[arm] = {**T.evaluate(net, va), "steps": fit["steps"], "best_step": fit["best_step"]}
+        fit = train(net, tr, va, 60 * args.train_minutes, args.lr, args.train_batch, args.seed, 0.1)
+        results[arm] = {**evaluate(net, va), "steps": fit["steps"], "best_step": fit["best_step"]}
         _log(f"{arm}: {results[arm]}")
 
     table = Table(title=f"parallel drafter, last layer vs taps {taps} (held-out sequences)")

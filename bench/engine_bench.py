@@ -6,14 +6,14 @@
     python bench/engine_bench.py --model llama3-8b --cuda-graphs --fused --w12  # then again with W12 weights
 
 Times one target forward of 1 + N tokens (root + N chain drafts) at a given cache length, the way
-`specpilot_engine.decode.verify` runs it (chain: causal; tree: explicit mask) -- eagerly, or with
-``--cuda-graphs`` as the replay of a captured `specpilot_engine.graphs.GraphRunner` step (inputs copied in,
+`specpilot.engine.decode.verify` runs it (chain: causal; tree: explicit mask) -- eagerly, or with
+``--cuda-graphs`` as the replay of a captured `specpilot.engine.graphs.GraphRunner` step (inputs copied in,
 graph replayed, argmax) -- with CUDA events on GPUs and the wall clock on CPUs (median of
 ``--reps``). On CUDA it also reports the wall time of a step including the host sync.
 ``c(N) = t(N) / t(0)``; t(0) is an AR step. On CUDA the byte floor of an AR step is the bytes of the
 weights one step reads (every linear and the LM head; one embedding row is ignored) over the
 measured device-to-device copy bandwidth (bytes read + written / time), and ``ratio`` = t(0) /
-floor. ``--w12`` then packs every linear and the LM head into W12 (``specpilot_kernels.w12``, checked bit for
+floor. ``--w12`` then packs every linear and the LM head into W12 (``specpilot.kernels.w12``, checked bit for
 bit at load) and times the same steps again in the same process (mode ``<mode>_w12``, with
 ``w12_speedup`` = bf16 AR step / W12 AR step). Also checks on the device that speculative decoding
 of a tiny model emits the AR tokens (with graphs too). Needs no model files (random weights). The
@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_engine.decode import DecodeConfig, generate  # noqa: E402
-from specpilot_engine.drafters.ngram import NgramDrafter  # noqa: E402
-from specpilot_engine.fused import fuse_model  # noqa: E402
-from specpilot_engine.graphs import GraphRunner, graphs_supported  # noqa: E402
-from specpilot_engine.model import DTYPES, build_random, get_config  # noqa: E402
-from specpilot_engine.tree import DraftTree  # noqa: E402
+from specpilot.engine.decode import DecodeConfig, generate  # noqa: E402
+from specpilot.engine.drafters.ngram import NgramDrafter  # noqa: E402
+from specpilot.engine.fused import fuse_model  # noqa: E402
+from specpilot.engine.graphs import GraphRunner, graphs_supported  # noqa: E402
+from specpilot.engine.model import DTYPES, build_random, get_config  # noqa: E402
+from specpilot.engine.tree import DraftTree  # noqa: E402
 
 
 def _round_up(n: int, m: int = 256) -> int:
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default="0,1,2,4,8,16,32,64")
     ap.add_argument("--tree", action="store_true", help="verify two-branch trees instead of chains")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--cuda-graphs", action="store_true", help="time steps as CUDA graph replays (specpilot_engine.graphs)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="time steps as CUDA graph replays (specpilot.engine.graphs)")
     ap.add_argument("--with-eager", action="store_true", help="with --cuda-graphs: time eager steps too, side by side")
-    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (specpilot_engine.fused) on the timed model")
+    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (specpilot.engine.fused) on the timed model")
     ap.add_argument("--w12", action="store_true", help="then time again with W12 weights (linears and LM head)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         passes += [(m, f"{m}_w12") for m in modes]
     for mode, label in passes:
         if label.endswith("_w12") and "w12" not in result:
-            from specpilot_kernels.w12 import quantize_model_linears
+            from specpilot.kernels.w12 import quantize_model_linears
 
             t0 = time.perf_counter()
             stats = quantize_model_linears(model, include_lm_head=True)

@@ -6,8 +6,8 @@ machine moves every row alike.
     python bench/forward_backends.py --dtype fp32 --backends default,onednn_all,stream,stream-avx2
 
 A backend is a ``linear_backend`` value; ``stream-fma`` is ``stream`` with bf16 weights packed for the
-kernel's FMA code instead of its AMX tiles (`specpilot_kernels.cpu_gemm.use_amx`), ``stream-avx2`` that with its AVX-512
-code turned off (`specpilot_kernels.cpu_gemm.use_avx512`). Per backend and work: min and median milliseconds
+kernel's FMA code instead of its AMX tiles (`specpilot.kernels.cpu_gemm.use_amx`), ``stream-avx2`` that with its AVX-512
+code turned off (`specpilot.kernels.cpu_gemm.use_avx512`). Per backend and work: min and median milliseconds
 over ``--reps`` interleaved repetitions after an untimed one (a block's time is the best of 5 calls
 within a repetition).
 Prints a table; the last line is JSON.
@@ -29,7 +29,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specpilot.harness.deployment import load_engine  # noqa: E402
-from specpilot_kernels import cpu_gemm  # noqa: E402
+from specpilot.kernels import cpu_gemm  # noqa: E402
 
 
 def _time_forward(model, cache, tokens: torch.Tensor, start: int, calls: int) -> float:

@@ -2,7 +2,7 @@
 ``python -m MODULE ARGS`` with `gc.callbacks` counting each generation's collections, their seconds and the
 longest one, and prints them (one JSON line on stderr) at exit. Measures only; the command runs unchanged.
 
-    PYTHONPATH=. python bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= ...
+    PYTHONPATH=. python bench/gc_probe.py specpilot.app.cmd_bench --deployment smollm2-h200-batched --ns= ...
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The norm + GEMV kernel (`specpilot_kernels.fused.norm_linear`, option ``fused_gemv``) against the
+"""The norm + GEMV kernel (`specpilot.kernels.fused.norm_linear`, option ``fused_gemv``) against the
 ``fused_kernels`` launches it replaces, on SmolLM2's layer shapes, one CUDA GPU.
 
     python bench/gemv_bench.py                      # pick_gemv_config's tiles, M = 1, 5, 17
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_kernels.fused import kernel, reference  # noqa: E402
-from specpilot_kernels.fused.kernel import GemvConfig, pick_gemv_config  # noqa: E402
+from specpilot.kernels.fused import kernel, reference  # noqa: E402
+from specpilot.kernels.fused.kernel import GemvConfig, pick_gemv_config  # noqa: E402
 
 D, INNER, QKV = 576, 1536, 960  # SmolLM2-135M: hidden, MLP width, (9 + 2 * 3) heads x 64
 LAYERS = 30

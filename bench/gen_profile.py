@@ -1,4 +1,4 @@
-"""Where `drafter train`'s lockstep generation (`specpilot.harness.train.generate_batch`) spends its time.
+"""Where `drafter train`'s lockstep generation (`specpilot.harness.distill.generate_batch`) spends its time.
 
 Random SmolLM2-shaped weights (no model file needed), one batch of left-padded prompts; prints the
 tokens/s and the top CUDA kernels of the PyTorch profiler, then a JSON line. Usage:
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from specpilot.harness.train import generate_batch
-from specpilot_engine.model import build_random, get_config
+from specpilot.engine.model import build_random, get_config
+from specpilot.harness.distill import generate_batch
 
 
 def main(argv: list[str] | None = None) -> int:

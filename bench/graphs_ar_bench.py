@@ -14,8 +14,8 @@ machine, or random ones of HumanEval-like lengths.
   ``--eager-max-new-tokens`` (eager steps are ~20 ms: kept short); its tokens must equal the graph
   run's first tokens (greedy outputs are prefixes of longer ones when nothing stops them).
 - peer: transformers' ``generate`` (greedy, and prompt lookup) on the same weights
-  (`specpilot.harness.bench.peer`), on ``--peer-prompts`` prompts, when transformers is installed.
-- ``--fused``: the ``fused_kernels`` option (`specpilot_engine.fused`) on the model for every run above
+  (`specpilot.harness.peer.peer`), on ``--peer-prompts`` prompts, when transformers is installed.
+- ``--fused``: the ``fused_kernels`` option (`specpilot.engine.fused`) on the model for every run above
   (``--gemv``: and ``fused_gemv``);
   ``--outputs FILE`` saves the graph run's tokens and ``--reference FILE`` compares them with
   another run's (how many requests are identical, and the mean length of the common prefix).
@@ -39,13 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_engine.api import Engine  # noqa: E402
-from specpilot_engine.fused import fuse_model  # noqa: E402
-from specpilot_engine.graphs import GraphRunner  # noqa: E402
-from specpilot_engine.model import build_random, get_config  # noqa: E402
-from specpilot_engine.options import EngineOptions  # noqa: E402
-from specpilot_engine.tree import DraftTree  # noqa: E402
-from specpilot_engine.weights import ByteTokenizer, ModelFileMissing, load_model  # noqa: E402
+from specpilot.engine.api import Engine  # noqa: E402
+from specpilot.engine.fused import fuse_model  # noqa: E402
+from specpilot.engine.graphs import GraphRunner  # noqa: E402
+from specpilot.engine.model import build_random, get_config  # noqa: E402
+from specpilot.engine.options import EngineOptions  # noqa: E402
+from specpilot.engine.tree import DraftTree  # noqa: E402
+from specpilot.engine.weights import ByteTokenizer, ModelFileMissing, load_model  # noqa: E402
 
 
 def _load(name: str, random: bool):
@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-prompts", type=int, default=3)
     ap.add_argument("--peer-max-new-tokens", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (specpilot_engine.fused)")
+    ap.add_argument("--fused", action="store_true", help="the fused_kernels option (specpilot.engine.fused)")
     ap.add_argument("--gemv", action="store_true", help="with --fused: the fused_gemv option (norm + GEMV kernels)")
     ap.add_argument("--attention-slots-per-program", type=int, default=None,
                     help="with --fused: split the attention kernel's context over programs of this many slots "
-                         "(specpilot_kernels.fused.kernel.SLOTS_PER_PROGRAM; default: one program per KV head)")
+                         "(specpilot.kernels.fused.kernel.SLOTS_PER_PROGRAM; default: one program per KV head)")
     ap.add_argument("--outputs", type=Path, default=None, help="write the graph run's tokens here (JSON)")
     ap.add_argument("--reference", type=Path, default=None, help="compare the graph run's tokens with this --outputs file")
     ap.add_argument("--profile", action="store_true")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fused:
         fuse_model(model, gemv=args.gemv)
     if args.attention_slots_per_program:
-        from specpilot_kernels.fused import kernel as fused_kernel
+        from specpilot.kernels.fused import kernel as fused_kernel
 
         fused_kernel.SLOTS_PER_PROGRAM = args.attention_slots_per_program
     result: dict = {"bench": "graphs_ar", "model": args.model, "weights": weights, "dtype": "bf16",
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     result["speedup_graphs_over_eager"] = round(g_tps / e_tps, 2)
     if not args.no_peer:
         try:
-            from specpilot.harness.bench import peer
+            from specpilot.harness.peer import peer
 
             opts = base.replace(block_size=4)
             result["peer"] = peer(model, None, opts, prompts[: args.peer_prompts], args.peer_max_new_tokens,

@@ -29,11 +29,11 @@ import platform
 import statistics
 import time
 
+from specpilot.engine.weights import load_tokenizer
 from specpilot.harness.deployment import load_deployment
 from specpilot.harness.requests import encode_requests, load_requests
 from specpilot.harness.server import ServerEngine
 from specpilot.services.master.costmodel import pooled_replay
-from specpilot_engine.weights import load_tokenizer
 
 KS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 33)
 BUDGETS = (1, 2, 3, 4, 5, 7, 8, 11, 15, 16, 23, 32)

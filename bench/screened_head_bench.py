@@ -1,7 +1,7 @@
 """The certified exact-argmax LM head against the full head: milliseconds per call and candidate columns.
 
 Real hidden states (SmolLM2's final norm over a prompt, or any deployment's target), the head of each
-``linear_backend`` with and without `specpilot_engine.screened_head.ScreenedHead`, calls of 1, 3 and 5
+``linear_backend`` with and without `specpilot.engine.screened_head.ScreenedHead`, calls of 1, 3 and 5
 rows alternating full and screened (so each call meets the other's cache footprint, as in a forward);
 median of ``--reps``. Checks that the argmax is the full head's on every call. Prints a table; the last
 line is JSON.
@@ -24,9 +24,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specpilot.engine.screened_head import ScreenedHead  # noqa: E402
 from specpilot.harness.deployment import load_engine  # noqa: E402
-from specpilot_engine.screened_head import ScreenedHead  # noqa: E402
-from specpilot_kernels import cpu_gemm  # noqa: E402
+from specpilot.kernels import cpu_gemm  # noqa: E402
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 

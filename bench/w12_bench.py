@@ -6,8 +6,9 @@ calls; time per call = graph replay time / calls (median of ``--reps`` replays).
 bytes of the weights read per call / time. Prints a table, one JSON line per result and a final
 summary JSON line (geometric-mean speedup over torch at M = 1..16, the minimum).
 
-``--sweep`` first times a grid of launch configurations and split-K factors (compiled in parallel
-worker processes) at M in {1, 2, 4, 8, 16} and reports the best per shape, the input for
+``--sweep`` first times a grid of launch configurations (the tensor-core kernel's with its split-K
+factors; the Triton ones compiled in parallel worker processes) at M in {1, 2, 4, 8, 16} and reports
+the best per shape, the input for
 ``pick_config``'s table (kinds ``fma``, ``dot``: Triton) or ``pick_mma_config``'s (kind ``mma``: the
 CUDA C++ tensor-core kernel); the final table then uses the best swept configuration at those M
 (column ``cfg``, marked ``*``). Without a sweep each case runs as ``w12_matmul`` dispatches it (its
@@ -33,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specpilot_kernels.w12 import cuda_mma  # noqa: E402
-from specpilot_kernels.w12.cuda_mma import MmaConfig  # noqa: E402
-from specpilot_kernels.w12.format import W12Weight, pack  # noqa: E402
-from specpilot_kernels.w12.kernel import (  # noqa: E402
+from specpilot.kernels.w12 import cuda_mma  # noqa: E402
+from specpilot.kernels.w12.cuda_mma import MmaConfig  # noqa: E402
+from specpilot.kernels.w12.format import W12Weight, pack  # noqa: E402
+from specpilot.kernels.w12.kernel import (  # noqa: E402
     TUNED_ENV,
     Config,
     launch_from_fields,
@@ -55,7 +56,8 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 
 # The tl.dot path at every M (rows past M are masked): wide tiles (BN up to 256) reuse each warp's x
 # operand over more weight rows (2.4 instructions a weight at BN = 256, BJ = 32, against 3.9 at
-# 32 x 256: sm_90 SASS of Triton 3.9 here), with split-K giving the small grids their programs back.
+# 32 x 256: sm_90 SASS of Triton 3.9 here). (They were swept with split-K, which left the package on
+# 2026-12-07: kernel.REMOVED_SPLIT_K.)
 # Nsight Compute on 2026-12-01 (README.md): the 11-29 winner 32 x 256 at 3 stages stages 82 KB of
 # shared memory a program, so 2 programs (8 warps) fit an SM; DRAM ran at 58% of peak with 0.43
 # eligible warps a scheduler. Hence tiles with 1-2 stages (planes loaded straight to registers, or
@@ -63,68 +65,45 @@ SWEEP_MS = [1, 2, 4, 8, 16]
 DOT_TILES = ((32, 256, 3, 4), (64, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (256, 32, 3, 4), (256, 32, 4, 4),
              (128, 32, 4, 4), (32, 128, 1, 4), (32, 256, 1, 4), (32, 128, 2, 4), (32, 256, 2, 4), (64, 128, 2, 8),
              (64, 256, 1, 8), (128, 128, 2, 8))
-KINDS = ("fma", "dot", "mma", "tma", "tmap")
-# The tensor-core kernel's grid: (16-row tiles a warp, 64-column chunks a step, warps a block); splits below.
-# Launches without the pipeline lost every case on the H100 (2026-12-05): only pipelined ones here. (The
-# shared-memory ring lost too: docs/results/w12-kernel/h100-2026-12-05-ring.patch.)
-MMA_TILES = tuple(itertools.product((1, 2), (1, 2, 4), (2, 4, 8)))
-# The TMA launch (kind tma, Hopper; tmap: the same tiles on a persistent grid): (64-column chunks a stage,
-# consumer warps, ring slots), chosen by residency (row group 1; an SM has 228 KB): 1x8x2 (53 KB, session 37's
-# best on 28672x4096) and 1x2x6 (49 KB) four blocks an SM; 1x4x4 (57 KB) three or four; 2x4x3, 1x4x6 (86 KB),
-# 1x8x4 and 2x8x2 (106 KB) two; 2x4x4 (session 37's best on 4096x4096) and 4x4x2 (114 KB) one. (Every
-# combination of chunks 1/2/4, warps 2/4/8 and stages 2/4/6 is 27 tiles, twice more with tmap: past a sweep's
-# time on the device.)
-TMA_TILES = ((1, 8, 2), (1, 2, 6), (1, 4, 4), (2, 4, 3), (1, 4, 6), (1, 8, 4), (2, 8, 2), (2, 4, 4), (4, 4, 2))
-# Two 16-row tiles a warp (rows 2, up to 16 rows of x: x's boxes are re-read by half as many blocks): (chunks,
-# warps, stages, rows), rings that let two blocks an SM at 9-16 rows of x too: 1x4x3 (86 KB), 1x2x6 (98 KB), 2x2x3
-# (98 KB), and 1x8x2 (106 KB; 256 rows a block, but 118 registers x 288 threads: one block an SM at 9-16 rows).
-# Not swept by default: on the H100 (session 39) every one was 3-45% behind the best rows-1 launch; `--tma-tiles`
-# names them (e.g. 1x4x3x2).
-TMA_TILES_ROWS2 = ((1, 4, 3, 2), (1, 2, 6, 2), (2, 2, 3, 2), (1, 8, 2, 2))
-# kind tmap: at most one block an SM, or as many as fit (8 is above any ring's residency); not in `h200.sh w12`'s
-# kinds since session 39 (on the H100 1-18% slower than the same launch without it)
-PERSISTENT = (1, 8)
+KINDS = ("fma", "dot", "mma")
+# Kinds of earlier sweeps whose launches left the package on 2026-12-07 (cuda_mma.REMOVED_LAUNCHES re-adds them):
+# tma (the TMA launch, Hopper), tmap (the same on a persistent grid)
+REMOVED_KINDS = ("tma", "tmap")
+# The tensor-core kernel's grid: (64-column chunks a step, warps a block), one 16-row tile a warp; splits below.
+# Launches without the pipeline lost every case on the H100 (2026-12-05), and two tiles a warp every case of
+# session 39: both left the package on 2026-12-07 (cuda_mma.REMOVED_LAUNCHES). (The shared-memory ring lost too:
+# docs/results/w12-kernel/h100-2026-12-05-ring.patch.)
+MMA_TILES = tuple(itertools.product((1, 2, 4), (2, 4, 8)))
 
 
-def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS, tma_tiles=TMA_TILES) -> list[Config]:
+def sweep_configs(m: int, kinds: tuple[str, ...] = KINDS) -> list[Config | MmaConfig]:
     """Candidates for batch ``m`` of the given kinds: the tl.dot path (``dot``), the CUDA C++ tensor-core
-    launches (``mma``, ``tma``, ``tmap``) and the CUDA-core path (``fma``, M <= 8)."""
+    launches (``mma``) and the CUDA-core path (``fma``, M <= 8)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
     if "dot" in kinds:
-        out += [Config(bm=bm, bn=bn, bj=bj, split=1, use_dot=True, num_warps=w, num_stages=st)
+        out += [Config(bm=bm, bn=bn, bj=bj, use_dot=True, num_warps=w, num_stages=st)
                 for bn, bj, st, w in DOT_TILES]
     if "mma" in kinds and m <= cuda_mma.MAX_ROWS:
-        out += [cfg for r, c, w in MMA_TILES if (cfg := MmaConfig(rows=r, chunks=c, warps=w, pipelined=True)).fits(m)]
-    for kind, blocks_per_sm in (("tma", (0,)), ("tmap", PERSISTENT)):
-        if kind in kinds and m <= cuda_mma.MAX_ROWS:
-            out += [cfg for c, w, st, *r in tma_tiles for p in blocks_per_sm
-                    if (cfg := MmaConfig(rows=r[0] if r else 1, chunks=c, warps=w, stages=st, persistent=p)).fits(m)]
+        out += [cfg for c, w in MMA_TILES if (cfg := MmaConfig(chunks=c, warps=w)).fits(m)]
     if "fma" in kinds and m <= 8:
         fbm = 1 << (m - 1).bit_length()
         for warps, bj, bn in itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)):
             words = bn * bj // (128 * warps)  # int32 words per thread and plane
             # x's words at >= 2 a thread (else a layout conversion every step); fewer registers at BM >= 4
             if bj >= 256 * warps and 4 <= words <= (16 if fbm <= 2 else 8):
-                out.append(Config(bm=fbm, bn=bn, bj=bj, split=1, use_dot=False, num_warps=warps, num_stages=1))
+                out.append(Config(bm=fbm, bn=bn, bj=bj, use_dot=False, num_warps=warps, num_stages=1))
     return out
 
 
 def splits_for(cfg: Config | MmaConfig, n: int, k: int) -> list[int]:
-    """Split-K factors worth timing: each split keeps >= 2 steps, and the grid <= 8 programs an SM."""
+    """Split-K factors worth timing for a tensor-core launch: each split keeps >= 2 steps, and the grid <= 16
+    blocks an SM; [1] for a Triton tile (its kernels have no split-K)."""
     kh = 16 * ((k + 31) // 32)
     if isinstance(cfg, MmaConfig):
-        tiles, steps = -(-n // (16 * cfg.rows * cfg.warps)), kh // (64 * cfg.chunks)
-        out = [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
-        # a persistent grid of no more items than multiprocessors is the plain launch: not timed twice
-        return [s for s in out if tiles * s > 132] if cfg.persistent else out
-    tiles = -(-n // cfg.bn)
-    out = []
-    for s in (1, 2, 4, 8, 16):
-        if s > 1 and (kh // s < 2 * cfg.bj or tiles * s > 8 * 132):
-            break
-        out.append(s)
-    return out
+        tiles, steps = -(-n // (16 * cfg.warps)), kh // (64 * cfg.chunks)
+        return [s for s in (1, 2, 4, 8, 16) if s == 1 or (steps >= 2 * s and tiles * s <= 16 * 132)]
+    return [1]
 
 
 def _compile_worker(job: tuple[int, dict]) -> str:
@@ -136,8 +115,7 @@ def _compile_worker(job: tuple[int, dict]) -> str:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         p = pack(w)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for s in (1, 2):
-            w12_matmul(x, p, replace(cfg, split=s))
+        w12_matmul(x, p, cfg)
         torch.cuda.synchronize()
         return "ok"
     except Exception as e:  # noqa: BLE001 - report and skip configurations that do not compile
@@ -235,12 +213,12 @@ def default_config(m: int, n: int, k: int) -> Config | MmaConfig:
 
 
 def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tuple[str, ...] = KINDS,
-              sweep_ms: list[int] = SWEEP_MS, tma_tiles=TMA_TILES) -> dict:
+              sweep_ms: list[int] = SWEEP_MS) -> dict:
     """Time every swept configuration (and split) per shape and M class, and ``pick_config``'s own;
     return the best."""
     def candidates(m: int, n: int, k: int) -> list[Config | MmaConfig]:
-        cfgs = sweep_configs(m, kinds, tma_tiles)
-        own = replace(pick_config(m, n, k, torch.cuda.get_device_name()), split=1)
+        cfgs = sweep_configs(m, kinds)
+        own = pick_config(m, n, k, torch.cuda.get_device_name())
         return cfgs if own in cfgs or not {"fma", "dot"} & set(kinds) else [own, *cfgs]
 
     jobs = list({(m, c.key()): (m, c) for n, k in shapes for m in sweep_ms for c in candidates(m, n, k)
@@ -258,7 +236,7 @@ def run_sweep(shapes, reps: int, min_bytes: float, workers: int, out, kinds: tup
                 if status.get((m, cfg.key())) != "ok":
                     continue
                 for s in splits_for(cfg, n, k):
-                    c = replace(cfg, splits=s) if isinstance(cfg, MmaConfig) else replace(cfg, split=s)
+                    c = replace(cfg, splits=s) if isinstance(cfg, MmaConfig) else cfg
                     try:
                         us = sb.w12_us(x, c, reps, min_us=1500)
                     except Exception as e:  # noqa: BLE001
@@ -292,11 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=float, default=1e9, help="weight bytes per format to cycle through")
     ap.add_argument("--sweep", action="store_true", help="time a grid of configurations first")
     ap.add_argument("--kinds", default=",".join(KINDS), help="kernel kinds the sweep tries (pick_config's own "
-                    "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores), tma (the "
-                    "same with a TMA ring, Hopper), tmap (the TMA launch on a persistent grid)")
-    ap.add_argument("--tma-tiles", default=None, metavar="CxWxS[xR],...",
-                    help="the TMA launches the sweep tries (kinds tma, tmap), as chunks x consumer warps x stages, and "
-                         "x rows (16-row tiles a warp, 1 or 2) where not 1 (default: TMA_TILES, chosen by residency)")
+                    "choice is always timed too): fma, dot (Triton), mma (CUDA C++ tensor cores). The TMA launch "
+                    f"(kinds tma, tmap) left the package: {cuda_mma.REMOVED_LAUNCHES} re-adds it")
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_MS)), help="batch sizes the sweep covers")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -333,18 +308,13 @@ def main(argv=None) -> int:
     if not cuda_mma.available():
         print(f"# tensor-core kernel unavailable: {cuda_mma.cuda_ready()[1] or 'its build failed'}", flush=True)
     kinds = tuple(args.kinds.split(","))
+    if removed := set(kinds) & set(REMOVED_KINDS):
+        ap.error(f"--kinds: {', '.join(sorted(removed))}: the TMA launch left the package ({cuda_mma.REMOVED_LAUNCHES} "
+                 "re-adds it)")
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     sweep_ms = [int(v) for v in args.sweep_m.split(",")]
-    try:
-        tma_tiles = (tuple(tuple(int(v) for v in t.split("x")) for t in args.tma_tiles.split(","))
-                     if args.tma_tiles else TMA_TILES)
-        if any(len(t) not in (3, 4) or (len(t) == 4 and t[3] not in (1, 2)) for t in tma_tiles):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--tma-tiles: expected chunks x warps x stages [x rows], comma-separated (e.g. 2x4x4,1x8x2x2), "
-                 f"got {args.tma_tiles!r}")
-    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms, tma_tiles) if args.sweep else {}
+    best = run_sweep(shapes, 3, args.min_bytes, args.workers, out, kinds, sweep_ms) if args.sweep else {}
 
     results = []
     for n, k in shapes:

@@ -3,9 +3,9 @@
 Runs ``--calls`` calls of each listed case on weights cycled so they do not sit in L2 (as
 ``w12_bench.py`` does), outside graphs, so ``ncu`` sees ordinary launches. A case is
 ``NxK:M`` with an optional configuration key (``Config.key()``, or ``MmaConfig.key()`` for the
-CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``, or its TMA launch ``tma_c1_w8_s1_st2``,
-``tma_r2_...`` two tiles a warp, ``..._pN`` persistent with N blocks an SM); without one ``pick_config``'s
-choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
+CUDA C++ tensor-core kernel, e.g. ``mma_r1_c4_w4_s1_pipe``; the keys of its removed launch kinds, ``tma_...``,
+``mma_r2_...`` and ``mma_...`` without ``_pipe``, need ``cuda_mma.REMOVED_LAUNCHES`` applied first); without one
+``pick_config``'s choice runs. Torch's bf16 ``linear`` on the same shape runs after each case (``--torch``).
 
     ncu --clock-control none --launch-skip 4 --launch-count 1 -k regex:w12 --section SpeedOfLight \
         python bench/w12_profile.py 28672x4096:8 28672x4096:1
@@ -25,12 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.w12_bench import ShapeBench  # noqa: E402
-from specpilot_kernels.w12.cuda_mma import MmaConfig  # noqa: E402
-from specpilot_kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
+from specpilot.kernels.w12.cuda_mma import REMOVED_LAUNCHES, MmaConfig  # noqa: E402
+from specpilot.kernels.w12.kernel import Config, pick_config, w12_matmul  # noqa: E402
 
-KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s(\d+)_w(\d+)_st(\d+)")
-MMA_KEY = re.compile(r"mma_r(\d+)_c(\d+)_w(\d+)_s(\d+)(_pipe)?")
-TMA_KEY = re.compile(r"tma_(?:r(\d+)_)?c(\d+)_w(\d+)_s(\d+)_st(\d+)(?:_p(\d+))?")
+# a Triton launch's key: always "_s1" (one K split; its kernels have no split-K)
+KEY = re.compile(r"(dot|fma)_bm(\d+)_bn(\d+)_bj(\d+)_s1_w(\d+)_st(\d+)")
+MMA_KEY = re.compile(r"mma_r1_c(\d+)_w(\d+)_s(\d+)_pipe")
+# keys of the launch kinds that left the package (non-pipelined, two tiles a warp, the TMA launch)
+REMOVED_KEY = re.compile(r"mma_r\d+_c\d+_w\d+_s\d+(_pipe)?|tma_\w+")
 
 
 def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
@@ -43,19 +45,17 @@ def parse_case(case: str) -> tuple[int, int, int, Config | MmaConfig | None]:
     if len(parts) == 2:
         return n, k, m, None
     if hit := MMA_KEY.fullmatch(parts[2]):
-        rows, chunks, warps, splits, pipe = hit.groups()
-        return n, k, m, MmaConfig(rows=int(rows), chunks=int(chunks), warps=int(warps), splits=int(splits),
-                                  pipelined=pipe is not None)
-    if hit := TMA_KEY.fullmatch(parts[2]):
-        rows, chunks, warps, splits, stages, persistent = hit.groups()  # rows and persistent are optional
-        return n, k, m, MmaConfig(rows=int(rows or 1), chunks=int(chunks), warps=int(warps), splits=int(splits),
-                                  stages=int(stages), persistent=int(persistent or 0))
+        chunks, warps, splits = hit.groups()
+        return n, k, m, MmaConfig(chunks=int(chunks), warps=int(warps), splits=int(splits))
+    if REMOVED_KEY.fullmatch(parts[2]):
+        raise SystemExit(f"{parts[2]}: that launch kind left the package ({REMOVED_LAUNCHES} re-adds it)")
     hit = KEY.fullmatch(parts[2])
     if not hit:
-        raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3): {parts[2]!r}")
-    kind, bm, bn, bj, split, warps, stages = hit.groups()
-    return n, k, m, Config(bm=int(bm), bn=int(bn), bj=int(bj), split=int(split), use_dot=kind == "dot",
-                           num_warps=int(warps), num_stages=int(stages))
+        raise SystemExit(f"not a configuration key (e.g. dot_bm16_bn32_bj256_s1_w4_st3; Triton split-K, _s2 and up, "
+                         f"left the package: kernel.REMOVED_SPLIT_K): {parts[2]!r}")
+    kind, bm, bn, bj, warps, stages = hit.groups()
+    return n, k, m, Config(bm=int(bm), bn=int(bn), bj=int(bj), use_dot=kind == "dot", num_warps=int(warps),
+                           num_stages=int(stages))
 
 
 def main(argv=None) -> int:

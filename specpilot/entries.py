@@ -3,7 +3,7 @@
 An entry (``MemoryEntryProposed``) carries a code delta against stock, option settings,
 requirements (predicates on the deployment, `requirements_for`: only what the entry changes needs),
 the correctness contract it was checked under, evidence (event ids), and the sha256 of every file of
-its source system and of its stock under ``specpilot_engine/`` and ``specpilot_kernels/``. It is accepted
+its source system and of its stock under ``engine/`` and ``kernels/``. It is accepted
 only if applying the delta to *its* stock reproduces those files exactly (`validate`). Stocks are kept
 in a content-addressed snapshot store (``<store>/<sha256>``, `snapshot`): the memory service files its
 checkout's runtime there when it starts and whenever an entry names files the checkout still holds, and
@@ -23,9 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from specpilot.layout import RUNTIME_FOLDERS
 from specpilot.paths import REPO_ROOT
 
-ROOTS = ("specpilot_engine", "specpilot_kernels")
+ROOTS = RUNTIME_FOLDERS
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
@@ -85,8 +86,8 @@ def _stock_tree(dest: Path, stock: Path, stock_files: dict[str, str] | None, sto
             shutil.copyfile(Path(store) / sha, dest / rel)
         return ""
     if stock_files and (changed := _compare(stock_files, tree_hashes(stock))):
-        return ("the stock here is not the stock the delta was made against (" + changed + "): specpilot_engine/ or "
-                "specpilot_kernels/ changed since the deployment was registered; validate where that stock is")
+        return ("the stock here is not the stock the delta was made against (" + changed + "): engine/ or "
+                "kernels/ changed since the deployment was registered; validate where that stock is")
     for r in ROOTS:
         if (Path(stock) / r).exists():
             shutil.copytree(Path(stock) / r, dest / r, ignore=_IGNORE)

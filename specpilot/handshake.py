@@ -3,7 +3,7 @@
 Contract:
 - `identity()` is this process's announcement, put in its micro service metadata
   (`specpilot.service.run`): ``version`` (``__version__`` plus a digest of its own code: the
-  ``specpilot`` package and ``deployments/``, so two checkouts of one release that differ still
+  ``specpilot`` package, the services and ``deployments/``, so two checkouts of one release that differ still
   differ here), ``stock_tree`` (a digest of the runtime it treats as stock, `entries.tree_hashes`) and
   ``host``.
 - `mismatches(own, services)` is pure: one line per discovered service whose version or stock tree
@@ -22,7 +22,7 @@ from specpilot import __version__
 from specpilot.entries import tree_hashes
 from specpilot.paths import REPO_ROOT
 
-CODE_ROOTS = ("specpilot", "deployments")
+CODE_ROOTS = ("specpilot", "services", "deployments")  # the runtime is `stock_tree`
 KEYS = ("version", "stock_tree")
 
 

@@ -1,13 +1,16 @@
 """Patch policy, pure: what a patch may touch before anything of it runs.
 
 A patch is a unified diff (``git diff`` format) plus option settings. It may only add, modify or
-delete regular text files under ``specpilot_engine/`` and ``specpilot_kernels/``, and must stay under a size limit.
+delete regular text files under the runtime's folders, ``engine/`` and ``kernels/`` (`ALLOWED_ROOTS`), and
+must stay under a size limit.
 Everything else — the harness, tests, services, request sets, deployments, packaging, symlinks,
 binary patches, renames or copies out of the allowed folders, paths that climb out with ``..`` —
 is refused with the rule that caught it (`refused` turns that into the controller's `PatchRefused`).
 Option values are checked later by the candidate's own engine (a patch may add options), inside the
 sandbox. The harness lives in ``specpilot/`` (``specpilot/harness/``: worker, replay, request sets and
-their dev/sealed split, deployments, profiler, forcing), so no patch can reach it.
+their dev/sealed split, deployments, profiler, forcing), so no patch can reach it. Diffs recorded by
+SpecPilot 0.2, whose runtime folders were ``specpilot_engine/`` and ``specpilot_kernels/``, are read with
+today's names (`current_paths`) wherever a recorded diff is applied.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import re
 from dataclasses import dataclass
 
 from specpilot import schema
+from specpilot.layout import RUNTIME_FOLDERS
 
-ALLOWED_ROOTS = ("specpilot_engine/", "specpilot_kernels/")
+ALLOWED_ROOTS = tuple(f"{folder}/" for folder in RUNTIME_FOLDERS)
+LEGACY_ROOTS = {"specpilot_engine/": "engine/", "specpilot_kernels/": "kernels/"}  # SpecPilot 0.2's names
 MAX_DIFF_BYTES = 200_000
 MAX_FILES = 40
 MAX_OPTIONS = 16
@@ -47,6 +52,18 @@ def touched_paths(diff: str) -> set[str]:
                 p = p[2:]
             paths.add(p)
     return paths
+
+
+def current_paths(diff: str) -> str:
+    """``diff`` with the runtime's folders named as today (`LEGACY_ROOTS`: a diff recorded by SpecPilot 0.2,
+    in a ledger's patch, a memory entry's delta or a best branch); other diffs come back unchanged."""
+    out = []
+    for line in diff.splitlines(keepends=True):
+        if _HEADER.match(line):
+            for old, new in LEGACY_ROOTS.items():
+                line = line.replace(f"a/{old}", f"a/{new}").replace(f"b/{old}", f"b/{new}").replace(f" {old}", f" {new}")
+        out.append(line)
+    return "".join(out)
 
 
 def _path_problem(path: str) -> str | None:

@@ -9,7 +9,7 @@ What is isolated (Linux with bubblewrap, as set up by ``scripts/install.sh``):
   an empty tmpfs. The candidate's source is bound read-only at ``/tmp/src`` and the converted model
   cache read-only at ``/tmp/data/models``. ``compile_cache`` (a directory the controller made for
   this one sandbox) is bound writable at ``/tmp/compile-cache`` as Triton's cache and as the build
-  directory of torch's C++ extensions (`specpilot_kernels.cpu_gemm`).
+  directory of torch's C++ extensions (`specpilot.kernels.cpu_gemm`).
 - **Environment**: cleared; only ``PATH``, ``HOME=/tmp`` and a few thread settings are set. No NATS
   URL or credentials, no API keys.
 - **Network**: a new network namespace with only a loopback nobody listens on.
@@ -51,6 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot.layout import RUNTIME_ENV
 from specpilot.paths import REPO_ROOT
 
 SANDBOX_SRC = "/tmp/src"
@@ -180,7 +181,7 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     threads: int | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
-    # Triton's cache and torch's C++ extension builds (specpilot_kernels.cpu_gemm), writable (None: an empty /tmp)
+    # Triton's cache and torch's C++ extension builds (specpilot.kernels.cpu_gemm), writable (None: an empty /tmp)
     compile_cache: Path | None = None
 
     def __post_init__(self) -> None:
@@ -197,9 +198,11 @@ class Sandbox:
     def _env(self) -> dict[str, str]:
         # PYTHONPATH: the harness (`specpilot`) of the checkout this process runs from, whatever the
         # interpreter's install points at (services may run from another checkout, e.g. a stock copy);
-        # the candidate's runtime still comes first, from the working directory.
+        # SPECPILOT_RUNTIME: the runtime (`specpilot.engine`, `specpilot.kernels`) is the candidate's own
+        # (`specpilot.layout`).
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8", "PYTHONPATH": str(REPO_ROOT.resolve())}
+               "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8", "PYTHONPATH": str(REPO_ROOT.resolve()),
+               RUNTIME_ENV: SANDBOX_SRC if self.isolated else str(Path(self.src).resolve())}
         env.update(self.env)
         if self.threads:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))

@@ -117,10 +117,10 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     verified_tokens: float = 0.0
     context: int = 0  # mean cached positions attended to during the profiled steps
     dtype: str = ""
-    shape: dict[str, int] = {}  # the target's dimensions (specpilot_engine.model.ModelConfig)
+    shape: dict[str, int] = {}  # the target's dimensions (specpilot.engine.model.ModelConfig)
     replay_depths: list[list[int]] = []  # per request: how deep the drafter's candidates match the target, by position
     chain_depths: list[list[int]] = []  # the same for the drafter's first candidate only (a chain)
-    launches: dict[str, float] = {}  # operator launches per step by kernel class (specpilot.harness.bench.launches)
+    launches: dict[str, float] = {}  # operator launches per step by kernel class (specpilot.harness.profile.launches)
     # Every other drafter of the target, replayed on the same outputs: {"chain_depths": [[...]] per
     # request, "draft_s": seconds per chain proposal, and for other drafters "depths": its trees'}
     # (specpilot.harness.replay.alternative_drafters)
@@ -130,7 +130,7 @@ class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
     options: dict[str, Any] = {}  # the profiled system's options (overrides on the deployment's stock)
     # A batched deployment (rows > 1): the measured step of ``rows`` rows of one token (batched AR), that of
     # one row of ``rows`` tokens (the same linear work, no per-row part), and
-    # c(n, rows) = t(rows x (1 + n)) / t(rows x 1) by draft count n (specpilot.harness.batch_bench.step_cost)
+    # c(n, rows) = t(rows x (1 + n)) / t(rows x 1) by draft count n (specpilot.harness.step_cost.step_cost)
     rows: int = 1
     t_ar_rows_s: float = 0.0
     t_one_row_s: float = 0.0
@@ -351,7 +351,7 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     contract: str = ""  # the correctness contract it was checked under
     evidence: list[str] = []  # event ids
     source_commit: str = ""
-    source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under specpilot_engine/ and specpilot_kernels/
+    source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under engine/ and kernels/
     stock_files: dict[str, str] = {}  # the same for the stock the delta is against (as registered by the controller)
     origin: str = ""  # imported: where it was exported from (`specpilot memory import`)
     imported_evidence: list[dict[str, Any]] = []  # imported: the evidence events themselves, as recorded there

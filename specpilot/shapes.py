@@ -1,6 +1,6 @@
 """Model shapes as the cost model and the services read them: torch-free, so any service may import it.
 
-`Shape` is the subset of `specpilot_engine.model.ModelConfig` the byte floors need; `shape_of(config)` takes
+`Shape` is the subset of `specpilot.engine.model.ModelConfig` the byte floors need; `shape_of(config)` takes
 it from any object with those attributes (a ModelConfig), for events (`ProfileMeasured.shape`).
 """
 

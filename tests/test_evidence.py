@@ -7,9 +7,9 @@ import json
 from specpilot import evidence, schema
 from specpilot.services.master.llm_planner import PlanBox
 
-DIFF = """diff --git a/specpilot_engine/decode.py b/specpilot_engine/decode.py
---- a/specpilot_engine/decode.py
-+++ b/specpilot_engine/decode.py
+DIFF = """diff --git a/engine/decode.py b/engine/decode.py
+--- a/engine/decode.py
++++ b/engine/decode.py
 @@ -1,2 +1,3 @@
 -a
 +b
@@ -37,7 +37,7 @@ def test_attempts_say_what_was_tried_and_how_it_ended():
         ("p0", "sweep ngram_min_match", "reject"), ("p1", "fuse the norms", "refused"),
         ("p2", "fuse the norms", "undecided")]
     assert tried[0]["gain"] == -0.115 and tried[0]["bar"] == 0.018 and "below_bar" in tried[0]["reason"]
-    assert tried[1]["diff"] == "specpilot_engine/decode.py +2 -1" and tried[1]["reason"].startswith("paths:")
+    assert tried[1]["diff"] == "engine/decode.py +2 -1" and tried[1]["reason"].startswith("paths:")
     assert evidence.refuted(tried, "ngram_min_match", 1, {}) and not evidence.refuted(tried, "ngram_min_match", 3, {})
     assert not evidence.refuted(tried, "ngram_min_match", 1, {"verify": "tree"})  # another base: not refuted
 
@@ -54,7 +54,7 @@ def test_the_bundle_is_bounded_and_says_what_it_left_out():
     assert full["tried"][-1] == many[-1]  # the newest attempts are kept
     assert list(full["profile"]["classes_ms"])[0] == "class_39" and len(full["profile"]["classes_ms"]) <= 12
     assert full["device"]["bandwidth_gb_s"] == 13.0 and full["ceiling"]["factors"]["tau"] == 1.04
-    assert full["memory_entries"][0]["delta"] == "specpilot_engine/decode.py +2 -1"
+    assert full["memory_entries"][0]["delta"] == "engine/decode.py +2 -1"
     assert "class_39" in evidence.render(full) and evidence.render({}) == "none recorded yet"
 
 

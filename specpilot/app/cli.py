@@ -30,6 +30,7 @@ from specpilot import __version__, bundles, bus, ledger, natsd, output, paths, s
 from specpilot.bundles import Bundle
 from specpilot.errors import UserError
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT
+from specpilot.layout import RUNTIME_FOLDERS
 from specpilot.schema import SERVICES
 from specpilot.service import add_connection_flags
 
@@ -374,7 +375,7 @@ def export_system_over_nats(args: argparse.Namespace, dest: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="sp-export-") as tmp:
         ws = build_workspace(paths.REPO_ROOT, [("the controller's best", diff)] if diff else [], Path(tmp) / "ws",
                              trees=reply.get("trees") or {})
-        for root in ("specpilot_engine", "specpilot_kernels"):
+        for root in RUNTIME_FOLDERS:
             shutil.copytree(ws / root, dest / root, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     write_export(dest, diff, reply.get("options") or {})
     return {"deployment": args.deployment, "commit": reply.get("commit") or reply.get("stock") or "stock", "dir": str(dest),
@@ -419,7 +420,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 PLUGGED_COMMANDS: dict[str, tuple[str, str]] = {
     "round": ("specpilot.app.cmd_round", "run a round: measure, plan, patch, time, promote, sealed final"),
     "bench": ("specpilot.app.cmd_bench", "measure tau(N), c(N), S(N), tokens/s and speedup over AR on a deployment"),
-    "drafter": ("specpilot.app.cmd_bench", "train a drafter (parallel or EAGLE) for a deployment's target"),
+    "drafter": ("specpilot.app.cmd_drafter", "train a drafter (parallel or EAGLE) for a deployment's target"),
     "model": ("specpilot.app.cmd_model", "check a checkpoint before a deployment uses it; export SmolLM2 as one"),
     "w12": ("specpilot.app.cmd_w12", "pack a model's weights in the lossless 12-bit W12 format and report"),
     "force": ("specpilot.app.cmd_force", "token-force a system's outputs through the stock target"),

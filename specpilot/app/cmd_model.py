@@ -5,7 +5,7 @@
   memory-mapped safetensors, the tokenizer and its chat template) without loading the weights, and
   prints what it found: family, sizes, parameters, bytes in each dtype against the memory free on
   the CPU (and the GPU when there is one), the EOS ids and the drafters trained for it. A checkpoint
-  this engine cannot run fails here with the reason (`specpilot_engine.checkpoint.CheckpointError`).
+  this engine cannot run fails here with the reason (`specpilot.engine.checkpoint.CheckpointError`).
 - ``specpilot model export-smollm2 DIR`` writes the shipped SmolLM2 as a Hugging Face checkpoint
   (``weights.export_smollm2``): the example checkpoint of the README and of ``deployments/smollm2-hf-cpu``.
 
@@ -37,8 +37,8 @@ def add_commands(subparsers) -> None:
 
 def _target(given: str) -> str:
     """A target name (built-in or ``hf:<absolute folder>``) from what the user typed."""
+    from specpilot.engine.model import CONFIGS
     from specpilot.harness.deployment import DeploymentError, deployment_path, load_deployment
-    from specpilot_engine.model import CONFIGS
 
     if given in CONFIGS:
         return given
@@ -59,8 +59,8 @@ def facts(target: str) -> dict:
     """What a deployment of ``target`` would run: the checkpoint read without loading its weights."""
     import torch
 
-    from specpilot_engine import checkpoint
-    from specpilot_engine.model import Transformer, get_config
+    from specpilot.engine import checkpoint
+    from specpilot.engine.model import Transformer, get_config
 
     cfg = get_config(target)
     with torch.device("meta"):
@@ -100,7 +100,7 @@ def _print(title: str, rows: dict, as_json: bool) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from specpilot_engine.checkpoint import CheckpointError
+    from specpilot.engine.checkpoint import CheckpointError
 
     target = _target(args.target)
     try:
@@ -112,7 +112,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from specpilot_engine.weights import export_smollm2
+    from specpilot.engine.weights import export_smollm2
 
     dest = args.dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):

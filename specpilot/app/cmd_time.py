@@ -7,7 +7,7 @@ model cache between runs.
 
 Input is checked before anything starts: a missing patch file, ``--options`` that are not a JSON object,
 an unknown deployment, a patch that is empty with no options (nothing to time), or, when the patch does
-not touch `specpilot_engine/options.py` (so it cannot add options), an option the engine does not have.
+not touch `engine/options.py` (so it cannot add options), an option the engine does not have.
 Exit status: 0 promoted, 1 rejected, 2 refused by the policy or bad input (`specpilot.output`).
 """
 
@@ -22,13 +22,13 @@ from specpilot import output, paths, policy, schema
 from specpilot.errors import UserError, json_object, positive_int
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT, load_deployment
 
-OPTIONS_MODULE = "specpilot_engine/options.py"  # where a patch would add options
+OPTIONS_MODULE = "engine/options.py"  # where a patch would add options
 
 
 def add_commands(sub) -> None:
     p = sub.add_parser("time", help="evaluate a patch like the controller does (policy, tests, timing, verdict)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("patch", type=Path, help="a unified diff (git diff format) against specpilot_engine/ and specpilot_kernels/; "
+    p.add_argument("patch", type=Path, help="a unified diff (git diff format) against engine/ and kernels/; "
                                             "use /dev/null for options only")
     p.add_argument("--deployment", default=DEFAULT_DEPLOYMENT)
     p.add_argument("--options", type=json_object, default="{}", help='JSON engine options the patch enables, e.g. \'{"verify": "tree"}\'')

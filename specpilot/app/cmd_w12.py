@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from specpilot.errors import UserError
-from specpilot_kernels.w12.format import pack, verify
-from specpilot_kernels.w12.linear import summarize, tensor_stats
+from specpilot.kernels.w12.format import pack, verify
+from specpilot.kernels.w12.linear import summarize, tensor_stats
 
 # Llama-3-8B: (name, rows, cols, copies per model)
 LLAMA_8B_LAYERS = 32

@@ -117,7 +117,7 @@ def head_weight_fp32(model: torch.nn.Module) -> torch.Tensor:
 
 
 class Forcer:
-    """Forcing against one loaded stock engine (an `specpilot_engine.api.Engine` with the deployment's stock options)."""
+    """Forcing against one loaded stock engine (an `specpilot.engine.api.Engine` with the deployment's stock options)."""
 
     def __init__(self, engine, memo_dir: Path | None = None):
         """``memo_dir``: where stock's outputs are kept between processes (None: in memory only), keyed by
@@ -308,7 +308,7 @@ class FollowDraft:
             self.fallback.reset()
 
     def propose(self, context: list[int], last_hidden, k: int, n: int) -> list:
-        from specpilot_engine.tree import Candidate
+        from specpilot.engine.tree import Candidate
 
         done = len(context) - self.prompt_len
         if 0 < done < len(self.tokens) and tuple(context[self.prompt_len:]) == self.tokens[:done]:
@@ -354,20 +354,18 @@ def forcer_for(deployment: str | Path, data_dir: Path | None = None, device: str
         return _forcers[key]
 
 
-def _with_server_stock(deployment: str | Path, outputs: list, data_dir: Path | None) -> list:
-    """For a server deployment, stock's own tokens where an output lacks them: the stock server's (started
-    here with its default flags), not the fp32 reference's, which would make stock look perfect."""
+def _with_server_stock(dep, outputs: list, data_dir: Path | None) -> list:
+    """For a server deployment ``dep`` (a `Deployment`, or None for a bare model), stock's own tokens where an
+    output lacks them: the stock server's (started here with its default flags), not the fp32 reference's,
+    which would make stock look perfect."""
     import dataclasses
-
-    from specpilot.harness.deployment import deployment_or_none
 
     if all(o.stock_tokens is not None for o in outputs):
         return outputs
-    dep = deployment_or_none(deployment)
     if dep is None or not dep.server:
         return outputs
+    from specpilot.engine.weights import load_tokenizer
     from specpilot.harness.server import ServerEngine
-    from specpilot_engine.weights import load_tokenizer
 
     with ServerEngine(dep.server_spec(), {}, load_tokenizer(dep.target, data_dir=data_dir)) as stock:
         return [o if o.stock_tokens is not None else
@@ -384,12 +382,15 @@ def force_outputs(deployment: str | Path, outputs: list[dict[str, Any]], data_di
     Returns the ForcingReported fields ``{"passed", "reason", "stats", "audited"}``. Raises
     ValueError for malformed or empty outputs and FileNotFoundError for an unknown deployment.
     """
+    from specpilot.harness.deployment import deployment_or_none
+
     if not outputs:
         raise ValueError("there are no outputs to force")
+    dep = deployment_or_none(deployment)  # resolved once for this request (the forcer is cached by name)
     forcer = forcer_for(deployment, data_dir, device, owner)
     with _lock:
         parsed = forcing_rules.parse_outputs(outputs, encode=lambda text, chat: forcer.engine.tokenize(text, chat=chat),
                                      vocab_size=forcer.model.cfg.vocab_size)
-        parsed = _with_server_stock(deployment, parsed, data_dir)
+        parsed = _with_server_stock(dep, parsed, data_dir)
         report = forcer.run(parsed, max_audit=forcing_rules.MAX_AUDITED if max_audit is None else max_audit, seed=seed)
     return {**report.fields(), "stats": {**report.stats, "deployment": str(deployment)}}

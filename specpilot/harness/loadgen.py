@@ -2,7 +2,7 @@
 its last one is answered, as a serving benchmark's clients do.
 
 `closed_loop(decoder, prompts, concurrency, max_new_tokens, total)` drives a
-`specpilot_engine.batch.BatchDecoder` online (``submit`` / ``step``): the clients take the prompts in turn
+`specpilot.engine.batch.BatchDecoder` online (``submit`` / ``step``): the clients take the prompts in turn
 (round robin, so every run of the same arguments sends the same requests in the same order), and the
 run ends when ``total`` requests are answered. Per request it records the wall-clock latency (submit to
 last token), the time to first token (submit to the end of its prefill) and its tokens; overall the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where a load runs: `frozen_heap` serves torch-free workers (server deployments)
-    from specpilot_engine.batch import BatchDecoder
+    from specpilot.engine.batch import BatchDecoder
 
 
 @dataclass
@@ -131,7 +131,7 @@ def frozen_heap() -> Iterator[None]:
 def closed_loop(decoder: BatchDecoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
                 total: int) -> LoadResult:
     """``total`` requests from ``concurrency`` closed-loop clients (see the module docstring)."""
-    from specpilot_engine.batch import BatchRequest
+    from specpilot.engine.batch import BatchRequest
 
     if concurrency < 1 or total < 1 or not prompts:
         raise ValueError("closed_loop needs concurrency >= 1, total >= 1 and at least one prompt")

@@ -5,10 +5,10 @@
   node of the trie of its candidates); one `Replay` serves every drafter of one output.
   `specpilot.services.master.costmodel.replay_tau` turns these into the tokens per step of the best tree at
   any node budget ("exact replay").
-- `measure`: one request through the engine with the kernel-class profile of `specpilot.harness.bench`, and
+- `measure`: one request through the engine with the kernel-class profile of `specpilot.harness.profile`, and
   the matched depths of its output twice: over all the drafter's candidates (``depths``: the best
   tree in hindsight) and over its first candidate only (``chain_depths``: what a chain verifies),
-  the operator launches per step of each kernel class (`specpilot.harness.bench.launches`), and the same
+  the operator launches per step of each kernel class (`specpilot.harness.profile.launches`), and the same
   chain replay for every other drafter of the target with its draft time (`alternative_drafters`),
   and for the system's own drafter under other settings (``ALTERNATIVE_SETTINGS``, keyed
   ``option=value``), so the planner can predict a switch of drafter, or of its setting, before
@@ -26,21 +26,8 @@ import time
 
 import torch
 
-from specpilot_engine.api import Engine
-
-
-def matched_depth(candidates, truth: list[int]) -> int:
-    """Longest prefix of ``truth`` that any candidate's tokens start with."""
-    best = 0
-    for cand in candidates:
-        m = 0
-        for a, b in zip(cand, truth, strict=False):
-            if a != b:
-                break
-            m += 1
-        best = max(best, m)
-    return best
-
+from specpilot.engine.api import Engine
+from specpilot.engine.tree import matched_depth
 
 HIDDEN_READERS = ("parallel", "eagle")  # drafters that read the target's hidden state before the root
 ALTERNATIVE_DRAFTERS = ("ngram", "parallel", "eagle")  # replayed beside the system's own (`measure`)
@@ -64,7 +51,7 @@ class Replay:
     def drafter(self, name: str):
         """The named drafter, reset; None for "none". ``name`` is a drafter (with the engine's other
         options) or ``option=value``: the engine's own drafter with that option changed."""
-        from specpilot_engine.drafters import make_drafter
+        from specpilot.engine.drafters import make_drafter
 
         if name not in self._drafters:
             opts = self.engine.options
@@ -164,11 +151,11 @@ CHAIN_COST_DRAFTS = (2, 4, 8)  # chain lengths `chain_cost` times (and the engin
 def chain_cost(engine: Engine, prompt: list[int], output: list[int], ns=CHAIN_COST_DRAFTS, reps: int = 3,
                ) -> dict[int, float]:
     """c(n) = t(forward of 1 + n tokens) / t(forward of 1 token) for each ``n``, as one decode step
-    runs it (`specpilot_engine.decode.verify`, with the engine's graph runner), at the context of ``prompt``
+    runs it (`specpilot.engine.decode.verify`, with the engine's graph runner), at the context of ``prompt``
     plus half of ``output``. The chain is the output's own next tokens, so every draft is accepted
     and the step does its full work. Sizes are interleaved ``reps`` times; medians are compared."""
-    from specpilot_engine.decode import prefill, verify
-    from specpilot_engine.tree import DraftTree
+    from specpilot.engine.decode import prefill, verify
+    from specpilot.engine.tree import DraftTree
 
     ns = sorted({n for n in ns if 0 < n < len(output) - 1})
     if not ns:
@@ -195,7 +182,7 @@ def chain_cost(engine: Engine, prompt: list[int], output: list[int], ns=CHAIN_CO
 
 def measure(engine: Engine, prompt: list[int], max_new_tokens: int, depth: int = 16, nodes: int = 64) -> dict:
     """Profile one request and replay its output (see the module docstring)."""
-    from specpilot.harness.bench import launches, profile
+    from specpilot.harness.profile import launches, profile
 
     result = engine.generate(prompt, max_new_tokens)
     prof = profile(engine, prompt, max_new_tokens)

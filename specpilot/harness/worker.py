@@ -16,7 +16,7 @@ Protocol (one JSON object per line; stdout carries nothing else, logs go to stde
    Its figures are planning inputs, never verdicts. ``{"batch_cost": {"rows": B, "context": C, "drafts": [n, ...]}}``
    answers ``{"t_ar_s": t, "t_one_row_s": t1, "c": {n: c(n, B)}}``: the forward of B rows of one token, of
    one row of B tokens (the same linear work without the per-row part), and of 1 + n tokens a row against
-   the first (`specpilot.harness.batch_bench.step_cost`, with the engine's ``batch_attention`` and graphs), for the
+   the first (`specpilot.harness.step_cost.step_cost`, with the engine's ``batch_attention`` and graphs), for the
    cost model's batched ceiling and overhead.
 5. It exits when stdin closes (stopping the server of a server deployment, `specpilot.harness.server`).
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     send((own or functools.partial(measure, engine))(m["prompt_ids"], int(m["max_new_tokens"])))
                     continue
                 if "batch_cost" in req:
-                    from specpilot.harness.batch_bench import step_cost
+                    from specpilot.harness.step_cost import step_cost
 
                     b = req["batch_cost"]
                     rows, context = int(b["rows"]), int(b["context"])

@@ -99,7 +99,7 @@ def test_services_spell_no_sql_and_no_event_tag():
 
     tags = {t for t in schema.BY_TAG}
     offenders = []
-    for path in sorted((REPO_ROOT / "specpilot").rglob("*.py")):
+    for path in sorted(p for top in ("specpilot", "services") for p in (REPO_ROOT / top).rglob("*.py")):
         if path.name in ("ledger.py", "schema.py"):
             continue
         text = path.read_text()

@@ -78,7 +78,7 @@ def test_a_round_across_separate_hosts_survives_killed_services(tmp_path):
             # the final system crosses from the controller's host as code (its diff, checked against its trees)
             said = operator(inst, "export", "--system", f"{DATA}/final", "--deployment", "tiny-cpu")
             final = lab.folder("operator") / "data" / "final"
-            assert (final / "specpilot_engine" / "options.py").is_file() and (final / "final.patch").exists()
+            assert (final / "engine" / "options.py").is_file() and (final / "final.patch").exists()
             assert isinstance(json.loads((final / "options.json").read_text()), dict)
             assert result["final_commit"][:12] in said
         finally:

@@ -13,7 +13,7 @@ import textwrap
 
 from specpilot.paths import REPO_ROOT
 
-API = "specpilot_engine/api.py"
+API = "engine/api.py"
 READY = "    return engine\n"
 REPLY = "        return result\n"
 
@@ -24,7 +24,7 @@ def diff(path: str, new_text: str) -> str:
 
 
 def worker_patch(before_ready: str = "", before_reply: str = "") -> str:
-    """A diff of specpilot_engine/api.py running ``before_ready`` once when the engine is built and
+    """A diff of engine/api.py running ``before_ready`` once when the engine is built and
     ``before_reply`` before each generation returns (see the module docstring for the names in scope)."""
     text = (REPO_ROOT / API).read_text()
     assert text.count(READY) == 1 and text.count(REPLY) == 1, f"{API} changed: update the probe anchors"
@@ -48,7 +48,7 @@ while True:
         _time.sleep(0.01)
 """
 
-OPTIONS = "specpilot_engine/options.py"
+OPTIONS = "engine/options.py"
 OPTION_ANCHOR = "    drafter_weights: str = option("  # a one-line field: new ones go after it
 
 

@@ -77,9 +77,9 @@ def test_compile_caches_are_on_by_default(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("specpilot_kernels.cpu_gemm").cpu_gemm.available(), reason="needs AVX2, FMA and g++")
+@pytest.mark.skipif(not __import__("specpilot.kernels.cpu_gemm").kernels.cpu_gemm.available(), reason="needs AVX2, FMA and g++")
 def test_a_cpu_system_with_a_cpp_kernel_keeps_its_build_for_later_workers(tmp_path):
-    """linear_backend = "stream" builds specpilot_kernels.cpu_gemm as its worker loads: the fill (a start, no
+    """linear_backend = "stream" builds specpilot.kernels.cpu_gemm as its worker loads: the fill (a start, no
     requests) leaves the built extension in the system's kept cache, and later workers get a copy."""
     ev = Evaluator(tmp_path, "tiny-cpu", n_requests=2, max_new_tokens=8, threads=1, limits=Limits(wall_s=300.0))
     system = System(ev.prepare(), {"linear_backend": "stream"})

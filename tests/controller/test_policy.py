@@ -10,10 +10,10 @@ def test_engine_patch_is_allowed():
     assert policy.check("", {"verify": "tree"}) is None  # options only
 
 
-@pytest.mark.parametrize("path", ["tests/engine/test_x.py", "specpilot/services/controller/main.py", "specpilot/schema.py",
+@pytest.mark.parametrize("path", ["tests/engine/test_x.py", "services/controller/main.py", "specpilot/schema.py",
                                   "deployments/smollm2-cpu.toml", "deployments/chat_prompts.json", "pyproject.toml",
-                                  ".ci/run", "specpilot_engine/tests/test_speed.py", "specpilot_engine/../specpilot/cli.py",
-                                  "/etc/passwd", "specpilot_kernels/test_w12.py"])
+                                  ".ci/run", "engine/tests/test_speed.py", "engine/../specpilot/cli.py",
+                                  "/etc/passwd", "kernels/test_w12.py"])
 def test_paths_outside_engine_and_kernels_are_refused(path):
     d = f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1 +1 @@\n-x\n+y\n"
     r = policy.check(d, {})
@@ -21,17 +21,17 @@ def test_paths_outside_engine_and_kernels_are_refused(path):
 
 
 def test_renames_out_of_engine_are_refused():
-    d = ("diff --git a/specpilot_engine/api.py b/specpilot/services/x.py\nsimilarity index 100%\n"
-         "rename from specpilot_engine/api.py\nrename to specpilot/services/x.py\n")
+    d = ("diff --git a/engine/api.py b/services/x.py\nsimilarity index 100%\n"
+         "rename from engine/api.py\nrename to services/x.py\n")
     assert policy.check(d, {}).rule == "paths"
 
 
 def test_symlinks_binaries_size_and_options():
-    link = "diff --git a/specpilot_engine/l b/specpilot_engine/l\nnew file mode 120000\n--- /dev/null\n+++ b/specpilot_engine/l\n@@ -0,0 +1 @@\n+/etc\n"
+    link = "diff --git a/engine/l b/engine/l\nnew file mode 120000\n--- /dev/null\n+++ b/engine/l\n@@ -0,0 +1 @@\n+/etc\n"
     assert policy.check(link, {}).rule == "mode"
-    binary = "diff --git a/specpilot_engine/x.bin b/specpilot_engine/x.bin\nGIT binary patch\nliteral 3\n"
+    binary = "diff --git a/engine/x.bin b/engine/x.bin\nGIT binary patch\nliteral 3\n"
     assert policy.check(binary, {}).rule == "binary"
-    big = diff("specpilot_engine/api.py", (policy.ALLOWED_ROOTS[0] + "x\n") * 30000)
+    big = diff("engine/api.py", (policy.ALLOWED_ROOTS[0] + "x\n") * 30000)
     assert policy.check(big, {}).rule == "size"
     assert policy.check("", {"Bad-Name": 1}).rule == "options"
     assert policy.check("", {"x": [1, 2]}).rule == "options"
@@ -52,5 +52,5 @@ def test_a_patch_to_the_harness_request_sets_or_split_is_refused_naming_the_rule
                                  options={}, source="subagent")
     refusal = policy.refused(patch)
     assert isinstance(refusal, schema.PatchRefused) and refusal.patch_id == "p"
-    assert refusal.rule == "paths" and path in refusal.reason and "outside specpilot_engine/" in refusal.reason
+    assert refusal.rule == "paths" and path in refusal.reason and "outside engine/" in refusal.reason
     assert "specpilot/harness/requests.py" in HARNESS and "specpilot/harness/worker.py" in HARNESS

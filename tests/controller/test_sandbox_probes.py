@@ -65,7 +65,7 @@ def test_escape_attempts_are_contained(ctl, tmp_path, monkeypatch, outside_tmp):
     (own_bundle / "split_seed").write_text("12345")
     monkeypatch.setenv("SPECPILOT_BUNDLE", str(own_bundle))
     ctl.evaluator("tiny-cpu").split_seed()
-    harness = REPO_ROOT / "specpilot_engine" / "pwned_by_probe.py"
+    harness = REPO_ROOT / "engine" / "pwned_by_probe.py"
     probe = f"""
     import os, signal, socket
     try:

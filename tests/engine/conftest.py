@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot_engine.api import Engine
-from specpilot_engine.options import EngineOptions
+from specpilot.engine.api import Engine
+from specpilot.engine.options import EngineOptions
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct in fp32 on the CPU."""
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     return load_model("smollm2-135m", dtype="fp32")
 
 
 @pytest.fixture(scope="session")
 def tiny():
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     return load_model("tiny", dtype="fp32")
 

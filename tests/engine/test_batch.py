@@ -1,4 +1,4 @@
-"""Continuous batching (`specpilot_engine.batch`), fp32 on the CPU: a request's tokens are the same whatever
+"""Continuous batching (`specpilot.engine.batch`), fp32 on the CPU: a request's tokens are the same whatever
 its batch-mates, its row and when it arrives (batch invariance, with the row-independent ``stream`` linears),
 they equal batch-1 decoding's, and every drafter (chain and tree) emits AR's tokens inside a batch too.
 Requests beyond the rows wait and are served; bad requests are refused by name before any work.
@@ -10,12 +10,12 @@ import copy
 
 import pytest
 
-from specpilot_engine.api import apply_model_options
-from specpilot_engine.batch import BatchDecoder, BatchRequest
-from specpilot_engine.decode import DecodeConfig
-from specpilot_engine.drafters.ngram import NgramDrafter
-from specpilot_engine.graphs import GraphRunner
-from specpilot_engine.options import EngineOptions
+from specpilot.engine.api import apply_model_options
+from specpilot.engine.batch import BatchDecoder, BatchRequest
+from specpilot.engine.decode import DecodeConfig
+from specpilot.engine.drafters.ngram import NgramDrafter
+from specpilot.engine.graphs import GraphRunner
+from specpilot.engine.options import EngineOptions
 from tests.engine.conftest import make_engine
 from tests.engine.test_lossless import _tiny_prompts
 
@@ -75,7 +75,7 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_mates(tiny_stream):
 def test_requests_joining_at_one_step_prefill_in_one_forward(tiny_stream, monkeypatch):
     """Stock admission: the prompts that join at one step run as one ragged forward (cut at
     `PREFILL_TOKENS` tokens; a longer prompt alone), and each request still gets its batch-1 tokens."""
-    import specpilot_engine.batch as batch
+    import specpilot.engine.batch as batch
 
     prompts = _tiny_prompts(7, n=7)
     reference = [make_engine(tiny_stream, drafter="none").generate(p, 12).tokens for p in prompts]
@@ -200,7 +200,7 @@ def test_online_requests_queue_beyond_the_rows_and_ids_stay_unique_in_flight(tin
 def test_draft_tokens_go_where_they_are_likeliest_accepted():
     """`allocate_drafts`: a row whose drafts are accepted 90% of the time gets most of a shared budget,
     caps hold, and the budget is never exceeded; `acceptance_rate` starts a new row at one half."""
-    from specpilot_engine.batch import acceptance_rate, allocate_drafts
+    from specpilot.engine.batch import acceptance_rate, allocate_drafts
 
     assert acceptance_rate([], []) == 0.5 and acceptance_rate([4, 4], [4, 4]) == 0.9
     assert allocate_drafts([0.9, 0.2, 0.5], [8, 8, 8], 10) == [8, 0, 2]  # 0.9 ** 8 = 0.43 > 0.5 ** 2 > 0.2
@@ -213,7 +213,7 @@ def test_draft_tokens_go_where_they_are_likeliest_accepted():
 def test_batch_mechanisms_change_what_is_drafted_never_the_tokens(tiny_stream, policy, tree):
     """A shared node budget and per-request block lengths only choose how many drafts each row verifies:
     every request still gets batch-1 AR's tokens, and the step's drafts stay within the budget."""
-    from specpilot_engine.batch import BatchPolicy
+    from specpilot.engine.batch import BatchPolicy
 
     prompts = _tiny_prompts(7, n=6)
     reference = [make_engine(tiny_stream, drafter="none").generate(p, 32).tokens for p in prompts]
@@ -230,7 +230,7 @@ def test_batch_mechanisms_change_what_is_drafted_never_the_tokens(tiny_stream, p
 def test_speculation_stops_under_full_load_and_resumes_as_the_batch_thins(tiny_stream, tree):
     """`max_spec_rows`: a step with more decoding rows than the limit verifies every row's root alone; one
     with fewer drafts again; every request still gets batch-1 AR's tokens."""
-    from specpilot_engine.batch import BatchPolicy
+    from specpilot.engine.batch import BatchPolicy
 
     prompts = _tiny_prompts(9, n=6)
     reference = [make_engine(tiny_stream, drafter="none").generate(p, 24 + 4 * i).tokens for i, p in enumerate(prompts)]
@@ -273,7 +273,7 @@ def test_segmented_prompt_admission_rides_in_the_steps(tiny_stream, chunk, draft
     prompt tokens than the budget, no request gets a token before its whole prompt has run, and every
     request still gets batch-1 AR's tokens (on these prompts the segmented keys give the same argmax;
     the option is still forced, not trusted: its bits may differ from a whole-prompt prefill's)."""
-    from specpilot_engine.batch import BatchPolicy
+    from specpilot.engine.batch import BatchPolicy
 
     prompts = _tiny_prompts(17, n=6)
     max_new = [20, 1, 33, 12, 28, 20]
@@ -335,7 +335,7 @@ def test_padded_attention_is_the_per_row_attention_in_one_call(tiny_stream):
 def test_padded_attention_in_a_batch_keeps_each_requests_tokens(tiny_stream, drafter, tree):
     """``padded_attention`` with staggered arrivals and prompt segments: every request still gets batch-1
     AR's tokens on these prompts (the option is forced, not trusted: its bits may differ)."""
-    from specpilot_engine.batch import BatchPolicy
+    from specpilot.engine.batch import BatchPolicy
 
     prompts = _tiny_prompts(29, n=6)
     max_new = [24, 3, 30, 12, 28, 20]
@@ -405,7 +405,7 @@ def test_static_steps_keep_each_requests_tokens(tiny_stream, drafter, tree, chun
     prompt runs as a static chain padded to a bucket on a one-row scratch cache; with prompt segments those
     steps run the ragged forward. Each request gets batch-1 AR's tokens on these
     prompts (forced, not trusted, in a round: the padded sum over keys may round differently)."""
-    from specpilot_engine.batch import BatchPolicy
+    from specpilot.engine.batch import BatchPolicy
 
     prompts = _tiny_prompts(29, n=6)
     max_new = [24, 3, 30, 12, 28, 20]
@@ -443,8 +443,8 @@ def test_fused_kernels_over_many_rows_keep_each_requests_tokens(tiny_stream, tin
     """``fused_kernels`` in a batch: the graph path's static steps (each cache row's RoPE and cache writes
     by slot, then one attention over the rows), the scratch-row prefill, prompt segments and the eager
     ragged forwards all give each request the stock model's batch-1 AR tokens (fp32, CPU references)."""
-    from specpilot_engine.batch import BatchPolicy
-    from specpilot_engine.fused import is_fused
+    from specpilot.engine.batch import BatchPolicy
+    from specpilot.engine.fused import is_fused
 
     prompts = _tiny_prompts(31, n=5)
     max_new = [20, 5, 26, 14, 22]

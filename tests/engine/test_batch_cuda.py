@@ -1,4 +1,4 @@
-"""Continuous batching (`specpilot_engine.batch`) on a CUDA GPU (``gpu`` marker; skipped without one).
+"""Continuous batching (`specpilot.engine.batch`) on a CUDA GPU (``gpu`` marker; skipped without one).
 
 The tiny model in fp32 (TF32 off) on the GPU: every request of a batch with staggered arrivals over fewer
 rows than requests gets batch-1 AR's tokens, with AR, an n-gram chain and an n-gram tree in the batch.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot_engine.batch import BatchDecoder, BatchRequest
-from specpilot_engine.decode import DecodeConfig
-from specpilot_engine.drafters.ngram import NgramDrafter
+from specpilot.engine.batch import BatchDecoder, BatchRequest
+from specpilot.engine.decode import DecodeConfig
+from specpilot.engine.drafters.ngram import NgramDrafter
 from tests.engine.conftest import agree_up_to_near_ties, make_engine
 from tests.engine.test_lossless import _tiny_prompts
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_a_batch_on_cuda_gives_each_request_its_batch_one_tokens():
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model, tok = load_model("tiny", dtype="fp32", device="cuda")
@@ -52,9 +52,9 @@ def test_batched_cuda_graphs_replay_the_static_step(fused):
     (a replay is that computation) and batch-1 AR's up to near-ties; the engine builds its batched decoder
     with the graphs when the option is on. ``fused``: the same with ``fused_kernels`` (the RoPE kernel
     writing each row's slots, then one attention over the rows; prefills through the RoPE kernel and SDPA)."""
-    from specpilot_engine.fused import fuse_model
-    from specpilot_engine.graphs import GraphRunner
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.fused import fuse_model
+    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.weights import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model, tok = load_model("tiny", dtype="fp32", device="cuda")

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from specpilot.app import cmd_bench as bench
 from specpilot.errors import UserError
-from specpilot.harness import bench
+from specpilot.harness.profile import profile
 
 
 def test_bench_tiny(tmp_path, capsys):
@@ -47,7 +48,7 @@ def test_bench_one_request_set_and_an_unknown_one(tmp_path, capsys):
         bench.main([*args, "--set", "poems"])
 
 
-def test_cli_registers_bench_and_drafter_train():
+def test_cli_registers_bench():
     import argparse
 
     from specpilot.app.cmd_bench import add_commands
@@ -55,9 +56,7 @@ def test_cli_registers_bench_and_drafter_train():
     p = argparse.ArgumentParser()
     add_commands(p.add_subparsers(dest="command"))
     args = p.parse_args(["bench", "--deployment", "tiny-cpu", "--block-size", "2"])
-    assert args.func.__name__ == "_bench" and args.opt_block_size == 2
-    args = p.parse_args(["drafter", "train"])
-    assert args.func.__name__ == "_drafter_train"
+    assert args.func is bench.run and args.opt_block_size == 2
 
 
 @pytest.mark.gpu
@@ -70,7 +69,7 @@ def test_profile_on_cuda_counts_kernel_time_not_the_hosts():
     engine = load_engine("tiny-cuda", {})
     prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
     engine.generate(prompt, 8)  # warm-up
-    prof = bench.profile(engine, prompt, 32)
+    prof = profile(engine, prompt, 32)
     kernel_ms = sum(v for k, v in prof.items() if k not in ("drafter", "host_overhead", "step_total"))
     assert prof["q_proj"] > 0 and prof["norms"] > 0
     assert kernel_ms < 0.5 * prof["step_total"], prof
@@ -88,20 +87,20 @@ def test_profile_of_a_graphed_system_sees_its_classes():
     assert engine.graphs
     prompt = engine.tokenize("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
     engine.generate(prompt, 32)  # warm-up: captures
-    prof = bench.profile(engine, prompt, 32)
+    prof = profile(engine, prompt, 32)
     assert engine.graphs  # left as it was
     assert prof["q_proj"] > 0 and prof["norms"] > 0, prof
     engine.graphs = False
-    eager = bench.profile(engine, prompt, 32)
+    eager = profile(engine, prompt, 32)
     assert prof["step_total"] < eager["step_total"], (prof, eager)
     assert prof["q_proj"] == pytest.approx(eager["q_proj"], rel=0.5)
 
 
 def test_bench_applies_every_model_option_to_the_system_and_none_to_ar():
     # Session 10 found `--linear-backend` (and fused kernels) silently left out of the system's model.
-    from specpilot.harness.bench import system_and_stock_models
+    from specpilot.engine.packed import PackedLinear
     from specpilot.harness.deployment import load_deployment
-    from specpilot_engine.packed import PackedLinear
+    from specpilot.harness.speed import system_and_stock_models
 
     dep = load_deployment("tiny-cpu")
     system, stock, _ = system_and_stock_models(dep, dep.options({"linear_backend": "onednn_all"}), "cpu")

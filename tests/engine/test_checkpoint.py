@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from specpilot_engine.checkpoint import CheckpointError, load_checkpoint, read_config
+from specpilot.engine.checkpoint import CheckpointError, read_config
+from specpilot.engine.weights import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -69,7 +70,7 @@ def test_logits_match_transformers(tmp_path, family):
 
 
 def test_a_checkpoint_too_large_for_the_device_is_refused_first(tmp_path, monkeypatch):
-    import specpilot_engine.checkpoint as checkpoint
+    import specpilot.engine.checkpoint as checkpoint
 
     make_checkpoint(tmp_path, "llama-tied")
     monkeypatch.setattr(checkpoint, "free_bytes", lambda device: 1000)
@@ -147,7 +148,7 @@ def save_tokenizer(folder, vocab_size: int = 300) -> None:
 
 
 def test_the_chat_template_renders_as_transformers_does(tmp_path):
-    from specpilot_engine.checkpoint import CheckpointTokenizer
+    from specpilot.engine.checkpoint import CheckpointTokenizer
 
     make_checkpoint(tmp_path, "qwen2")
     save_tokenizer(tmp_path)
@@ -170,9 +171,9 @@ def test_speculative_decoding_on_a_checkpoint_is_lossless(tmp_path, family):
     """A deployment target ``hf:<folder>`` through the engine's own loading path: every drafter and
     verification gives AR's tokens, with the stock linears and with the CPU options that swap them
     (``linear_backend = "stream"``, which leaves Qwen2's biased q/k/v as they are, and the screened head)."""
-    from specpilot_engine.api import build_engine
-    from specpilot_engine.options import EngineOptions
-    from specpilot_kernels import cpu_gemm
+    from specpilot.engine.api import build_engine
+    from specpilot.engine.options import EngineOptions
+    from specpilot.kernels import cpu_gemm
 
     def engine(**options):
         return build_engine(target, EngineOptions(**options).resolved(dtype="fp32"))
@@ -214,8 +215,8 @@ def test_a_deployment_points_at_a_checkpoint_folder(tmp_path):
 def test_transformers_peer_reads_the_checkpoint_itself(tmp_path):
     """`bench.peer` (the sealed final's transformers baseline) loads a checkpoint with transformers' own
     class (Qwen2 here, whose biases a Llama stand-in would drop) and agrees with our greedy outputs."""
-    from specpilot.harness.bench import peer
-    from specpilot_engine.options import EngineOptions
+    from specpilot.engine.options import EngineOptions
+    from specpilot.harness.peer import peer
 
     make_checkpoint(tmp_path, "qwen2")
     model = load_checkpoint(tmp_path, name=f"hf:{tmp_path}")
@@ -234,7 +235,7 @@ def test_transformers_peer_reads_the_checkpoint_itself(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_exported_as_a_checkpoint_gives_the_gguf_paths_logits(tmp_path, smollm2):
-    from specpilot_engine.weights import export_smollm2, load_model
+    from specpilot.engine.weights import export_smollm2, load_model
 
     export_smollm2(tmp_path / "smol")
     model, tok = load_model(f"hf:{tmp_path / 'smol'}")
@@ -276,9 +277,9 @@ def test_drafters_trained_for_a_checkpoint_are_found_and_lossless(tmp_path):
     """`specpilot drafter train --deployment` on a checkpoint target: the parallel drafter goes where the
     deployment's ``drafter_weights`` says (relative to its file), the EAGLE one beside the checkpoint where
     the engine looks by default; each records its data hash and figures, and AR = chain = tree with both."""
+    from specpilot.engine.api import build_engine
+    from specpilot.engine.options import EngineOptions
     from specpilot.harness.deployment import load_deployment, load_engine
-    from specpilot_engine.api import build_engine
-    from specpilot_engine.options import EngineOptions
 
     toml = _checkpoint_deployment(tmp_path, "qwen3", '[options]\ndrafter_weights = "drafters/parallel.pt"\n')
     target = f"hf:{tmp_path / 'ckpt'}"

@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from specpilot_engine.api import build_engine
-from specpilot_engine.checkpoint import load_checkpoint
-from specpilot_engine.options import EngineOptions
+from specpilot.engine.api import build_engine
+from specpilot.engine.options import EngineOptions
+from specpilot.engine.weights import load_checkpoint
 from tests.engine.conftest import agree_up_to_near_ties
 from tests.engine.test_checkpoint import FAMILIES, PROMPTS, make_checkpoint, save_tokenizer
 

@@ -1,4 +1,4 @@
-"""CUDA graphs (`cuda_graphs` option, `specpilot_engine.graphs`): the same tokens as eager decoding.
+"""CUDA graphs (`cuda_graphs` option, `specpilot.engine.graphs`): the same tokens as eager decoding.
 
 CPU (always): the option validates and is a no-op off CUDA (same tokens, one logged note); the
 graph-safe static forward, run without capture (`GraphRunner(capture=False)`), emits the eager
@@ -22,14 +22,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specpilot_engine.api import Engine
-from specpilot_engine.decode import DecodeConfig, generate
-from specpilot_engine.drafters.ngram import NgramDrafter
-from specpilot_engine.graphs import GraphRunner, _Inputs, graphs_supported
-from specpilot_engine.model import build_random, get_config
-from specpilot_engine.options import EngineOptions, add_option_flags, options_from_args, options_from_dict
-from specpilot_engine.tree import DraftTree
-from specpilot_engine.weights import ByteTokenizer
+from specpilot.engine.api import Engine
+from specpilot.engine.decode import DecodeConfig, generate
+from specpilot.engine.drafters.ngram import NgramDrafter
+from specpilot.engine.graphs import GraphRunner, _Inputs, graphs_supported
+from specpilot.engine.model import build_random, get_config
+from specpilot.engine.options import EngineOptions, add_option_flags, options_from_args, options_from_dict
+from specpilot.engine.tree import DraftTree
+from specpilot.engine.weights import ByteTokenizer
 from tests.engine.test_lossless import OracleDrafter, _tiny_prompts
 
 gpu = pytest.mark.gpu
@@ -78,10 +78,10 @@ def test_noop_on_cpu_same_tokens(tiny_cpu, caplog):
     tok = ByteTokenizer()
     base = EngineOptions(dtype="fp32", drafter="ngram", ngram_min_match=1)
     eager = Engine(tiny_cpu, tok, base)
-    with caplog.at_level(logging.WARNING, logger="specpilot_engine.api"):
-        import specpilot_engine.api
+    with caplog.at_level(logging.WARNING, logger="specpilot.engine.api"):
+        import specpilot.engine.api
 
-        specpilot_engine.api._noted_graphs_off_cuda = False
+        specpilot.engine.api._noted_graphs_off_cuda = False
         graphs = Engine(tiny_cpu, tok, base.replace(cuda_graphs=True))
     assert not graphs.graphs and graphs.graph_runner(None) is None
     assert any("no effect" in r.getMessage() for r in caplog.records)
@@ -250,7 +250,7 @@ def test_graphs_equal_eager_real_smollm2_fp32(name):
     """In bf16 the real weights' chain and tree outputs part from eager at near-ties (H200,
     2026-12-01: the padded static attention rounds differently from eager's exact-length SDPA; AR
     agreed); such a system goes through token forcing. In fp32 the tokens must be the same."""
-    from specpilot_engine.weights import ModelFileMissing, load_model
+    from specpilot.engine.weights import ModelFileMissing, load_model
 
     try:
         model, tok = load_model("smollm2-135m", dtype="fp32", device="cuda")

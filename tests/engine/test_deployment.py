@@ -21,7 +21,8 @@ def test_shipped_deployments_load():
             continue
         assert d.name == name and d.options().dtype in ("fp32", "bf16")
     d = load_deployment("smollm2-cpu")
-    assert (d.target, d.device, d.dtype, d.drafter, d.block_size) == ("smollm2-135m", "cpu", "fp32", "ngram", 4)
+    o = d.options()
+    assert (d.target, d.device, d.dtype, o.drafter, o.block_size) == ("smollm2-135m", "cpu", "fp32", "ngram", 4)
     assert load_deployment("smollm2-h200").options().dtype == "bf16"
 
 
@@ -38,7 +39,7 @@ def test_deployment_options_layer_overrides_on_stock():
 def test_bad_deployment_files(tmp_path):
     p = tmp_path / "x.toml"
     p.write_text('target = "tiny"\nspeed = 3\n')
-    with pytest.raises(DeploymentError, match=r"unknown deployment key\(s\) \['speed'\]"):
+    with pytest.raises(DeploymentError, match=r"x.toml: unknown key `speed`; allowed: bench_requests, block_size"):
         load_deployment(p)
     p.write_text('target = "gpt5"\n')
     with pytest.raises(DeploymentError, match="unknown target 'gpt5'"):
@@ -57,6 +58,37 @@ def test_bad_deployment_files(tmp_path):
     assert issubclass(DeploymentError, UserError)  # the CLI prints it as one line and exits 2
     p.write_text('target = "tiny"\n[options]\nverify = "tree"\n')
     assert load_deployment(p).options().verify == "tree"
+
+
+@pytest.mark.parametrize("body,message", [
+    ("target = 42", r"x.toml: `target`: expected `str`, got `int`$"),
+    ('device = "cpu"', r"x.toml: missing required key `target`$"),
+    ('target = "tiny"\nmax_new_tokens = -5', r"`max_new_tokens`: expected `int` >= 1$"),
+    ('target = "tiny"\nsealed_fraction = 1.5', r"`sealed_fraction`: expected `float` < 1.0$"),
+    ('target = "tiny"\nmode = "streaming"', r"`mode`: invalid enum value 'streaming'; allowed: batch1, batched$"),
+    ('target = "tiny"\nconcurrency = 4', r"concurrency 4 needs mode = 'batched'$"),
+    ('target = "tiny"\npath = "/etc"', r"unknown key `path`"),
+    ('target = "tiny"\n[options]\nverify = ["tree"]', r"`options\[...\]`: expected `bool \| int \| float \| str`, got `array`"),
+])
+def test_each_bad_field_is_named_in_one_line(tmp_path, body, message):
+    """A deployment file is parsed into a typed structure: a wrong type, a value out of range, a missing key or
+    a key the engine refuses is one line naming the file and the key, never a Python constructor message."""
+    p = tmp_path / "x.toml"
+    p.write_text(body + "\n")
+    with pytest.raises(DeploymentError, match=message) as err:
+        load_deployment(p)
+    assert "\n" not in str(err.value) and str(p) in str(err.value)
+
+
+def test_defaults_are_the_engines_own(tmp_path):
+    """A deployment that names no drafter or block size runs EngineOptions' defaults (written once, there)."""
+    from specpilot.engine.options import EngineOptions
+
+    p = tmp_path / "bare.toml"
+    p.write_text('target = "tiny"\n')
+    d = load_deployment(p)
+    assert d.drafter is None and d.block_size is None
+    assert d.options().drafter == EngineOptions().drafter and d.options().block_size == EngineOptions().block_size
 
 
 def test_split_is_deterministic_disjoint_and_complete():
@@ -78,10 +110,10 @@ def test_split_is_deterministic_disjoint_and_complete():
 
 def test_sealed_requests_are_disguised_with_the_seed_and_dev_requests_are_not():
     """Public prompts can be memorised; the sealed ones exist only with the controller's secret seed."""
-    from dataclasses import replace
+    import msgspec
 
     public = {r.id: r.text for r in load_requests(load_deployment("smollm2-cpu"), "all")}
-    d = replace(load_deployment("smollm2-cpu"), split_seed=987654321)
+    d = msgspec.structs.replace(load_deployment("smollm2-cpu"), split_seed=987654321)
     dev, sealed = load_requests(d, "dev"), load_requests(d, "sealed")
     assert all(r.text == public[r.id] for r in dev)
     assert all(r.text != public[r.id] for r in sealed)
@@ -111,8 +143,10 @@ def test_a_timing_table_is_checked_and_layered_on_the_defaults(tmp_path):
     ok = tmp_path / "ok.toml"
     ok.write_text(base + "[timing]\nrequests = 12\n")
     assert load_deployment(ok).timing_settings() == {**TIMING_DEFAULTS, "requests": 12}
-    for body, message in (("trails = 3", "unknown \\[timing\\] key"), ("trials = 0", "positive integer"),
-                          ('trials = "6"', "positive integer")):
+    for body, message in (("trails = 3", "unknown key `timing.trails`; allowed: max_new_tokens, requests, threads, "
+                                          "trials"),
+                          ("trials = 0", "`timing.trials`: expected `int` >= 1"),
+                          ('trials = "6"', "`timing.trials`: expected `int`, got `str`")):
         bad = tmp_path / "bad.toml"
         bad.write_text(base + "[timing]\n" + body + "\n")
         with pytest.raises(DeploymentError, match=message):
@@ -148,8 +182,8 @@ def test_batched_deployments_say_their_concurrency_and_take_the_batching_options
         load_deployment("smollm2-cpu").options({"batch_adaptive_block": True})
     p = tmp_path / "d.toml"
     for body, message in (('target = "tiny"\nconcurrency = 4\n', "needs mode = 'batched'"),
-                          ('target = "tiny"\nmode = "batched"\nconcurrency = 0\n', "positive integer"),
-                          ('target = "tiny"\nmode = "beam"\n', "allowed: batch1, batched"),
+                          ('target = "tiny"\nmode = "batched"\nconcurrency = 0\n', "`concurrency`: expected `int` >= 1"),
+                          ('target = "tiny"\nmode = "beam"\n', "`mode`: invalid enum value 'beam'; allowed: batch1, batched"),
                           ('target = "tiny"\nmode = "batched"\nconcurrency = 4\n[server]\ncommand = ["x"]\n',
                            "batches inside its server")):
         p.write_text(body)

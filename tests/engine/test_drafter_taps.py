@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from bench.drafter_taps import TapsNet, generate_with_taps
-from specpilot.harness.train import generate_batch
-from specpilot_engine.drafters.parallel import ParallelConfig, ParallelDrafterNet
+from specpilot.engine.drafters.parallel import ParallelConfig, ParallelDrafterNet
+from specpilot.harness.distill import generate_batch
 
 
 def test_taps_are_the_layers_outputs_behind_each_generated_token(tiny):

@@ -7,16 +7,16 @@ import random
 import pytest
 import torch
 
-from specpilot.harness.train import eagle_batch, eagle_streams, generate_batch, to_draft_ids
-from specpilot.harness.train import main as train_main
-from specpilot_engine.drafters.eagle import (
+from specpilot.app.cmd_drafter import main as train_main
+from specpilot.engine.drafters.eagle import (
     DEFAULT_WEIGHTS,
     EagleConfig,
     EagleDrafter,
     build_net,
     load_eagle_drafter,
 )
-from specpilot_engine.drafters.parallel import save_drafter
+from specpilot.engine.drafters.parallel import save_drafter
+from specpilot.harness.distill import eagle_batch, eagle_streams, generate_batch, to_draft_ids
 from tests.engine.conftest import make_engine
 from tests.engine.test_parallel_drafter import random_drafter
 

@@ -1,6 +1,6 @@
-"""The ``fused_kernels`` option (`specpilot_engine.fused`) on the CPU: the stock model's tokens, bit for bit.
+"""The ``fused_kernels`` option (`specpilot.engine.fused`) on the CPU: the stock model's tokens, bit for bit.
 
-Off CUDA the fused blocks run the PyTorch references (`specpilot_kernels.fused.reference`); in fp32 they
+Off CUDA the fused blocks run the PyTorch references (`specpilot.kernels.fused.reference`); in fp32 they
 must reproduce stock exactly, with every drafter shape (AR, chain, tree) and through the
 graph-safe static forward. The Triton kernels themselves are tested in tests/kernels.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpilot.engine.fused import FusedBlock, fuse_model, is_fused
+from specpilot.engine.model import build_random, get_config
 from specpilot.harness.deployment import load_engine
-from specpilot_engine.fused import FusedBlock, fuse_model, is_fused
-from specpilot_engine.model import build_random, get_config
 
 
 @pytest.mark.parametrize("opts", [{}, {"drafter": "none"}, {"verify": "tree", "tree_nodes": 8}])
@@ -59,7 +59,7 @@ def test_fused_with_w12_reference_path():
 @pytest.mark.parametrize("opts", [{}, {"verify": "tree", "tree_nodes": 8}])
 def test_fused_gemv_tokens_equal_stock(opts):
     """``fused_gemv`` off CUDA: the GEMV modules run F.linear after the reference norm (stock's values)."""
-    from specpilot_engine.fused import GemvLinear
+    from specpilot.engine.fused import GemvLinear
 
     prompt = list(range(40, 90))
     stock = load_engine("tiny", opts).generate(prompt, 32)
@@ -77,7 +77,7 @@ def test_fused_gemv_needs_fused_kernels_and_yields_to_weight_formats():
     prompt = list(range(40, 70))
     a = load_engine("tiny", {"weight_format": "w12"}).generate(prompt, 16).tokens
     w12 = load_engine("tiny", {"weight_format": "w12", "fused_kernels": True, "fused_gemv": True})
-    from specpilot_kernels.w12 import W12Linear
+    from specpilot.kernels.w12 import W12Linear
 
     attn, mlp = w12.model.layers[0].attn, w12.model.layers[0].mlp
     # W12 swapped the GEMV linears, so FusedBlock.folds is False on any device (its type checks)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from specpilot_engine.tree import Candidate
+from specpilot.engine.tree import Candidate
 from tests.engine.conftest import make_engine
 
 

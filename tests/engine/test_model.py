@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specpilot_engine.model import CONFIGS, SDPA, BlockMask, build_random, get_config, greedy_ids
+from specpilot.engine.model import CONFIGS, SDPA, BlockMask, build_random, get_config, greedy_ids
 
 
 def test_smollm2_config_matches_gguf_metadata():
     import gguf
 
-    from specpilot_engine.weights import gguf_metadata_config, smollm2_gguf_path
+    from specpilot.engine.weights import gguf_metadata_config, smollm2_gguf_path
 
     reader = gguf.GGUFReader(str(smollm2_gguf_path()))
     assert gguf_metadata_config(reader, "smollm2-135m") == CONFIGS["smollm2-135m"]
@@ -115,7 +115,7 @@ def test_logits_match_transformers_from_the_same_gguf(smollm2):
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import LlamaForCausalLM
 
-    from specpilot_engine.weights import smollm2_gguf_path
+    from specpilot.engine.weights import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     hf = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

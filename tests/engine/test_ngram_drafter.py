@@ -1,4 +1,4 @@
-"""The n-gram drafter (`specpilot_engine.drafters.ngram.NgramDrafter`): its proposals equal the plain
+"""The n-gram drafter (`specpilot.engine.drafters.ngram.NgramDrafter`): its proposals equal the plain
 definition (every window of the context compared with its suffix, for every match length), kept here as
 the reference, over random contexts that grow as a request's does, change request without a reset, and
 repeat a small vocabulary (many hits, ties); chains and trees, every match setting."""
@@ -11,8 +11,8 @@ from collections import Counter
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specpilot_engine.drafters.ngram import NgramDrafter
-from specpilot_engine.tree import Candidate
+from specpilot.engine.drafters.ngram import NgramDrafter
+from specpilot.engine.tree import Candidate
 
 
 def reference_proposals(d: NgramDrafter, context: list[int], k: int, n: int) -> list[Candidate]:

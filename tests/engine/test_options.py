@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from specpilot_engine.options import (
+from specpilot.engine.options import (
     EngineOptions,
     add_option_flags,
     allowed_options,

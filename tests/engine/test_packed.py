@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from specpilot.engine.packed import PackedLinear, available
 from specpilot.harness.deployment import load_engine
-from specpilot_engine.packed import PackedLinear, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch build has no oneDNN")
 

@@ -7,10 +7,8 @@ import random
 import pytest
 import torch
 
-from specpilot.errors import UserError
-from specpilot.harness.train import evaluate, generate_batch, make_examples, to_draft_ids
-from specpilot_engine.drafters.ngram import SuffixIndex
-from specpilot_engine.drafters.parallel import (
+from specpilot.engine.drafters.ngram import SuffixIndex
+from specpilot.engine.drafters.parallel import (
     DEFAULT_WEIGHTS,
     ParallelConfig,
     ParallelDrafter,
@@ -19,6 +17,9 @@ from specpilot_engine.drafters.parallel import (
     load_parallel_drafter,
     save_drafter,
 )
+from specpilot.errors import UserError
+from specpilot.harness.distill import generate_batch, make_examples, to_draft_ids
+from specpilot.harness.fit import evaluate
 from tests.engine.conftest import make_engine
 
 
@@ -213,14 +214,14 @@ def test_chain_proposal_equals_the_nets_picks_on_cpu(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_chain_proposal_equals_the_nets_picks_on_cuda():
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     model, tok = load_model("tiny", dtype="fp32", device="cuda")
     static = _chain_proposals_match_the_reference(model, "cuda", graph=True)
     assert static._graph.graph is not None  # captured, and replayed for every proposal above
     _tree_proposals_match_the_reference(model, "cuda", graph=True)
-    from specpilot_engine.api import Engine
-    from specpilot_engine.options import EngineOptions
+    from specpilot.engine.api import Engine
+    from specpilot.engine.options import EngineOptions
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
     ar = Engine(model, tok, EngineOptions(drafter="none", dtype="fp32", cuda_graphs=True))
@@ -266,7 +267,7 @@ def test_rows_of_a_batch_propose_in_one_pass_as_they_would_alone_on_cpu(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rows_of_a_batch_propose_in_one_captured_pass_on_cuda():
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
 
     _rows_propose_as_one_by_one(load_model("tiny", dtype="fp32", device="cuda")[0], "cuda", graph=True)
 
@@ -274,8 +275,8 @@ def test_rows_of_a_batch_propose_in_one_captured_pass_on_cuda():
 def test_a_batch_of_parallel_drafters_drafts_in_one_pass_and_stays_lossless(tiny):
     """In the batched decoder the rows' forked parallel drafters propose through one `propose_rows` call a
     step (chains and trees), and every request still gets batch-1 AR's tokens."""
-    from specpilot_engine.batch import BatchDecoder, BatchRequest
-    from specpilot_engine.decode import DecodeConfig
+    from specpilot.engine.batch import BatchDecoder, BatchRequest
+    from specpilot.engine.decode import DecodeConfig
     from tests.engine.test_lossless import _tiny_prompts
 
     model, _ = tiny
@@ -308,9 +309,9 @@ def _device_drafts_run(model_tok, device: str, block: int, device_drafts: bool, 
                        compile_drafts: bool = False) -> list[list[int]]:
     """Six requests over three rows through the batched graph path (captured on CUDA) with forked random
     parallel drafters; returns each request's tokens and records each step's device-drafted rows."""
-    from specpilot_engine.batch import BatchDecoder, BatchPolicy, BatchRequest
-    from specpilot_engine.decode import DecodeConfig
-    from specpilot_engine.graphs import GraphRunner
+    from specpilot.engine.batch import BatchDecoder, BatchPolicy, BatchRequest
+    from specpilot.engine.decode import DecodeConfig
+    from specpilot.engine.graphs import GraphRunner
     from tests.engine.test_lossless import _tiny_prompts
 
     model = model_tok[0]
@@ -358,7 +359,7 @@ def test_device_drafts_on_cuda_verify_what_the_host_path_verifies():
     """Captured, on a GPU: at block = the net's k the device path drafts the very chains the host path
     drafts, so the two give the same tokens bit for bit, and batch-1 AR's up to near-ties; compiled
     (``batch_compile_drafts``), its drafts go through torch.compile and the tokens stay the same."""
-    from specpilot_engine.weights import load_model
+    from specpilot.engine.weights import load_model
     from tests.engine.conftest import agree_up_to_near_ties
     from tests.engine.test_lossless import _tiny_prompts
 
@@ -475,7 +476,7 @@ def test_tiny_parallel_drafter_is_lossless(tiny, seed):
 def test_training_data_resumes_from_its_directory(tmp_path):
     """--data keeps each generated batch; a later run loads them (and generates only the rest),
     and a run with other prompts is refused rather than mixing data."""
-    from specpilot.harness.train import main as train_main
+    from specpilot.app.cmd_drafter import main as train_main
 
     data, out = tmp_path / "data", tmp_path / "tiny_parallel.pt"
     base = ["--deployment", "tiny-cpu", "--prompts", "12", "--docstrings", "4", "--batch", "8", "--new-tokens", "10",
@@ -493,7 +494,7 @@ def test_training_data_resumes_from_its_directory(tmp_path):
 
 
 def test_docstring_variants_are_humaneval_shaped():
-    from specpilot.harness.train import docstring_variants
+    from specpilot.harness.corpus import docstring_variants
 
     prompt = 'import os\n\n\ndef join(self, path, *rest, sep="/"):\n    """Join paths."""\n'
     plain, shaped, fenced, tested = docstring_variants(prompt, random.Random(0))
@@ -509,8 +510,8 @@ def test_everyday_chat_prompts_leave_out_what_the_shipped_requests_ask():
     a near-copy (the same subject asked another way) would be measured on what the drafter memorised."""
     import re
 
+    from specpilot.harness.corpus import general_chat_prompts
     from specpilot.harness.requests import REQUEST_SETS
-    from specpilot.harness.train import general_chat_prompts
 
     everything = general_chat_prompts(random.Random(0), 10**6)
     assert any("photosynthesis" in p for p in everything) and any("ten-year-old" in p for p in everything)
@@ -536,8 +537,8 @@ def test_suffix_lookup_of_many_rows_answers_what_the_suffix_index_answers(period
     """`suffix_lookup_rows` (tensor ops over a [rows, slots] history) against `SuffixIndex.lookup`, row by row,
     on random contexts over small alphabets (many repeats, loops, no match at all), of every length, for
     several ranges of match lengths."""
-    from specpilot_engine.drafters.ngram import SuffixIndex
-    from specpilot_engine.drafters.parallel import suffix_lookup_rows
+    from specpilot.engine.drafters.ngram import SuffixIndex
+    from specpilot.engine.drafters.parallel import suffix_lookup_rows
 
     rng = random.Random(3)
     k, L = 8, 64
@@ -562,7 +563,7 @@ def test_chains_from_the_token_history_are_what_the_host_proposes(tiny):
     """`chains_from_history` (lookups, net inputs, net and chain on the device): a row copied whole gets the
     span `propose` returns; any other row gets `propose`'s k net picks, then the lookup's tokens past k
     (token 0 where there are none)."""
-    from specpilot_engine.drafters.ngram import SuffixIndex
+    from specpilot.engine.drafters.ngram import SuffixIndex
 
     model, _ = tiny
     first = random_drafter(model, vocab=64, lookup=True, copy_min_match=3)

@@ -5,7 +5,8 @@ import json
 import subprocess
 import sys
 
-from specpilot.harness.replay import chain_cost, matched_depth, matched_depths, measure
+from specpilot.engine.tree import matched_depth
+from specpilot.harness.replay import chain_cost, matched_depths, measure
 from specpilot.paths import REPO_ROOT
 from specpilot.services.master.costmodel import replay_tau
 from tests.engine.conftest import make_engine

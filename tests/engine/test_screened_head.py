@@ -1,4 +1,4 @@
-"""The certified exact-argmax LM head (`specpilot_engine.screened_head`, ``screened_head = True``).
+"""The certified exact-argmax LM head (`specpilot.engine.screened_head`, ``screened_head = True``).
 
 The bound must hold (the full head's argmax is always a candidate, near ties and exact ties
 included), the head must give the full head's argmax (and, over a `stream` head, its exact bits on
@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot_engine.api import build_engine
-from specpilot_engine.options import EngineOptions
-from specpilot_engine.packed import StreamLinear
-from specpilot_engine.screened_head import ScreenedHead, reference_argmax_candidates
-from specpilot_kernels import cpu_gemm
+from specpilot.engine.api import build_engine
+from specpilot.engine.options import EngineOptions
+from specpilot.engine.packed import StreamLinear
+from specpilot.engine.screened_head import ScreenedHead, reference_argmax_candidates
+from specpilot.kernels import cpu_gemm
 from tests.engine.conftest import make_engine
 from tests.engine.test_lossless import _tiny_prompts
 
-needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="needs specpilot_kernels.cpu_gemm (AVX2 + a compiler)")
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="needs specpilot.kernels.cpu_gemm (AVX2 + a compiler)")
 
 
 def _near_tie_rows(weight: torch.Tensor, n: int, seed: int) -> torch.Tensor:

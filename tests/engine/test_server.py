@@ -234,9 +234,9 @@ def test_server_options_are_planned_and_checked_as_engine_options_are():
     """A server deployment's ``[server.options]`` become an options class with `OptionInfo` fields: the
     planner sweeps them by factor with their requirements, the AR twin and the served weights' format are
     read from the table, and a sweep's settings are checked against the server's options (not ours)."""
+    from specpilot.engine import options as engine_options
     from specpilot.services.master import planner
     from specpilot.services.subagent.main import sweep_validator
-    from specpilot_engine import options as engine_options
 
     dep = load_deployment("llamacpp-smollm2-cpu")
     cls = dep.options_class()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specpilot_engine.drafters.ngram import SuffixIndex
+from specpilot.engine.drafters.ngram import SuffixIndex
 
 
 def brute_force(context: list[int], k: int, max_match: int = 4, min_match: int = 2):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot_engine.decode import verify
-from specpilot_engine.tree import Candidate, DraftTree
+from specpilot.engine.decode import verify
+from specpilot.engine.tree import Candidate, DraftTree
 
 #        0:r
 #       /    \

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from specpilot_engine import weights
-from specpilot_engine.weights import ModelFileMissing, load_model, load_tokenizer
+from specpilot.engine import weights
+from specpilot.engine.weights import ModelFileMissing, load_model, load_tokenizer
 
 TEXTS = [
     "Hello, world! How are you?",

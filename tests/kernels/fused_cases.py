@@ -1,7 +1,7 @@
 """Cases for the fused-kernel tests, run in a fresh process under ``TRITON_INTERPRET=1``.
 
 Not a test module. ``python -m tests.kernels.fused_cases OUT`` runs every Triton kernel of
-`specpilot_kernels.fused` and a fused tiny-model forward (eager and graph-safe) and saves the results with
+`specpilot.kernels.fused` and a fused tiny-model forward (eager and graph-safe) and saves the results with
 the inputs, so ``TRITON_INTERPRET=1`` is set before triton's ``@jit`` decorators run.
 """
 
@@ -82,10 +82,10 @@ def run_kernels(x: dict[str, torch.Tensor], ops) -> dict[str, torch.Tensor]:
 def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
     """Logits of the tiny model (fp32), stock or fused (``gemv``: with ``fused_gemv``): a prefill,
     a chain step, a one-token step and a graph-safe tree step."""
-    from specpilot_engine.fused import fuse_model
-    from specpilot_engine.graphs import GraphRunner
-    from specpilot_engine.model import build_random, get_config
-    from specpilot_engine.tree import DraftTree
+    from specpilot.engine.fused import fuse_model
+    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.model import build_random, get_config
+    from specpilot.engine.tree import DraftTree
 
     model = build_random(get_config("tiny"), seed=3)
     if fused:
@@ -115,8 +115,8 @@ def model_forwards(fused: bool, gemv: bool = False) -> dict[str, torch.Tensor]:
 
 
 def main(path: str) -> None:
-    from specpilot_kernels import counters
-    from specpilot_kernels.fused import kernel
+    from specpilot.kernels import counters
+    from specpilot.kernels.fused import kernel
 
     x = kernel_inputs()
     out = {"inputs": x, "kernels": run_kernels(x, kernel), "model": model_forwards(fused=True),

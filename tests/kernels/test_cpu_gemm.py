@@ -1,12 +1,12 @@
-"""specpilot_kernels.cpu_gemm (linear_backend = "stream"): agrees with its PyTorch reference, is
+"""specpilot.kernels.cpu_gemm (linear_backend = "stream"): agrees with its PyTorch reference, is
 batch-invariant bit for bit (rows and columns), rounds bf16 results as PyTorch does, refuses bad
 input clearly; the engine with it stays lossless."""
 
 import pytest
 import torch
 
-from specpilot_kernels import cpu_gemm
-from specpilot_kernels.cpu_gemm import pack, packed_linear, reference, stream_linear
+from specpilot.kernels import cpu_gemm
+from specpilot.kernels.cpu_gemm import pack, packed_linear, reference, stream_linear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=cpu_gemm.cpu_supported()[1])
 
@@ -149,7 +149,7 @@ def test_amx_path_agrees_with_the_reference_and_its_rows_are_batch_invariant():
 
 @needs_amx
 def test_stream_linear_packs_bf16_for_amx_unless_told_not_to():
-    from specpilot_engine.packed import StreamLinear
+    from specpilot.engine.packed import StreamLinear
 
     torch.manual_seed(5)
     weight = torch.randn(96, 64).to(torch.bfloat16)
@@ -185,8 +185,8 @@ def test_amx_path_refuses_bad_input_with_a_clear_error():
 def test_engine_with_stream_linears_speculates_losslessly():
     """tiny, fp32: with linear_backend = "stream" every drafter setting emits that engine's AR
     tokens; the linears are swapped and a tied LM head still shares the embedding's weight."""
+    from specpilot.engine.packed import StreamLinear
     from specpilot.harness.deployment import load_engine
-    from specpilot_engine.packed import StreamLinear
 
     prompt = list(b"def add(a, b):\n    return a + b\n\ndef add(")
     ar = load_engine("tiny-cpu", {"linear_backend": "stream", "drafter": "none"})
@@ -205,8 +205,8 @@ def test_engine_with_stream_linears_speculates_losslessly():
 def test_smollm2_with_stream_linears_speculates_losslessly():
     """SmolLM2 fp32 with linear_backend = "stream": the parallel drafter (chain of 8, its own linears
     on the kernel too) and an n-gram tree emit the same-options AR tokens on real prompts."""
+    from specpilot.engine.packed import StreamLinear
     from specpilot.harness.deployment import load_engine
-    from specpilot_engine.packed import StreamLinear
 
     ar = load_engine("smollm2-cpu", {"linear_backend": "stream", "drafter": "none"})
     prompts = [ar.tokenize("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),

@@ -1,4 +1,4 @@
-"""Fused decode-step kernels (`specpilot_kernels.fused`) against their PyTorch references.
+"""Fused decode-step kernels (`specpilot.kernels.fused`) against their PyTorch references.
 
 CPU (always): the Triton kernels under ``TRITON_INTERPRET=1`` in a subprocess (fp32: the
 interpreter's bf16 arithmetic is not exact): residual add and RoPE + cache write bit for bit, norm
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot_kernels.fused import reference
+from specpilot.kernels.fused import reference
 
 from .fused_cases import HEADS, kernel_inputs, model_forwards, run_kernels
 
@@ -91,7 +91,7 @@ def test_reference_fused_model_is_stock_bit_for_bit():
 
 
 def test_rope_kernel_refuses_odd_head_dim():
-    from specpilot_kernels.fused.kernel import rope_qkv
+    from specpilot.kernels.fused.kernel import rope_qkv
 
     qkv = torch.zeros(1, 1, 8 * 12)
     cache = torch.zeros(1, 2, 4, 12)
@@ -114,7 +114,7 @@ def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_reference(dtype):
-    from specpilot_kernels.fused import kernel
+    from specpilot.kernels.fused import kernel
 
     x = {k: (v.to(dtype) if v.is_floating_point() else v).cuda() for k, v in kernel_inputs(1).items()}
     got, ref = run_kernels(x, kernel), run_kernels(x, reference)
@@ -139,7 +139,7 @@ def test_cuda_kernels_match_reference(dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_split_attention_matches_reference(dtype, monkeypatch):
-    from specpilot_kernels.fused import kernel
+    from specpilot.kernels.fused import kernel
 
     monkeypatch.setattr(kernel, "SLOTS_PER_PROGRAM", 64)
     x = {k: (v.to(dtype) if v.is_floating_point() else v).cuda() for k, v in kernel_inputs(2).items()}
@@ -157,10 +157,10 @@ def test_cuda_fused_smollm2_shape_step(gemv):
     captured as CUDA graphs, agree to bf16 rounding."""
     from dataclasses import replace
 
-    from specpilot_engine.fused import fuse_model
-    from specpilot_engine.graphs import GraphRunner
-    from specpilot_engine.model import build_random, get_config
-    from specpilot_engine.tree import DraftTree
+    from specpilot.engine.fused import fuse_model
+    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.model import build_random, get_config
+    from specpilot.engine.tree import DraftTree
 
     cfg = replace(get_config("smollm2-135m"), n_layers=4, max_seq_len=512)
     outs = []

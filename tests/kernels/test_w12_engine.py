@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specpilot.harness.deployment import load_engine
-from specpilot_kernels.w12 import W12Linear  # noqa: E402
+from specpilot.kernels.w12 import W12Linear  # noqa: E402
 
 
 def _bf16_weights(engine) -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from specpilot_kernels.w12 import W12Linear, decode, pack, quantize_model_linears, verify
-from specpilot_kernels.w12.format import E0_MAX, E0_MIN, WINDOW, half_width, window_bits
+from specpilot.kernels.w12 import W12Linear, decode, pack, quantize_model_linears, verify
+from specpilot.kernels.w12.format import E0_MAX, E0_MIN, WINDOW, half_width, window_bits
 
 from .w12_cases import adversarial, from_bits, normal
 

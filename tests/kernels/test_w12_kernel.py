@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot_kernels.w12 import decode, pack
+from specpilot.kernels.w12 import decode, pack
 
 from .w12_cases import case_inputs, kernel_cases
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 CASES = kernel_cases()
 
 
@@ -83,7 +85,7 @@ def gpu_inputs(n, k, m, dtype, seed):
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("m", GPU_MS)
 def test_cuda_matches_reference(n, k, m):
-    from specpilot_kernels.w12.kernel import w12_matmul
+    from specpilot.kernels.w12.kernel import w12_matmul
 
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
@@ -97,19 +99,19 @@ def test_cuda_matches_reference(n, k, m):
 
 
 def _configs(m, n, k):
-    from specpilot_kernels.w12.kernel import Config, pick_config
+    from specpilot.kernels.w12.kernel import Config, pick_config
 
     base = pick_config(m, n, k)
-    out = [base, replace(base, split=3), replace(base, asm=False)]
+    out = [base, replace(base, asm=False)]
     bm = 16 if m <= 16 else 64
-    out += [Config(bm=bm, bn=16, bj=256 if bm == 16 else 64, split=1, use_dot=True, num_stages=4),
-            Config(bm=bm, bn=64, bj=64, split=2, use_dot=True, num_stages=3, asm=False),
-            Config(bm=bm, bn=256, bj=32, split=4, use_dot=True, num_stages=3)]
+    out += [Config(bm=bm, bn=16, bj=256 if bm == 16 else 64, use_dot=True, num_stages=4),
+            Config(bm=bm, bn=64, bj=64, use_dot=True, num_stages=3, asm=False),
+            Config(bm=bm, bn=256, bj=32, use_dot=True, num_stages=3)]
     if m <= 8:
         bm = 1 << (m - 1).bit_length()
-        out += [Config(bm=bm, bn=16, bj=128, split=1, use_dot=False),
-                Config(bm=bm, bn=4, bj=512, split=2, use_dot=False, num_warps=2),
-                Config(bm=bm, bn=4, bj=256, split=4, use_dot=False, num_warps=1)]
+        out += [Config(bm=bm, bn=16, bj=128, use_dot=False),
+                Config(bm=bm, bn=4, bj=512, use_dot=False, num_warps=2),
+                Config(bm=bm, bn=4, bj=256, use_dot=False, num_warps=1)]
     return out
 
 
@@ -129,7 +131,7 @@ def with_every_escape(w: torch.Tensor) -> None:
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 3, 5, 40])
 def test_cuda_configs_and_escapes(m):
-    from specpilot_kernels.w12.kernel import w12_matmul
+    from specpilot.kernels.w12.kernel import w12_matmul
 
     n, k = 300, 2080
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=m)
@@ -146,7 +148,7 @@ def test_cuda_configs_and_escapes(m):
 @gpu
 @needs_cuda
 def test_cuda_deterministic_across_runs():
-    from specpilot_kernels.w12.kernel import w12_matmul
+    from specpilot.kernels.w12.kernel import w12_matmul
 
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
@@ -159,7 +161,7 @@ def test_cuda_deterministic_across_runs():
 def test_cuda_w12linear_forward():
     from torch import nn
 
-    from specpilot_kernels.w12 import W12Linear
+    from specpilot.kernels.w12 import W12Linear
 
     lin = nn.Linear(576, 1536, bias=True).cuda().to(torch.bfloat16).requires_grad_(False)
     q = W12Linear.from_linear(lin)

@@ -1,4 +1,4 @@
-"""The CUDA C++ tensor-core W12 kernel (``specpilot_kernels/w12/cuda_mma.py``) against the PyTorch
+"""The CUDA C++ tensor-core W12 kernel (``kernels/w12/cuda_mma.py``) against the PyTorch
 reference on a GPU (``gpu`` marker): shapes with K tails and padding, every launch variant, escapes
 (NaN, inf, denormals, out-of-window), int64 escape indices, determinism, CUDA graph replay, and the
 dispatch of ``w12_matmul``. On the CPU: the configuration rule, and that the kernel file compiles for
@@ -12,13 +12,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from specpilot_kernels.w12 import decode, pack
-from specpilot_kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config, tuned_mma_config
-from specpilot_kernels.w12.format import W12Weight
+from specpilot.kernels.w12 import decode, pack
+from specpilot.kernels.w12.cuda_mma import CSRC, MmaConfig, pick_mma_config, tuned_mma_config
+from specpilot.kernels.w12.format import W12Weight
 
 from .test_w12_kernel import check_close, gpu_inputs, reference, with_every_escape
 
@@ -36,14 +37,14 @@ def test_pick_is_pure_and_splits_small_grids():
     assert [pick_mma_config(m, 28672, 4096, 132).chunks for m in (1, 8, 9, 16, 17, 32)] == [4, 4, 2, 2, 1, 1]
     # a card's swept winners come from its own table, and only for the M class swept
     h100 = "NVIDIA H100 80GB HBM3"
-    assert pick_mma_config(4, 28672, 4096, 132, h100) == MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
-    assert tuned_mma_config(4, 28672, 4096, h100) == MmaConfig(rows=1, chunks=4, warps=2, pipelined=True)
+    assert pick_mma_config(4, 28672, 4096, 132, h100) == MmaConfig(chunks=4, warps=2)
+    assert tuned_mma_config(4, 28672, 4096, h100) == MmaConfig(chunks=4, warps=2)
     assert tuned_mma_config(16, 28672, 4096, h100) is None and tuned_mma_config(4, 28672, 4096, "NVIDIA H200") is None
     assert pick_mma_config(1, 4096, 576, 132).splits == 1  # two 128-column steps: nothing to split
 
 
 def test_the_tensor_core_mode_is_checked():
-    from specpilot_kernels.w12.kernel import use_tensor_core_kernel
+    from specpilot.kernels.w12.kernel import use_tensor_core_kernel
 
     before = use_tensor_core_kernel()
     try:
@@ -56,24 +57,29 @@ def test_the_tensor_core_mode_is_checked():
 
 
 def test_launches_fit_the_rows_of_x():
-    assert MmaConfig(rows=2, chunks=2, pipelined=True).fits(8) and not MmaConfig(rows=2, chunks=2, pipelined=True).fits(9)
-    # 17-32 rows of x (a 16-draft verification has 17): one 16-row tile a warp, up to four 8-row groups
-    assert MmaConfig().fits(17) and MmaConfig().fits(32) and not MmaConfig().fits(33) and not MmaConfig().fits(0)
-    assert not MmaConfig(rows=2).fits(17) and MmaConfig(rows=2).fits(16)
-    assert MmaConfig(chunks=1, pipelined=True).fits(32) and not MmaConfig(chunks=2, pipelined=True).fits(25)
-    # a TMA launch: not pipelined, its ring inside a block's shared memory; two tiles a warp up to 16 rows of x
-    assert MmaConfig(chunks=2, warps=4, stages=4).fits(16) and MmaConfig(chunks=1, warps=8, stages=6).fits(32)
-    assert MmaConfig(chunks=4, warps=8, stages=2).fits(16) and not MmaConfig(chunks=4, warps=8, stages=3).fits(16)
-    assert MmaConfig(rows=2, chunks=1, warps=8, stages=2).fits(16) and not MmaConfig(rows=2, stages=2).fits(17)
-    assert MmaConfig(rows=2, chunks=2, warps=8, stages=2).fits(16)  # 2 x 104 KB: fits 227 KB
-    assert not MmaConfig(rows=2, chunks=2, warps=8, stages=3).fits(16)  # 3 x 104 KB does not
-    assert not MmaConfig(stages=2, pipelined=True).fits(8)
-    assert MmaConfig(chunks=4, warps=8, stages=2).key() == "tma_c4_w8_s1_st2"
-    assert MmaConfig(rows=2, chunks=1, warps=8, stages=2).key() == "tma_r2_c1_w8_s1_st2"
-    # a persistent grid (at most n blocks an SM) is the TMA launch's alone
-    assert MmaConfig(chunks=2, warps=4, stages=4, splits=4, persistent=8).key() == "tma_c2_w4_s4_st4_p8"
-    assert MmaConfig(stages=2, persistent=1).fits(16) and not MmaConfig(persistent=1).fits(16)
-    assert not MmaConfig(stages=2, persistent=-1).fits(16)
+    # two steps' fragments in registers: chunks x 8-row groups of x <= 4, for 1-32 rows of x (a 16-draft
+    # verification has 17)
+    assert MmaConfig(chunks=4).fits(8) and not MmaConfig(chunks=4).fits(9)
+    assert MmaConfig(chunks=2).fits(16) and not MmaConfig(chunks=2).fits(17)
+    assert MmaConfig(chunks=1).fits(17) and MmaConfig(chunks=1).fits(32) and not MmaConfig(chunks=1).fits(33)
+    assert not MmaConfig(chunks=1).fits(0)
+    assert MmaConfig(chunks=4, warps=2, splits=3).key() == "mma_r1_c4_w2_s3_pipe"  # the records' keys
+
+
+def test_a_record_of_a_removed_tensor_core_launch_names_the_patch_that_re_adds_it():
+    from specpilot.kernels.w12 import cuda_mma, kernel
+
+    # tuned files and bench records of before 2026-12-07 carry the removed kinds' fields: with the values of the
+    # launch that remains they are read as it, otherwise refused with the patch's name
+    old = {"rows": 1, "chunks": 4, "warps": 2, "splits": 1, "pipelined": True, "stages": 0, "persistent": 0}
+    assert kernel.launch_from_fields(old) == MmaConfig(chunks=4, warps=2)
+    for removed in ({"pipelined": False}, {"rows": 2}, {"stages": 4, "pipelined": False},
+                    {"stages": 2, "persistent": 8, "pipelined": False}):
+        with pytest.raises(ValueError, match="removed-2026-12-07-tma-persistent-rows2-unpipelined.patch"):
+            kernel.launch_from_fields({**old, **removed})
+    with pytest.raises(ValueError, match="left the package"):
+        kernel.tuned_from_json({"Card": {"4096x4096": {"4": {**old, "stages": 4, "pipelined": False}}}})
+    assert (Path(__file__).resolve().parents[2] / cuda_mma.REMOVED_LAUNCHES).is_file()
 
 
 @pytest.mark.slow
@@ -85,10 +91,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
-    # rows {1, 2} x row groups {1, 2} x chunks {1, 2, 4}, pipelined where rows x chunks x groups <= 4;
-    # row groups 3-4 (17-32 rows of x) with rows 1: chunks {1, 2, 4} and the pipelined chunks 1
-    # and the TMA launch's six (rows 1: one a row group; rows 2: row groups 1-2)
-    assert len(kernels) == 12 + 8 + 8 + 6
+    # row groups {1, 2, 3, 4} x chunks {1, 2, 4} where chunks x groups <= 4: 3 + 2 + 1 + 1
+    assert len(kernels) == 7
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     # the one-row-group, one-tile variants (M <= 8, the commonest) must not spill at all
     assert spills and all(int(s) <= 64 for s in spills), proc.stderr[-3000:]
@@ -99,22 +103,8 @@ def test_kernel_compiles_for_hopper(tmp_path):
 
 
 def _variants(m):
-    out = []
-    for rows in (1, 2):
-        for chunks in (1, 2, 4):
-            for warps in (1, 4, 8):
-                for splits in (1, 3, 8):
-                    for pipelined in (False, True):
-                        cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, pipelined=pipelined)
-                        if cfg.fits(m):
-                            out.append(cfg)
-                # persistent 1: one block an SM, so large grids walk several items a block
-                for stages, persistent in ((2, 0), (4, 0), (2, 1)):
-                    cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
-                                    persistent=persistent)
-                    if cfg.fits(m):
-                        out.append(cfg)
-    return out
+    return [cfg for chunks in (1, 2, 4) for warps in (1, 4, 8) for splits in (1, 3, 8)
+            if (cfg := MmaConfig(chunks=chunks, warps=warps, splits=splits)).fits(m)]
 
 
 # (N, K): Llama shapes, SmolLM2's K = 576 (kh = 288: a 32-column tail), K = 2080 (a 16-column tail),
@@ -127,7 +117,7 @@ SHAPES = [(4096, 4096), (123, 14336), (1536, 576), (576, 1536), (300, 2080), (77
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16, 17, 32])
 def test_matches_reference(n, k, m):
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+    from specpilot.kernels.w12.cuda_mma import w12_mma_matmul
 
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
     p = pack(w)
@@ -141,7 +131,7 @@ def test_matches_reference(n, k, m):
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 27])
 def test_every_variant_with_escapes(m):
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+    from specpilot.kernels.w12.cuda_mma import w12_mma_matmul
 
     n, k = 300, 2080
     x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=m)
@@ -156,36 +146,9 @@ def test_every_variant_with_escapes(m):
         check_close(y, ref, rtol=1e-2)
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, cfg).view(torch.int16)), cfg
         assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, wide, cfg).view(torch.int16)), cfg
-        if cfg.pipelined or cfg.stages:  # the pipeline and the TMA ring feed the same MMAs in the same order
-            plain = MmaConfig(rows=cfg.rows, chunks=cfg.chunks, warps=cfg.warps, splits=cfg.splits)
-            assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, plain).view(torch.int16)), cfg
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 32])
-def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
-
-    x, w = gpu_inputs(n, k, m, torch.bfloat16, seed=n + k + m)
-    p = pack(w)
-    ref = reference(x.float(), decode(p).float())
-    for rows, chunks, warps, stages, splits in ((1, 1, 2, 2, 1), (1, 2, 4, 4, 2), (1, 4, 8, 2, 3), (1, 1, 8, 6, 1),
-                                                (1, 1, 2, 2, 8), (2, 1, 8, 2, 1), (2, 2, 2, 3, 4)):
-        plain = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits)
-        if not plain.fits(m):
-            continue
-        y_plain = w12_mma_matmul(x, p, plain)
-        # a persistent grid walks the same items: same bits (one block an SM: up to ~8 items a block here)
-        for persistent in (0, 1, 8):
-            cfg = MmaConfig(rows=rows, chunks=chunks, warps=warps, splits=splits, stages=stages,
-                            persistent=persistent)
-            if not cfg.fits(m):
-                continue
-            y = w12_mma_matmul(x, p, cfg)
-            check_close(y, ref, rtol=1e-2)
-            assert torch.equal(y.view(torch.int16), y_plain.view(torch.int16)), cfg
+        if cfg.warps > 1:  # a warp's tile is the same work in a block of one warp: the same bits
+            one = MmaConfig(chunks=cfg.chunks, warps=1, splits=cfg.splits)
+            assert torch.equal(y.view(torch.int16), w12_mma_matmul(x, p, one).view(torch.int16)), cfg
 
 
 @gpu
@@ -193,15 +156,13 @@ def test_the_tma_ring_gives_the_register_launchs_bits(n, k, m):
 def test_deterministic_and_graph_replay():
     x, w = gpu_inputs(4096, 4096, 8, torch.bfloat16, seed=0)
     p = pack(w)
-    for cfg in (MmaConfig(rows=1, chunks=2, warps=4, splits=8), MmaConfig(rows=1, chunks=4, warps=2, splits=4, pipelined=True),
-                MmaConfig(chunks=2, warps=4, splits=4, stages=4),
-                MmaConfig(chunks=1, warps=2, splits=8, stages=3, persistent=1),
-                MmaConfig(rows=2, chunks=1, warps=4, splits=4, stages=3, persistent=1)):
+    for cfg in (MmaConfig(chunks=2, warps=4, splits=8), MmaConfig(chunks=4, warps=2, splits=4),
+                MmaConfig(chunks=1, warps=8, splits=3)):
         _check_deterministic_and_replayed(x, p, cfg)
 
 
 def _check_deterministic_and_replayed(x, p, cfg):
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+    from specpilot.kernels.w12.cuda_mma import w12_mma_matmul
 
     ys = [w12_mma_matmul(x, p, cfg).view(torch.int16).clone() for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
@@ -222,12 +183,12 @@ def _check_deterministic_and_replayed(x, p, cfg):
 @gpu
 @needs_cuda
 def test_w12_matmul_routes_bf16_to_tensor_cores():
-    from specpilot_kernels.w12 import cuda_mma
-    from specpilot_kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
+    from specpilot.kernels.w12 import cuda_mma
+    from specpilot.kernels.w12.kernel import pick_config, use_tensor_core_kernel, w12_matmul
 
     x, w = gpu_inputs(1536, 576, 4, torch.bfloat16, seed=3)
     p = pack(w)
-    from specpilot_kernels.w12.cuda_mma import w12_mma_matmul
+    from specpilot.kernels.w12.cuda_mma import w12_mma_matmul
 
     before = use_tensor_core_kernel()
     try:
@@ -238,7 +199,7 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
         assert torch.equal(y_triton.view(torch.int16), w12_matmul(x, p, pick_config(4, 1536, 576)).view(torch.int16))
         use_tensor_core_kernel("auto")  # an unswept shape stays on Triton; a swept winner goes to tensor cores
         assert torch.equal(w12_matmul(x, p).view(torch.int16), y_triton.view(torch.int16))
-        swept = MmaConfig(rows=1, chunks=1, warps=4, splits=2, pipelined=True)
+        swept = MmaConfig(chunks=1, warps=4, splits=2)
         cuda_mma.TUNED.setdefault(torch.cuda.get_device_name(), {})[(1536, 576)] = {4: swept}
         assert torch.equal(w12_matmul(x, p).view(torch.int16), w12_mma_matmul(x, p, swept).view(torch.int16))
     finally:
@@ -250,29 +211,31 @@ def test_w12_matmul_routes_bf16_to_tensor_cores():
     x33 = torch.randn(33, 576, device="cuda", dtype=torch.bfloat16)
     check_close(w12_matmul(x33, p), reference(x33.float(), w.float()), rtol=1e-2)
     with pytest.raises(ValueError, match="does not take 17 rows"):
-        w12_mma_matmul(torch.randn(17, 576, device="cuda", dtype=torch.bfloat16), p, MmaConfig(rows=2))
+        w12_mma_matmul(torch.randn(17, 576, device="cuda", dtype=torch.bfloat16), p, MmaConfig(chunks=2))
 
 
-def test_the_bench_sweeps_tma_launches_the_kernel_takes_and_the_profile_reads_their_keys():
-    from bench.w12_bench import TMA_TILES, TMA_TILES_ROWS2, sweep_configs
+def test_the_bench_sweeps_launches_the_kernel_takes_and_the_profile_reads_their_keys():
+    from bench.w12_bench import sweep_configs
     from bench.w12_profile import parse_case
 
-    for m in (1, 8, 16, 17):
-        cfgs = sweep_configs(m, ("tma", "tmap"), TMA_TILES + TMA_TILES_ROWS2)
-        assert cfgs and all(c.stages and c.fits(m) for c in cfgs)
-        # rows 2 up to 16 rows of x only; both grids of each tile
-        assert any(c.rows == 2 for c in cfgs) == (m <= 16) and {c.persistent for c in cfgs} == {0, 1, 8}
+    for m in (1, 8, 9, 16, 17, 32):
+        cfgs = sweep_configs(m, ("mma",))
+        assert cfgs and all(isinstance(c, MmaConfig) and c.fits(m) for c in cfgs)
         for c in cfgs:  # every key names its launch: ncu-w12 and --write-tuned readers rebuild it from the key
             assert parse_case(f"4096x4096:{m}:{c.key()}") == (4096, 4096, m, c)
-    assert all(len(t) == 3 for t in TMA_TILES) and all(t[3] == 2 for t in TMA_TILES_ROWS2)
+    for c in sweep_configs(4, ("fma", "dot")):
+        assert parse_case(f"4096x4096:4:{c.key()}") == (4096, 4096, 4, c)
+    for key in ("tma_c4_w4_s1_st2", "tma_r2_c1_w8_s2_st2_p1", "mma_r2_c1_w4_s1_pipe", "mma_r1_c2_w4_s8"):
+        with pytest.raises(SystemExit, match="left the package"):
+            parse_case(f"4096x4096:1:{key}")
 
 
 def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):
-    from specpilot_kernels.w12 import kernel
+    from specpilot.kernels.w12 import kernel
 
-    triton_tile = kernel.Config(bm=4, bn=8, bj=512, split=2, use_dot=False, num_warps=2, num_stages=1)
-    table = {"Some Card": {(4096, 4096): {16: MmaConfig(chunks=2, warps=4, splits=2, stages=4), 4: triton_tile},
-                           (6144, 4096): {1: MmaConfig(chunks=4, warps=2, pipelined=True)}}}
+    triton_tile = kernel.Config(bm=4, bn=8, bj=512, use_dot=False, num_warps=2, num_stages=1)
+    table = {"Some Card": {(4096, 4096): {16: MmaConfig(chunks=2, warps=4, splits=2), 4: triton_tile},
+                           (6144, 4096): {1: MmaConfig(chunks=4, warps=2)}}}
     assert kernel.tuned_from_json(kernel.tuned_to_json(table)) == table
     with pytest.raises(ValueError, match="NxK"):
         kernel.tuned_from_json({"Some Card": {"4096": {"16": {}}}})
@@ -282,27 +245,41 @@ def test_a_tuned_table_round_trips_and_a_bad_one_is_named(tmp_path):
     # launches go to the card's tensor-core table, its Triton tiles to pick_config on that card (on that card only)
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(kernel.tuned_to_json(table)))
-    code = ("from specpilot_kernels.w12.kernel import pick_config as p, tuned_mma_config as t; "
+    code = ("from specpilot.kernels.w12.kernel import pick_config as p, tuned_mma_config as t; "
             "print(t(9, 4096, 4096, 'Some Card').key(), t(1, 4096, 4096, 'Some Card'), "
             "p(3, 4096, 4096, 'Some Card').key(), p(3, 4096, 4096, 'Other Card') == p(3, 4096, 4096))")
     env = {**os.environ, kernel.TUNED_ENV: str(path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["tma_c2_w4_s2_st4", "None", triton_tile.key(), "True"]
+    assert out.stdout.split() == ["mma_r1_c2_w4_s2_pipe", "None", triton_tile.key(), "True"]
     assert kernel.pick_config(3, 4096, 4096, "Some Card") != triton_tile  # this process read no file
     path.write_text("{not json")
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--write-tuned" in bad.stderr
 
 
+def test_a_record_of_a_triton_split_k_launch_names_the_patch_that_re_adds_it():
+    from specpilot.kernels.w12 import kernel
+
+    # tuned files and bench records of before 2026-12-07 carry "split": 1 is the launch that remains
+    old = {"bm": 16, "bn": 32, "bj": 256, "split": 1, "use_dot": True, "num_warps": 4, "num_stages": 3, "asm": True}
+    assert kernel.launch_from_fields(old) == kernel.Config(bm=16, bn=32, bj=256, use_dot=True, num_stages=3)
+    assert kernel.launch_from_fields(old).key() == "dot_bm16_bn32_bj256_s1_w4_st3"  # the records' key
+    with pytest.raises(ValueError, match="removed-2026-12-07-triton-split-k.patch"):
+        kernel.launch_from_fields({**old, "split": 2})
+    with pytest.raises(ValueError, match="split-K left the package"):
+        kernel.tuned_from_json({"Card": {"4096x4096": {"32": {**old, "split": 2}}}})
+    assert (Path(__file__).resolve().parents[2] / kernel.REMOVED_SPLIT_K).is_file()
+
+
 def test_a_tuned_entry_of_one_kind_replaces_the_other_kinds_for_its_case(monkeypatch):
-    from specpilot_kernels.w12 import cuda_mma, kernel
+    from specpilot.kernels.w12 import cuda_mma, kernel
 
     monkeypatch.setattr(cuda_mma, "TUNED", {})
     monkeypatch.setattr(kernel, "TUNED", cuda_mma.TUNED)
     monkeypatch.setattr(kernel, "TUNED_TRITON", {})
-    mma = MmaConfig(chunks=2, warps=4, stages=4)
-    tile = kernel.Config(bm=16, bn=32, bj=128, split=1, use_dot=True, num_warps=4, num_stages=2)
+    mma = MmaConfig(chunks=2, warps=4, splits=2)
+    tile = kernel.Config(bm=16, bn=32, bj=128, use_dot=True, num_warps=4, num_stages=2)
     kernel.merge_tuned({"Card": {(4096, 4096): {16: mma}}})
     assert cuda_mma.tuned_mma_config(12, 4096, 4096, "Card") == mma
     kernel.merge_tuned({"Card": {(4096, 4096): {16: tile}}})
@@ -316,11 +293,11 @@ def test_the_bench_keeps_only_launches_that_beat_the_triton_kernels_own_choice()
     from dataclasses import asdict
 
     from bench.w12_bench import winners
-    from specpilot_kernels.w12.kernel import Config, pick_config
+    from specpilot.kernels.w12.kernel import Config, pick_config
 
     own = pick_config(4, 4096, 4096, "Card")
-    tile = Config(bm=4, bn=8, bj=512, split=2, use_dot=False, num_warps=2, num_stages=1)
-    mma = MmaConfig(chunks=4, warps=2, pipelined=True)
+    tile = Config(bm=4, bn=8, bj=512, use_dot=False, num_warps=2, num_stages=1)
+    mma = MmaConfig(chunks=4, warps=2)
     records = [{"shape": [4096, 4096], "m": 4, "us": 9.0, "triton_us": 10.0, "launch": asdict(tile)},
                {"shape": [4096, 4096], "m": 16, "us": 9.0, "triton_us": 10.0, "launch": asdict(mma)},
                {"shape": [6144, 4096], "m": 1, "us": 11.0, "triton_us": 10.0, "launch": asdict(mma)},  # slower
@@ -332,12 +309,12 @@ def test_the_bench_keeps_only_launches_that_beat_the_triton_kernels_own_choice()
 
 def test_a_rebased_tuned_table_keeps_what_the_sweep_did_not_cover():
     from bench.w12_bench import rebase
-    from specpilot_kernels.w12.kernel import Config
+    from specpilot.kernels.w12.kernel import Config
 
-    old_mma, new_mma = MmaConfig(chunks=4, warps=2, pipelined=True), MmaConfig(chunks=2, warps=2, pipelined=True)
-    fma = Config(bm=1, bn=4, bj=512, split=1, use_dot=False, num_warps=1, num_stages=1)
-    dot = Config(bm=16, bn=32, bj=256, split=1, use_dot=True, num_warps=4, num_stages=3)
-    wide = Config(bm=32, bn=64, bj=128, split=2, use_dot=True, num_warps=4, num_stages=3)
+    old_mma, new_mma = MmaConfig(chunks=4, warps=2), MmaConfig(chunks=2, warps=2)
+    fma = Config(bm=1, bn=4, bj=512, use_dot=False, num_warps=1, num_stages=1)
+    dot = Config(bm=16, bn=32, bj=256, use_dot=True, num_warps=4, num_stages=3)
+    wide = Config(bm=32, bn=64, bj=128, use_dot=True, num_warps=4, num_stages=3)
     base = {(4096, 4096): {1: fma, 8: old_mma, 16: dot}, (6144, 4096): {8: old_mma, 32: old_mma}}
     covered = {(n, k, mc) for n, k in ((4096, 4096), (6144, 4096)) for mc in (8, 16, 32)}
     won = {(6144, 4096): {32: wide}, (4096, 4096): {8: new_mma}}

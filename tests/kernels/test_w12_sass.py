@@ -1,4 +1,4 @@
-"""The FMA path's claims in specpilot_kernels/w12/README.md, checked on the SASS that Triton emits for sm_90 here
+"""The FMA path's claims in kernels/w12/README.md, checked on the SASS that Triton emits for sm_90 here
 (no GPU needed): with >= 2 of a step's x words a thread the K loop has no layout-conversion barrier,
 with one it has; a 16-bit x read as words costs fewer instructions than read by column."""
 

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
+from specpilot.engine.options import EngineOptions, option, sweeps
 from specpilot.services.master import planner
 from specpilot.services.master.planner import History
-from specpilot_engine.options import EngineOptions, option, sweeps
 
 CPU = {"device_kind": "cpu", "dtype": "fp32", "model_family": "llama", "mode": "batch1"}
 GPU = {**CPU, "device_kind": "cuda", "dtype": "bf16"}
@@ -237,7 +237,7 @@ def test_a_new_option_is_offered_from_its_field_alone():
     its OptionInfo names, with what it requires in its base, and the CLI and dict parsing know it."""
     from dataclasses import dataclass
 
-    from specpilot_engine.options import options_from_dict, requirements
+    from specpilot.engine.options import options_from_dict, requirements
 
     @dataclass(frozen=True)
     class WithTurbo(EngineOptions):

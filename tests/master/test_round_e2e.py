@@ -119,8 +119,8 @@ def _check_story(events: list[tuple[str, str, dict]]) -> dict:
             assert any(u == "profile.measured" and q["system_commit"] == p["commit"] and q["options"] == p["options"]
                        for u, _, q in events[:verdict]), f"no profile of {p['commit']} {p['options']} before its verdict"
     for e in by.get("memory.entry.proposed", []):  # against the stock the controller registered
-        assert "specpilot_engine/options.py" in e["stock_files"] and "specpilot_engine/options.py" in e["source_files"]
-        assert all(p.startswith(("specpilot_engine/", "specpilot_kernels/")) for p in e["stock_files"])
+        assert "engine/options.py" in e["stock_files"] and "engine/options.py" in e["source_files"]
+        assert all(p.startswith(("engine/", "kernels/")) for p in e["stock_files"])
     final = by["sealed.final.reported"][0]
     assert {"ar", "stock", "final"} <= set(final["results"]) and final["lossless"] is True
     summary = by["round.finished"][0]["summary"]
@@ -159,7 +159,7 @@ def test_a_round_tells_its_whole_story_and_replays(server):
     assert system["commit"] == (last["commit"] if last else "") and system["options"] == (last["options"] if last else {})
     ws = build_workspace(REPO, [("best", system["diff"])] if system["diff"] else [], dest=server.data / "ws",
                          trees=system["trees"])
-    assert set(system["trees"]) == {"specpilot_engine", "specpilot_kernels"} and ws.is_dir()
+    assert set(system["trees"]) == {"engine", "kernels"} and ws.is_dir()
     led = ledger.Ledger(server.data, read_only=True)
     try:
         res = ledger.verify(led)

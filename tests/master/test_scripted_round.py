@@ -24,8 +24,8 @@ import pytest
 
 from specpilot import ledger, subjects
 from specpilot.harness.deployment import load_deployment
+from specpilot.kernels import cpu_gemm
 from specpilot.sandbox import bwrap_available
-from specpilot_kernels import cpu_gemm
 from tests.backbone.helpers import sql
 from tests.conftest import connect_as, spawn_service, wait_for_services
 from tests.master.test_round_e2e import _events, _start_round, _stop, _wait_for
@@ -34,7 +34,7 @@ from tests.subagent.wire import Call, Fail, ScriptedServer, Turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)"),
-              pytest.mark.skipif(not cpu_gemm.available(), reason="the screened head needs specpilot_kernels.cpu_gemm")]
+              pytest.mark.skipif(not cpu_gemm.available(), reason="the screened head needs specpilot.kernels.cpu_gemm")]
 
 CONTROLLER_FLAGS = ["--trials", "3", "--requests", "2", "--max-new-tokens", "16", "--wall-s", "180", "--threads", "1"]
 TITLES = {"screened": "certified argmax LM head", "pruned": "frequent-token LM head", "messy": "sandbox probe",
@@ -132,7 +132,7 @@ def test_scripted_agents_write_real_code_in_a_round(server, tmp_path):
     assert verdict["decision"] == "promote" and verdict["gain"] > 0.05, json.dumps(why)  # whole: pytest cuts a dict
     assert any(a["patch_id"] == screened["patch_id"] for a in by["best.advanced"])
     entry = next(e for e in by["memory.entry.proposed"] if "class ScreenedHead" in e["delta"])
-    assert entry["options"] == {"screened_head": True} and "specpilot_engine/screened_head.py" in entry["source_files"]
+    assert entry["options"] == {"screened_head": True} and "engine/screened_head.py" in entry["source_files"]
 
     # 2. The plausible lossy patch: timed, forced, rejected by forcing.
     pruned = patches[directions[TITLES["pruned"]]]

@@ -5,14 +5,14 @@ import subprocess
 from pathlib import Path
 
 from specpilot import entries
+from specpilot.engine.options import requirement_tables
 from specpilot.paths import REPO_ROOT
-from specpilot_engine.options import requirement_tables
 
-OPTIONS_PY = "specpilot_engine/options.py"
+OPTIONS_PY = "engine/options.py"
 
 
 def _source_system(tmp: Path, edit: str) -> tuple[str, dict[str, str]]:
-    """A copy of stock with ``edit`` appended to specpilot_engine/options.py: its diff against stock and its hashes."""
+    """A copy of stock with ``edit`` appended to engine/options.py: its diff against stock and its hashes."""
     src = tmp / "src"
     for r in entries.ROOTS:
         shutil.copytree(REPO_ROOT / r, src / r, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -33,18 +33,18 @@ def test_a_delta_that_does_not_reproduce_its_source_is_rejected(tmp_path):
     other, _ = _source_system(tmp_path / "other", "\n# something else\n")
     problem = entries.validate(other, files)
     assert "does not reproduce" in problem and OPTIONS_PY in problem
-    assert "does not apply" in entries.validate("diff --git a/specpilot_engine/nope.py b/specpilot_engine/nope.py\n--- a/specpilot_engine/nope.py\n"
-                                                "+++ b/specpilot_engine/nope.py\n@@ -1 +1 @@\n-x\n+y\n", files)
+    assert "does not apply" in entries.validate("diff --git a/engine/nope.py b/engine/nope.py\n--- a/engine/nope.py\n"
+                                                "+++ b/engine/nope.py\n@@ -1 +1 @@\n-x\n+y\n", files)
     assert entries.validate(delta, {}) != ""
     # an extra file in the source that the delta does not create
-    assert "missing" in entries.validate(delta, {**files, "specpilot_engine/extra.py": "0" * 64})
+    assert "missing" in entries.validate(delta, {**files, "engine/extra.py": "0" * 64})
 
 
 def test_a_stock_that_changed_since_registration_is_named(tmp_path):
     delta, files = _source_system(tmp_path, "\n# a mechanism\n")
     stock = entries.tree_hashes(REPO_ROOT)
     assert entries.validate(delta, files, stock_files=stock) == ""  # the stock the delta was made against
-    edited = {**stock, OPTIONS_PY: "0" * 64}  # as if specpilot_engine/options.py had changed here since then
+    edited = {**stock, OPTIONS_PY: "0" * 64}  # as if engine/options.py had changed here since then
     problem = entries.validate(delta, files, stock_files=edited)
     assert "not the stock the delta was made against" in problem and OPTIONS_PY in problem
 

@@ -13,14 +13,14 @@ import time
 from specpilot import entries, natsd, schema, subjects
 from specpilot.app import cli
 from specpilot.app.cmd_memory import import_shipped
+from specpilot.engine.options import requirement_tables
 from specpilot.harness.deployment import load_deployment
 from specpilot.paths import REPO_ROOT
 from specpilot.services.memory.main import stock_store
-from specpilot_engine.options import requirement_tables
 from tests.backbone.helpers import sql
 from tests.conftest import _provision, connect_as, spawn_service, wait_for_services
 
-ENGINE_README = "specpilot_engine/README.md"
+ENGINE_README = "engine/README.md"
 
 
 def _decisions(srv) -> list[list]:
@@ -46,8 +46,8 @@ def _an_entry(tmp_path):
     (stock / ENGINE_README).write_text((stock / ENGINE_README).read_text() + "\nTheir stock.\n")
     source = tmp_path / "their-source"
     shutil.copytree(stock, source)
-    (source / "specpilot_engine" / "options.py").write_text(
-        (source / "specpilot_engine" / "options.py").read_text() + "\n# their mechanism\n")
+    (source / "engine" / "options.py").write_text(
+        (source / "engine" / "options.py").read_text() + "\n# their mechanism\n")
     import subprocess
 
     delta = subprocess.run(["git", "diff", "--no-index", "--", str(stock), str(source)], capture_output=True, text=True).stdout

@@ -7,7 +7,7 @@ import difflib
 from specpilot.paths import REPO_ROOT
 from tests.subagent.wire import Call, Turn
 
-OPTIONS = "specpilot_engine/options.py"
+OPTIONS = "engine/options.py"
 ANCHOR = "    drafter_weights: str = option("  # a one-line field: new ones go after it
 DEMO_FIELD = "    demo_flag: bool = False  # a scripted agent's option: does nothing; stock when False"
 
@@ -18,21 +18,21 @@ def diff(path: str, old: str, new: str) -> str:
 
 
 def add_field(text: str, field_line: str, after: str = ANCHOR) -> str:
-    """``text`` of specpilot_engine/options.py with ``field_line`` inserted after the line starting with ``after``."""
+    """``text`` of engine/options.py with ``field_line`` inserted after the line starting with ``after``."""
     line = next(ln for ln in text.splitlines(True) if ln.startswith(after))
     return text.replace(line, line + field_line + "\n", 1)
 
 
 def option_diff(field_line: str = DEMO_FIELD, after: str = ANCHOR) -> str:
-    """A diff of the real specpilot_engine/options.py adding one option field with a stock default."""
+    """A diff of the real engine/options.py adding one option field with a stock default."""
     old = (REPO_ROOT / OPTIONS).read_text()
     return diff(OPTIONS, old, add_field(old, field_line, after))
 
 
 def agent_turns(with_tests: bool = True) -> list[Turn]:
-    """list_files -> read_file specpilot_engine/options.py -> apply_diff -> run_tests (tiny) -> finish."""
+    """list_files -> read_file engine/options.py -> apply_diff -> run_tests (tiny) -> finish."""
     turns = [
-        Turn("Let me look around.", [Call("list_files", {"path": "specpilot_engine"})]),
+        Turn("Let me look around.", [Call("list_files", {"path": "engine"})]),
         Turn("", [Call("read_file", {"path": OPTIONS})]),
         Turn("Adding the option with a stock default.", [Call("apply_diff", {"diff": option_diff()})]),
     ]

@@ -1,6 +1,6 @@
 """Agent-written code runs only in the sandbox: probes through the subagent's own tools.
 
-Each probe is a patch an agent could apply (it passes the policy: only `specpilot_engine/` changes)
+Each probe is a patch an agent could apply (it passes the policy: only `engine/` changes)
 whose code runs when the engine is imported, so `run_tests` and `finish`'s option check run it. It
 tries to escape; any success raises ``ESCAPED``. The tools must return a result (an error where the
 run was killed), the service's process must be untouched, and nothing outside the sandbox may change.
@@ -21,13 +21,13 @@ from tests.controller.patches import FORK_BOMB
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="the sandbox needs bubblewrap (scripts/install.sh)")
 
-TARGET = "specpilot_engine/options.py"
+TARGET = "engine/options.py"
 ANCHOR = "from __future__ import annotations\n"
 QUICK_TEST = {"pattern": "test_stock_defaults", "path": "tests/engine/test_options.py"}
 
 
 def probe_diff(code: str) -> str:
-    """A diff running ``code`` when `specpilot_engine.options` is imported (after its __future__ import)."""
+    """A diff running ``code`` when `specpilot.engine.options` is imported (after its __future__ import)."""
     import difflib
 
     old = (REPO_ROOT / TARGET).read_text()
@@ -65,7 +65,7 @@ def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_p
     listener.listen()
     port = listener.getsockname()[1]
     outside = tmp_path / "outside.txt"
-    ws_file = tmp_path / "ws" / "specpilot_engine" / "pwned.py"
+    ws_file = tmp_path / "ws" / "engine" / "pwned.py"
     tools = tools_with(tmp_path, data, f"""
     import os as _os, socket as _socket
     try:
@@ -79,7 +79,7 @@ def test_an_agents_tests_cannot_reach_the_network_secrets_or_files_outside(tmp_p
     if any("KEY" in _k or "TOKEN" in _k or _k.startswith("NATS") for _k in _os.environ):
         raise SystemExit("ESCAPED: secrets in the environment")
     try:
-        open("/tmp/src/specpilot_engine/pwned.py", "w").write("x")
+        open("/tmp/src/engine/pwned.py", "w").write("x")
         raise SystemExit("ESCAPED: wrote into the workspace")
     except OSError:
         pass

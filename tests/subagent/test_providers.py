@@ -17,7 +17,7 @@ from tests.subagent import scripts
 from tests.subagent.wire import Call, Fail, ScriptedServer, Turn
 
 DIRECTION = schema.DirectionPlanned(direction_id="d1", title="add a demo flag", rationale="a test", factor="overhead",
-                                    deployment="tiny-cpu", hints={"where": "specpilot_engine/options.py"})
+                                    deployment="tiny-cpu", hints={"where": "engine/options.py"})
 
 
 @pytest.mark.parametrize("text, spec", [
@@ -68,7 +68,7 @@ def ws(tmp_path) -> Workspace:
 
 
 def _check_patch(prop) -> None:
-    assert policy.touched_paths(prop.diff) == {"specpilot_engine/options.py"} and policy.check(prop.diff, prop.options) is None
+    assert policy.touched_paths(prop.diff) == {"engine/options.py"} and policy.check(prop.diff, prop.options) is None
     assert "+" + scripts.DEMO_FIELD in prop.diff.splitlines()
     assert prop.options == {"demo_flag": True}
     assert prop.notes.startswith("demo flag behind an option")
@@ -99,7 +99,7 @@ def test_anthropic_sdk_drives_the_tool_loop(ws):
         assert block["type"] == "tool_result" and block["tool_use_id"] == f"toolu_{i}_0"
         return block
 
-    assert "specpilot_engine/options.py" in result(0)["content"] and not result(0)["is_error"]
+    assert "engine/options.py" in result(0)["content"] and not result(0)["is_error"]
     assert "class EngineOptions" in result(1)["content"]
     assert result(2)["content"].startswith("applied")
     assert "exit status 0" in result(3)["content"] and "1 passed" in result(3)["content"]
@@ -182,7 +182,7 @@ def test_a_conversation_ends_at_its_token_budget_and_reports_what_it_cost(ws):
     """An agent that never finishes: the token budget ends it, and the usage says so (for ConversationUsed)."""
     from specpilot.llm import Usage
 
-    looping = [Turn("Looking.", [Call("list_files", {"path": "specpilot_engine"})]) for _ in range(10)]
+    looping = [Turn("Looking.", [Call("list_files", {"path": "engine"})]) for _ in range(10)]
     usage = Usage()
     with ScriptedServer(looping) as srv:
         spec = ProviderSpec("anthropic", "claude-test", srv.url)

@@ -18,7 +18,7 @@ from tests.subagent import scripts
 
 def _fake_root(tmp: Path) -> Path:
     root = tmp / "src"
-    for rel, text in {"specpilot_engine/a.py": "x = 1\ny = 2\nz = 3\n", "specpilot_kernels/k.py": "k = 0\n",
+    for rel, text in {"engine/a.py": "x = 1\ny = 2\nz = 3\n", "kernels/k.py": "k = 0\n",
                       "deployments/d.toml": 'target = "tiny"\n', "tests/__init__.py": "",
                       "tests/engine/__init__.py": "", "tests/engine/test_a.py": "def test_a():\n    pass\n",
                       "services/secret.py": "nope\n"}.items():
@@ -29,39 +29,39 @@ def _fake_root(tmp: Path) -> Path:
 
 def test_build_workspace_applies_promotions_in_order(tmp_path):
     root = _fake_root(tmp_path)
-    first = scripts.diff("specpilot_engine/a.py", "x = 1\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\n")
-    second = scripts.diff("specpilot_engine/a.py", "x = 10\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\nw = 4\n")  # needs first
+    first = scripts.diff("engine/a.py", "x = 1\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\n")
+    second = scripts.diff("engine/a.py", "x = 10\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\nw = 4\n")  # needs first
     ws = Workspace(build_workspace(root, [("p1", first), ("p2", second)], dest=tmp_path / "ws"))
-    assert (ws.path / "specpilot_engine/a.py").read_text() == "x = 10\ny = 2\nz = 3\nw = 4\n"
+    assert (ws.path / "engine/a.py").read_text() == "x = 10\ny = 2\nz = 3\nw = 4\n"
     assert (ws.path / "tests/engine/test_a.py").is_file() and (ws.path / "deployments/d.toml").is_file()
     assert not (ws.path / "services").exists()  # only the system and its tests are copied
     log = git(ws.path, "log", "--format=%s").stdout.split("\n")
     assert log[:3] == ["promoted p2", "promoted p1", "stock"]
     assert ws.diff() == ""
-    # the patch is specpilot_engine/ and specpilot_kernels/ against the current best; new files count, test edits do not
-    (ws.path / "specpilot_kernels/new.py").write_text("n = 1\n")
+    # the patch is engine/ and kernels/ against the current best; new files count, test edits do not
+    (ws.path / "kernels/new.py").write_text("n = 1\n")
     (ws.path / "tests/engine/test_a.py").write_text("def test_a():\n    assert 0\n")
-    (ws.path / "specpilot_engine/__pycache__").mkdir()
-    (ws.path / "specpilot_engine/__pycache__/a.cpython-311.pyc").write_bytes(b"\0junk")
+    (ws.path / "engine/__pycache__").mkdir()
+    (ws.path / "engine/__pycache__/a.cpython-311.pyc").write_bytes(b"\0junk")
     d = ws.diff()
-    assert policy.touched_paths(d) == {"specpilot_kernels/new.py"} and policy.check(d, {}) is None
+    assert policy.touched_paths(d) == {"kernels/new.py"} and policy.check(d, {}) is None
     ws.remove()
     assert not ws.path.exists()
 
 
 def test_build_workspace_checks_the_controllers_trees(tmp_path):
     root = _fake_root(tmp_path)
-    first = scripts.diff("specpilot_engine/a.py", "x = 1\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\n")
+    first = scripts.diff("engine/a.py", "x = 1\ny = 2\nz = 3\n", "x = 10\ny = 2\nz = 3\n")
     made = build_workspace(root, [("p1", first)], dest=tmp_path / "a")
-    trees = {d: git(made, "rev-parse", f"HEAD:{d}").stdout.strip() for d in ("specpilot_engine", "specpilot_kernels")}
+    trees = {d: git(made, "rev-parse", f"HEAD:{d}").stdout.strip() for d in ("engine", "kernels")}
     build_workspace(root, [("best", first)], dest=tmp_path / "b", trees=trees)  # the same best: accepted
-    with pytest.raises(WorkspaceError, match="differs from the controller's in specpilot_engine/"):
+    with pytest.raises(WorkspaceError, match="differs from the controller's in engine/"):
         build_workspace(root, [], dest=tmp_path / "c", trees=trees)  # this host's stock is not that best
 
 
 def test_build_workspace_names_the_patch_that_does_not_apply(tmp_path):
     root = _fake_root(tmp_path)
-    bad = scripts.diff("specpilot_engine/a.py", "x = 5\n", "x = 6\n")
+    bad = scripts.diff("engine/a.py", "x = 5\n", "x = 6\n")
     with pytest.raises(WorkspaceError, match="promoted patch p9"):
         build_workspace(root, [("p9", bad)], dest=tmp_path / "ws")
 
@@ -71,7 +71,7 @@ def real_ws(tmp_path) -> Workspace:
     return Workspace(build_workspace(REPO_ROOT, [], dest=tmp_path / "ws"))
 
 
-@pytest.mark.parametrize("path", ["specpilot/services/controller/main.py", "../etc/passwd", "/etc/passwd", "specpilot_engine/../specpilot",
+@pytest.mark.parametrize("path", ["services/controller/main.py", "../etc/passwd", "/etc/passwd", "engine/../specpilot",
                                   "deployments/chat_prompts.json", "tests/conftest.py", "pyproject.toml"])
 def test_tools_refuse_reads_outside_the_system(real_ws, path):
     res = Tools(real_ws).call("read_file", {"path": path})
@@ -80,19 +80,19 @@ def test_tools_refuse_reads_outside_the_system(real_ws, path):
 
 def test_tools_read_list_and_line_ranges(real_ws):
     tools = Tools(real_ws)
-    assert "specpilot_engine/" in tools.call("list_files", {"path": ""}).text
-    listing = tools.call("list_files", {"path": "specpilot_engine/"}).text.splitlines()
-    assert "specpilot_engine/options.py" in listing and not any("__pycache__" in p for p in listing)
-    assert "class EngineOptions" in tools.call("read_file", {"path": "specpilot_engine/options.py"}).text
-    assert tools.call("read_file", {"path": "specpilot_engine/options.py", "start_line": 1, "end_line": 1}).text.startswith('"""')
-    assert tools.call("read_file", {"path": "specpilot_engine/drafters/weights/smollm2_parallel.pt"}).error  # binary
+    assert "engine/" in tools.call("list_files", {"path": ""}).text
+    listing = tools.call("list_files", {"path": "engine/"}).text.splitlines()
+    assert "engine/options.py" in listing and not any("__pycache__" in p for p in listing)
+    assert "class EngineOptions" in tools.call("read_file", {"path": "engine/options.py"}).text
+    assert tools.call("read_file", {"path": "engine/options.py", "start_line": 1, "end_line": 1}).text.startswith('"""')
+    assert tools.call("read_file", {"path": "engine/drafters/weights/smollm2_parallel.pt"}).error  # binary
     assert tools.call("nope", {}).error and tools.call("read_file", {"wrong": 1}).error
 
 
 @pytest.mark.parametrize("diff", [
     "diff --git a/tests/engine/test_x.py b/tests/engine/test_x.py\n--- a/tests/engine/test_x.py\n"
     "+++ b/tests/engine/test_x.py\n@@ -0,0 +1 @@\n+assert True\n",
-    "--- a/specpilot_engine/../services/x.py\n+++ b/specpilot_engine/../services/x.py\n@@ -0,0 +1 @@\n+x\n",
+    "--- a/engine/../services/x.py\n+++ b/engine/../services/x.py\n@@ -0,0 +1 @@\n+x\n",
     "--- a/specpilot/bus.py\n+++ b/specpilot/bus.py\n@@ -1 +1 @@\n-a\n+b\n",
     "not a diff at all\n",
 ])
@@ -123,12 +123,12 @@ def test_run_tests_runs_the_workspace_engine_without_secrets(real_ws, monkeypatc
     # a test file the agent cannot write, placed by hand: it sees the workspace's engine and no keys
     where = SANDBOX_SRC if bwrap_available() else str(real_ws.path)  # the sandbox binds the workspace there
     probe = real_ws.path / "tests/engine/test_probe.py"
-    probe.write_text("import os\nimport specpilot_engine\n\ndef test_probe():\n"
-                     f"    assert specpilot_engine.__file__.startswith({where!r})\n"
+    probe.write_text("import os\nimport specpilot.engine.options\nimport specpilot.engine\n\ndef test_probe():\n"
+                     f"    assert specpilot.engine.options.__file__.startswith({where!r})\n"
                      "    assert 'ANTHROPIC_API_KEY' not in os.environ\n")
     res = Tools(real_ws).call("run_tests", {"pattern": "probe", "path": "tests/engine/test_probe.py"})
     assert not res.error and "1 passed" in res.text, res.text
-    assert Tools(real_ws).call("run_tests", {"path": "specpilot_engine/options.py"}).error
+    assert Tools(real_ws).call("run_tests", {"path": "engine/options.py"}).error
 
 
 # --- offline providers -----------------------------------------------------------------------------

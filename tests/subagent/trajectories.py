@@ -1,9 +1,9 @@
 """Scripted agents that write real code, for whole rounds through the real SDKs (issue 26, item 5).
 
-The engine's certified exact-argmax LM head (`specpilot_engine.screened_head`, option
+The engine's certified exact-argmax LM head (`specpilot.engine.screened_head`, option
 ``screened_head``) was written as an agent would write it. To replay that, `stock_without_mechanism`
 copies this checkout with the mechanism taken out (its module, its option field, its hook in
-`specpilot_engine.api`), services run from the copy, and `screened_head_turns` writes it back as one
+`specpilot.engine.api`), services run from the copy, and `screened_head_turns` writes it back as one
 diff: the real code, whatever it is today, so the replay never goes stale.
 
 - `screened_head_turns`: reads, applies the mechanism, runs the option tests, finishes with the option on;
@@ -25,9 +25,9 @@ from specpilot.paths import REPO_ROOT
 from tests.subagent.scripts import diff
 from tests.subagent.wire import Call, Turn
 
-OPTIONS = "specpilot_engine/options.py"
-API = "specpilot_engine/api.py"
-MECHANISM = "specpilot_engine/screened_head.py"
+OPTIONS = "engine/options.py"
+API = "engine/api.py"
+MECHANISM = "engine/screened_head.py"
 MECHANISM_TEST = "tests/engine/test_screened_head.py"
 FIELD_START = "    screened_head: bool = option("
 HOOK_START = "    if opts.screened_head:"
@@ -83,7 +83,7 @@ def screened_head_turns(stock: Path) -> list[Turn]:
     return [
         Turn("The profile says the LM head is most of a step; let me read how the head is built.",
              [Call("read_file", {"path": API, "start_line": 130, "end_line": 175})]),
-        Turn("", [Call("read_file", {"path": "specpilot_engine/packed.py", "start_line": 1, "end_line": 40})]),
+        Turn("", [Call("read_file", {"path": "engine/packed.py", "start_line": 1, "end_line": 40})]),
         Turn("Greedy decoding needs only the argmax: screen with bf16 weights, bound the error, compute "
              "exact logits only for the rows that can win.", [Call("apply_diff", {"diff": mechanism_diff(stock)})]),
         Turn("", [Call("run_tests", OPTION_TESTS)]),
@@ -113,7 +113,7 @@ class FrequentVocabHead(nn.Module):
 '''
 PRUNED_FIELD = '    frequent_vocab_head: bool = option(False, "the LM head over the first half of the ids", model=True)\n'
 PRUNED_HOOK = ("    if getattr(opts, \"frequent_vocab_head\", False):\n"
-               "        from specpilot_engine.frequent_head import FrequentVocabHead\n\n"
+               "        from specpilot.engine.frequent_head import FrequentVocabHead\n\n"
                "        model.lm_head = FrequentVocabHead(model.lm_head.weight, model.cfg.vocab_size // 2)\n")
 
 
@@ -127,7 +127,7 @@ def pruned_head_turns(stock: Path) -> list[Turn]:
     assert lm_head_field_end in options and fp32_hook in api
     patch = "".join([diff(OPTIONS, options, options.replace(lm_head_field_end, lm_head_field_end + PRUNED_FIELD, 1)),
                      diff(API, api, api.replace(fp32_hook, fp32_hook + PRUNED_HOOK, 1)),
-                     new_file_diff("specpilot_engine/frequent_head.py", PRUNED_MODULE)])
+                     new_file_diff("engine/frequent_head.py", PRUNED_MODULE)])
     return [
         Turn("", [Call("read_file", {"path": OPTIONS, "start_line": 85, "end_line": 95})]),
         Turn("Most tokens come from the low ids; half the head is enough.", [Call("apply_diff", {"diff": patch})]),
@@ -166,9 +166,9 @@ def probe_diff(stock: Path, data: Path, port: int) -> str:
 def messy_turns(stock: Path, data: Path, port: int) -> list[Turn]:
     """``data``: the services' data directory; ``port``: the NATS server's (what the probe must not reach)."""
     stale = diff(OPTIONS, "STOCK_DEFAULTS = {}\n", "STOCK_DEFAULTS = {'block_size': 8}\n")  # no such line
-    oversized = new_file_diff("specpilot_engine/huge.py", "# padding\n" * 30_000)
+    oversized = new_file_diff("engine/huge.py", "# padding\n" * 30_000)
     return [
-        Turn("", [Call("shell", {"cmd": "cat /etc/passwd"}), Call("read_file", '{"path": "specpilot_engine/')]),
+        Turn("", [Call("shell", {"cmd": "cat /etc/passwd"}), Call("read_file", '{"path": "engine/')]),
         Turn("", [Call("apply_diff", {"diff": stale})]),
         Turn("x" * 300_000, [Call("apply_diff", {"diff": oversized})]),
         Turn("", [Call("apply_diff", {"diff": probe_diff(stock, data, port)})]),

@@ -1,1 +1,0 @@
-"""SpecPilot services; each talks to the others only over NATS."""

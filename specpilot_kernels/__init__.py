@@ -1,1 +1,0 @@
-"""Triton kernels, each with a PyTorch reference beside it."""
