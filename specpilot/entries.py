@@ -10,6 +10,13 @@ checkout's runtime there when it starts and whenever an entry names files the ch
 `specpilot memory import` brings an exported entry's stock with it; a check then never depends on what
 the host's checkout holds today. `matches` filters entries by a deployment's facts.
 
+Everything in an entry is hostile input (an import, a shipped file, another host's ledger): `files_problem`
+refuses a path that is absolute, climbs (``..``), is not normalised or lies outside the runtime's folders
+(today's or 0.2's), and a hash that is not 64 hex digits; `validate` refuses such an entry, and a delta that
+the patch policy refuses (`policy.check`), before any file is read or written or any ``git apply`` runs.
+Files are read and written without following links (`read_regular`), and a snapshot's blob is filed only
+when its content hashes to its name.
+
 Pure apart from `snapshot` and `validate`, which copy files and work in a temporary directory with
 ``git apply``.
 """
@@ -17,17 +24,61 @@ Pure apart from `snapshot` and `validate`, which copy files and work in a tempor
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from specpilot import policy
 from specpilot.layout import RUNTIME_FOLDERS
 from specpilot.paths import REPO_ROOT
 
 ROOTS = RUNTIME_FOLDERS
+# where an entry's files may lie: today's runtime folders, and 0.2's (entries recorded before session 42)
+FILE_ROOTS = (*policy.ALLOWED_ROOTS, *policy.LEGACY_ROOTS)
+SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_FILE_BYTES = 64 << 20  # a runtime file (the drafters' weights are ~10 MB)
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def files_problem(files: object) -> str:
+    """Why a ``{relative path: sha256}`` map from an entry may not be used ('' when it may)."""
+    if not isinstance(files, dict):
+        return "its file list is not a mapping"
+    for rel, sha in files.items():
+        if problem := policy.path_problem(rel, FILE_ROOTS):
+            return f"file {problem}"
+        if not isinstance(sha, str) or not SHA256.fullmatch(sha):
+            return f"file {rel}: {sha!r} is not a sha256"
+    return ""
+
+
+def read_regular(path: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes reached without following a
+    link in its last component (None otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return f.read(limit + 1)[:limit]
+
+
+def file_blob(store: Path, data: bytes, sha: str) -> bool:
+    """File ``data`` as ``store/sha`` (atomically, mode 0644) when it hashes to ``sha``; whether it did."""
+    if not SHA256.fullmatch(sha) or hashlib.sha256(data).hexdigest() != sha:
+        return False
+    tmp = Path(store) / f".{sha}.tmp"
+    tmp.write_bytes(data)
+    tmp.rename(Path(store) / sha)
+    return True
 
 
 def tree_hashes(root: Path, roots: tuple[str, ...] = ROOTS) -> dict[str, str]:
@@ -58,18 +109,13 @@ def snapshot(store: Path, files: dict[str, str] | None = None, live: Path = REPO
     store = Path(store)
     store.mkdir(parents=True, exist_ok=True)
     files = tree_hashes(live) if files is None else files
+    if files_problem(files):
+        return 0
     added = 0
     for rel, sha in files.items():
-        src, dest = Path(live) / rel, store / sha
-        if dest.exists() or not src.is_file():
+        if (store / sha).exists() or (data := read_regular(Path(live) / rel)) is None:
             continue
-        data = src.read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha:
-            continue
-        tmp = dest.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(dest)
-        added += 1
+        added += file_blob(store, data, sha)
     return added
 
 
@@ -82,8 +128,11 @@ def _stock_tree(dest: Path, stock: Path, stock_files: dict[str, str] | None, sto
             return (f"the stock this entry was made against is not in the snapshot store {store} ({len(missing)} "
                     f"files, e.g. {', '.join(missing[:3])}): import it with the entry (`specpilot memory import`)")
         for rel, sha in stock_files.items():
+            data = read_regular(Path(store) / sha)
+            if data is None or hashlib.sha256(data).hexdigest() != sha:
+                return f"the snapshot store's {sha[:12]} (for {rel}) is not that file: it was changed or replaced"
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(store) / sha, dest / rel)
+            (dest / rel).write_bytes(data)
         return ""
     if stock_files and (changed := _compare(stock_files, tree_hashes(stock))):
         return ("the stock here is not the stock the delta was made against (" + changed + "): engine/ or "
@@ -104,6 +153,13 @@ def validate(delta: str, source_files: dict[str, str], stock: Path = REPO_ROOT,
     does not reproduce its source."""
     if not source_files:
         return "the entry names no source files to check the delta against"
+    for name, files in (("source", source_files), ("stock", stock_files or {})):
+        if problem := files_problem(files):
+            return f"its {name} {problem}"
+    if not isinstance(delta, str):
+        return "its delta is not text"
+    if delta.strip() and (refusal := policy.check(policy.current_paths(delta), {})):
+        return f"its delta breaks the patch policy ({refusal.rule}: {refusal.reason})"
     if not delta.strip() and stock_files and source_files == stock_files:
         return ""  # options on stock, no code: nothing to reproduce (each use re-times it on its own stock)
     with tempfile.TemporaryDirectory(prefix="sp-entry-") as tmp:

@@ -28,7 +28,6 @@ What this module does not do: run a model, choose which events to audit, or talk
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -348,15 +347,9 @@ def failed(reason: str) -> dict[str, Any]:
 
 
 def report_event_id(request_event_id: str) -> str:
-    """The id of the report answering one request: the request's millisecond prefix (so it sorts right
-    after its cause) and hash bits, so a redelivered request's report is the same event and the
-    server's dedupe and the ledger's primary key absorb it."""
-    hexid = request_event_id.replace("-", "")
-    ms = hexid[:12] if len(hexid) == 32 else "0" * 12
-    h = hashlib.sha256(f"forcing.reported:{request_event_id}".encode()).hexdigest()
-    variant = "89ab"[int(h[15], 16) % 4]
-    raw = f"{ms}7{h[:3]}{variant}{h[3:18]}"
-    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+    """The id of the report answering one request (`schema.derived_id`): it sorts right after its cause, and
+    a redelivered request's report is the same event."""
+    return schema.derived_id(request_event_id, f"forcing.reported:{request_event_id}")
 
 
 def report(request: schema.ForcingRequested, fields: dict[str, Any]) -> schema.ForcingReported:

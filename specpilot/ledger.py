@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from specpilot.errors import UserError
 
 GENESIS = "0" * 64
 READ_ONLY_TYPES = {"SELECT", "EXPLAIN"}
+READ_TIMEOUT_S = 20.0  # a `sql` read is stopped past this (server side): no reader holds the memory service
 # EXPLAIN ANALYZE runs its statement (DuckDB: `EXPLAIN ANALYZE DELETE ...` deletes), so it is refused;
 # comments are removed first so that none can hide the keyword.
 _SQL_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
@@ -298,7 +300,15 @@ class Ledger:
             sql = f"SELECT payload FROM events {clause}ORDER BY pos OFFSET {int(q.offset)}"
         return [schema.decode(r[0].encode()) for r in self.con.execute(sql, params).fetchall()]
 
-    def query_readonly(self, sql: str, limit: int = 10_000) -> dict[str, Any]:
+    def reader(self) -> Ledger:
+        """This ledger over a cursor of its own, for reads in another thread while this connection records
+        (DuckDB: a long read never blocks an append). Close it after the read (`close`)."""
+        view = object.__new__(Ledger)
+        view.__dict__.update(self.__dict__)
+        view.con = self.con.cursor()
+        return view
+
+    def query_readonly(self, sql: str, limit: int = 10_000, timeout_s: float = READ_TIMEOUT_S) -> dict[str, Any]:
         """Run one read-only statement; refuse anything that could write."""
         try:
             statements = self.con.extract_statements(sql)
@@ -313,15 +323,22 @@ class Ledger:
         if kind == "EXPLAIN" and _EXPLAIN_ANALYZE.match(_SQL_COMMENTS.sub(" ", statements[0].query)):
             raise ReadOnlyViolation("refused: EXPLAIN ANALYZE runs its statement; use EXPLAIN without ANALYZE")
         cur = self.con.cursor()
+        stop = threading.Timer(timeout_s, cur.interrupt)  # a server-side limit: no query holds the reader
+        stop.daemon = True
         try:
+            stop.start()
             # Defence in depth: whatever runs does so in a transaction that is always rolled back.
             cur.execute("BEGIN TRANSACTION")
             res = cur.execute(sql)
             columns = [d[0] for d in res.description or []]
             rows = res.fetchmany(limit)
+        except duckdb.InterruptException:
+            raise LedgerError(f"the query ran past {timeout_s:.0f} s and was stopped: narrow it (a WHERE, "
+                              "a LIMIT)") from None
         except duckdb.Error as exc:
             raise LedgerError(f"query failed: {exc}") from exc
         finally:
+            stop.cancel()
             try:
                 cur.execute("ROLLBACK")
             except duckdb.Error:

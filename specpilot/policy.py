@@ -66,14 +66,16 @@ def current_paths(diff: str) -> str:
     return "".join(out)
 
 
-def _path_problem(path: str) -> str | None:
-    if path.startswith("/") or "\\" in path:
-        return f"{path}: absolute or odd path"
+def path_problem(path: str, roots: tuple[str, ...] = ALLOWED_ROOTS) -> str | None:
+    """Why ``path`` (from a diff or a memory entry: hostile input) may not be touched, None when it may: it
+    must be relative, normalised, under one of ``roots`` and name no test."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path or "\0" in path:
+        return f"{path!r}: absolute or odd path"
     parts = path.split("/")
-    if ".." in parts or "." in parts or "" in parts[:-1]:
+    if ".." in parts or "." in parts or "" in parts:
         return f"{path}: path climbs or is not normalised"
-    if not path.startswith(ALLOWED_ROOTS):
-        return f"{path}: outside {', '.join(ALLOWED_ROOTS)} (harness, tests, services and request sets are off limits)"
+    if not path.startswith(roots):
+        return f"{path}: outside {', '.join(roots)} (harness, tests, services and request sets are off limits)"
     if "/tests/" in f"/{path}" or path.rsplit("/", 1)[-1].startswith("test_"):
         return f"{path}: tests are off limits"
     return None
@@ -105,7 +107,7 @@ def check(diff: str, options: dict, *, max_bytes: int = MAX_DIFF_BYTES) -> Refus
     if len(paths) > MAX_FILES:
         return Refusal("size", f"diff touches {len(paths)} files, over the limit of {MAX_FILES}")
     for p in sorted(paths):
-        if problem := _path_problem(p):
+        if problem := path_problem(p):
             return Refusal("paths", problem)
     return None
 

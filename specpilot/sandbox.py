@@ -30,9 +30,19 @@ stopped with ``SIGSTOP``, ``pause``, while the other is timed, but GPU work it q
 stopped can still overlap: the carry-over test catches work that slows the requests right after it,
 and an interleaved GPU timing that would promote is confirmed run by run, `stats.retime_reason`);
 the candidate can read the rest of the machine's
-files (read-only), including the public request sets; a GPU is shared when the device is CUDA. On a
-machine without bubblewrap the sandbox degrades to a scrubbed environment, a temporary working
-directory, rlimits and timeouts, and says so in ``describe()`` (recorded in ``PatchTested``).
+files (read-only), including the public request sets; a GPU is shared when the device is CUDA. Only under
+the development override below does agent code run without bubblewrap (a scrubbed environment, a temporary
+working directory, rlimits and timeouts), and ``describe()`` says so (recorded in ``PatchTested``).
+
+**Fail closed.** No `Sandbox` starts agent code in a process that has not proved one: a service that runs
+agent code calls `specpilot.canary.require` at start (a canary that must fail to reach the network, the data
+directory, the bundle, the parent's environment and the host's files), which marks the process
+(`mark_proved`). Without the proof a `Sandbox` refuses to exist (`SandboxUnavailable`), unless the
+development override ``SPECPILOT_UNSAFE_NO_SANDBOX=1`` was set at that start, which every `describe()`
+records. bubblewrap itself starts with the same scrubbed environment its child gets, so not even its own
+``/proc/<pid>/environ`` holds the service's. Text that comes out of a sandbox (a worker's stderr, its
+error replies, a run's output) is bounded and has every secret the service holds removed (`scrub`) before
+the caller sees it.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import queue
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -51,12 +62,61 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot.errors import UserError
 from specpilot.layout import RUNTIME_ENV
 from specpilot.paths import REPO_ROOT
 
 SANDBOX_SRC = "/tmp/src"
 SANDBOX_DATA = "/tmp/data"
 SANDBOX_COMPILE_CACHE = "/tmp/compile-cache"
+UNSAFE_ENV = "SPECPILOT_UNSAFE_NO_SANDBOX"  # development only: agent code runs unisolated (recorded)
+TEXT_LIMIT = 4000  # characters of a sandbox's text (stderr, output) a caller ever sees
+
+
+class SandboxUnavailable(UserError):
+    """No proved sandbox in this process: agent code may not run (the message says what is missing)."""
+
+
+# What this process proved at start (`specpilot.canary.require`), the secrets it holds (`scrub`) and the
+# paths every sandbox hides (its bundle): set once at a service's start, read by every Sandbox after.
+_state: dict = {"proof": None, "secrets": [], "hidden": []}
+
+
+def proof() -> dict | None:
+    """What this process proved (``{"proved": True, ...}``, or the override's record), None before."""
+    return _state["proof"]
+
+
+def mark_proved(record: dict) -> dict:
+    _state["proof"] = dict(record)
+    return _state["proof"]
+
+
+def unsafe_override() -> bool:
+    return os.environ.get(UNSAFE_ENV) == "1"
+
+
+def add_secrets(values: list[str]) -> None:
+    """Values `scrub` removes from every text that leaves a sandbox (a bundle's files, keys, seeds)."""
+    _state["secrets"] = sorted({*_state["secrets"], *(v for v in values if len(v) >= 6)}, key=len, reverse=True)
+
+
+def hide_always(path: Path) -> None:
+    """A path every sandbox of this process covers with an empty tmpfs (the service's bundle)."""
+    if Path(path) not in _state["hidden"]:
+        _state["hidden"].append(Path(path))
+
+
+def scrub(text: str, limit: int = TEXT_LIMIT) -> str:
+    """``text`` from a sandbox as it may reach an event or a log: each secret this process holds (and each
+    long line of a multi-line one, a key's body) replaced by ``[secret]``, then cut to its last ``limit``
+    characters."""
+    for secret in _state["secrets"]:
+        text = text.replace(secret, "[secret]")
+        for line in secret.splitlines():
+            if len(line.strip()) >= 16:
+                text = text.replace(line.strip(), "[secret]")
+    return text[-limit:]
 
 
 @dataclass(frozen=True)
@@ -162,6 +222,47 @@ class _Cgroup:
                     time.sleep(0.05)
 
 
+def copy_untrusted(src: Path, dest: Path, max_bytes: int = 4 << 30, max_files: int = 200_000) -> dict:
+    """Copy a tree a sandboxed process wrote (a compile cache: hostile input) into ``dest`` (new): folders and
+    regular files only, each opened relative to its already-opened folder without following any link, so a
+    planted symbolic link (to a bundle, a seed) or a special file is left out, not followed; at most
+    ``max_files`` files and ``max_bytes`` bytes (`SandboxError` past either, ``dest`` removed). Returns
+    ``{"files", "bytes", "skipped"}`` (``skipped``: links and special files left out)."""
+    counts = {"files": 0, "bytes": 0, "skipped": 0}
+    nofollow = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+    def copy_dir(src_fd: int, out: Path) -> None:
+        out.mkdir(mode=0o700)
+        for entry in os.scandir(src_fd):
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                fd = os.open(entry.name, nofollow | os.O_DIRECTORY, dir_fd=src_fd)
+                try:
+                    copy_dir(fd, out / entry.name)
+                finally:
+                    os.close(fd)
+            elif stat.S_ISREG(st.st_mode):
+                counts["files"] += 1
+                counts["bytes"] += st.st_size
+                if counts["files"] > max_files or counts["bytes"] > max_bytes:
+                    raise SandboxError(f"{src} holds more than {max_files} files or {max_bytes >> 20} MiB: not copied")
+                fd = os.open(entry.name, nofollow, dir_fd=src_fd)
+                with os.fdopen(fd, "rb") as f, open(out / entry.name, "xb") as g:
+                    shutil.copyfileobj(f, g)
+            else:
+                counts["skipped"] += 1
+
+    root = os.open(src, nofollow | os.O_DIRECTORY)
+    try:
+        copy_dir(root, Path(dest))
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    finally:
+        os.close(root)
+    return counts
+
+
 def bwrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
@@ -183,14 +284,25 @@ class Sandbox:
     cpus: tuple[int, ...] | None = None  # CPU affinity of every process in the sandbox (None: inherited)
     # Triton's cache and torch's C++ extension builds (specpilot.kernels.cpu_gemm), writable (None: an empty /tmp)
     compile_cache: Path | None = None
+    proof_run: bool = False  # the canary's own run (`specpilot.canary.prove`), before anything is proved
 
     def __post_init__(self) -> None:
-        self.isolated = bwrap_available()
+        proved = proof()
+        if self.proof_run:
+            self.isolated = bwrap_available()
+        elif proved is None:
+            raise SandboxUnavailable("no sandbox was proved in this process, so agent code may not run: a service "
+                                     "proves one at start (specpilot.canary.require)")
+        else:
+            self.isolated = bool(proved.get("proved"))
         self._cgroup = _Cgroup(self.limits)
         self._procs: list[subprocess.Popen] = []
 
     def describe(self) -> dict:
-        return {"bubblewrap": self.isolated, "cgroup": self._cgroup.active, "network": "none" if self.isolated else "host",
+        proved = proof() or {}
+        return {"bubblewrap": self.isolated, "proved": bool(proved.get("proved")),
+                **({"override": proved["override"]} if "override" in proved else {}),
+                "cgroup": self._cgroup.active, "network": "none" if self.isolated else "host",
                 "filesystem": "read-only, private /tmp" if self.isolated else "host (temporary cwd only)",
                 "pids_max": self.limits.pids, "memory_bytes": self.limits.memory_bytes, "wall_s": self.limits.wall_s,
                 "cpus": list(self.cpus) if self.cpus else "inherited"}
@@ -214,7 +326,8 @@ class Sandbox:
     def argv(self, cmd: list[str]) -> list[str]:
         if not self.isolated:
             return cmd
-        args = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
+        # by its full path: bubblewrap starts with the scrubbed environment, whose PATH may not hold it
+        args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
         # The interpreter, its environment and the project (editable install) may live under /tmp
         # (a CI clone, say): show them again, read-only, before hiding the data directory.
         for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve(),
@@ -225,7 +338,7 @@ class Sandbox:
         # a path inside one already hidden is left alone (its mount point would show its parents).
         own_bundle = [Path(b)] if (b := os.environ.get("SPECPILOT_BUNDLE")) else []
         hidden: list[Path] = []
-        for h in sorted({Path(h).resolve() for h in [*self.hide, *own_bundle] if Path(h).exists()}):
+        for h in sorted({Path(h).resolve() for h in [*self.hide, *own_bundle, *_state["hidden"]] if Path(h).exists()}):
             if not any(h.is_relative_to(outer) for outer in hidden):
                 hidden.append(h)
                 args += ["--tmpfs", str(h)]
@@ -256,8 +369,9 @@ class Sandbox:
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
 
         cwd = None if self.isolated else str(self.src)
-        proc = subprocess.Popen(self.argv(cmd), cwd=cwd, env=None if self.isolated else self._env(),
-                                preexec_fn=preexec, start_new_session=True, **kw)
+        # bubblewrap gets the scrubbed environment too: its own /proc/<pid>/environ is readable from inside
+        proc = subprocess.Popen(self.argv(cmd), cwd=cwd, env=self._env(), preexec_fn=preexec, start_new_session=True,
+                                **kw)
         self._procs.append(proc)
         return proc
 
@@ -274,7 +388,7 @@ class Sandbox:
             self.kill()
             out, _ = proc.communicate()
             timed_out = True
-        return {"returncode": proc.returncode, "output": out.decode(errors="replace")[-tail:], "timed_out": timed_out,
+        return {"returncode": proc.returncode, "output": scrub(out.decode(errors="replace"), tail), "timed_out": timed_out,
                 "oom_killed": self.oom_killed(), "memory_note": note}
 
     def oom_killed(self) -> bool:
@@ -363,7 +477,7 @@ class Worker:
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         reply = self._read(ready_timeout_s)
         if not reply.get("ready"):
-            raise WorkerFailed(f"worker did not start: {reply.get('error') or self.stderr_tail()}")
+            raise WorkerFailed(f"worker did not start: {scrub(str(reply.get('error') or ''), 2000) or self.stderr_tail()}")
         # Untimed work before the first timed request (start-up, and the warm-up the caller adds): bounded
         # by the controller, since work moved here is work the timed requests no longer show.
         self.untimed_s = time.perf_counter() - started
@@ -380,7 +494,7 @@ class Worker:
             del self._stderr[:-50]
 
     def stderr_tail(self) -> str:
-        return "".join(self._stderr[-15:]).strip() or f"exit code {self.proc.poll()}"
+        return scrub("".join(self._stderr[-15:]).strip(), 2000) or f"exit code {self.proc.poll()}"
 
     def _read(self, timeout: float) -> dict:
         try:
@@ -395,9 +509,9 @@ class Worker:
         try:
             reply = json.loads(line)
         except ValueError:
-            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}") from None
+            raise WorkerFailed(f"worker broke the protocol: {scrub(repr(line), 200)}") from None
         if not isinstance(reply, dict):
-            raise WorkerFailed(f"worker broke the protocol: {line[:200]!r}")
+            raise WorkerFailed(f"worker broke the protocol: {scrub(repr(line), 200)}")
         return reply
 
     def request(self, obj: dict, timeout: float = 300.0) -> tuple[dict, float]:
@@ -412,7 +526,7 @@ class Worker:
         reply = self._read(timeout)
         elapsed = time.perf_counter() - t0
         if "error" in reply:
-            raise WorkerFailed(f"worker error: {reply['error']}")
+            raise WorkerFailed(f"worker error: {scrub(str(reply['error']), 2000)}")
         return reply, elapsed
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> tuple[list[int], float]:

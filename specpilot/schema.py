@@ -17,6 +17,7 @@ What this module does not do: I/O, subjects (see ``subjects``), validation beyon
 from __future__ import annotations
 
 import functools
+import hashlib
 import operator
 import os
 import time
@@ -39,6 +40,31 @@ def new_event_id(now_ns: int | None = None) -> str:
     value |= rand & ((1 << 62) - 1)
     h = f"{value:032x}"
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def derived_id(cause_event_id: str, key: str) -> str:
+    """A UUIDv7-shaped id derived from a cause: the cause's millisecond prefix (so it sorts right after its
+    cause) and the hash bits of ``key`` (naming the cause and what answers it), the same every time (a
+    redelivered cause's answer is the same event: the stream's dedupe and the ledger's primary key absorb
+    it). The publisher's bus mints it (`mint`)."""
+    hexid = cause_event_id.rpartition(":")[2].replace("-", "")  # the cause's id without its minter
+    ms = hexid[:12] if len(hexid) == 32 else "0" * 12
+    h = hashlib.sha256(key.encode()).hexdigest()
+    raw = f"{ms}7{h[:3]}{'89ab'[int(h[15], 16) % 4]}{h[3:18]}"
+    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+
+
+def minted_by(event_id: str) -> str | None:
+    """The service an event id names as its minter (``<source>:<rest>``); None for an id without one (ids
+    recorded before they carried their source: a UUIDv7 or a round's name has no colon)."""
+    source, sep, rest = event_id.partition(":")
+    return source if sep and rest else None
+
+
+def mint(source: str, event_id: str) -> str:
+    """``event_id`` as ``source`` publishes it: prefixed ``<source>:`` unless it names a minter already (a
+    foreign one the recorder then refuses: `bus.authorised`)."""
+    return event_id if minted_by(event_id) is not None else f"{source}:{event_id}"
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

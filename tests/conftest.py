@@ -17,6 +17,19 @@ from specpilot import bundles, bus, natsd, subjects
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def proved_sandbox(tmp_path_factory):
+    """The sandbox proved once in the test process, as a service proves it at start (`canary.require`):
+    tests that build a `Sandbox` or run a controller in process need it (no proof, no agent code). Where
+    bubblewrap is missing the proof fails and those tests fail with the service's own message."""
+    from specpilot import canary, sandbox
+
+    try:
+        canary.require(tmp_path_factory.mktemp("canary"))
+    except sandbox.SandboxUnavailable:
+        pass  # tests that need a sandbox are skipped without bubblewrap, or fail with this message
+
+
 @pytest.fixture(autouse=True)
 def own_machine_cache(tmp_path_factory, monkeypatch):
     """Each test its own machine cache (services it starts inherit it): a noise figure one test's

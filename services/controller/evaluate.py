@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.paths import REPO_ROOT, machine_cache_dir
-from specpilot.sandbox import Limits
+from specpilot.sandbox import Limits, add_secrets
 from specpilot.services.controller import stats
 from specpilot.services.controller.systems import Systems
 from specpilot.services.controller.workers import System, Workers
@@ -114,15 +114,18 @@ class Evaluator:
     def split_seed(self) -> int:
         """The secret seed of the dev/sealed split; it lives where no sandbox can read it: the
         controller's bundle (``seed_file``, `specpilot.bundles`), else (``specpilot time``, no bundle)
-        a file this evaluator makes in its own folder."""
+        a file this evaluator makes in its own folder. It is a secret `sandbox.scrub` removes from worker text."""
         if self.seed_file is not None:
-            return int(Path(self.seed_file).read_text())
-        path = self.root / "split_seed"
-        if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(str(secrets.randbits(62)))
-        return int(path.read_text())
+            seed = int(Path(self.seed_file).read_text())
+        else:
+            path = self.root / "split_seed"
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(str(secrets.randbits(62)))
+            seed = int(path.read_text())
+        add_secrets([str(seed)])
+        return seed
 
     def prepare(self) -> str:
         """Stock committed, model cache converted; returns the stock commit. The controller prepares

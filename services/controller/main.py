@@ -17,7 +17,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from specpilot import bus, schema, service, subjects
+from specpilot import bus, canary, schema, service, subjects
 from specpilot.errors import UserError
 from specpilot.sandbox import Limits
 from specpilot.services.controller import phases, stats, verdict
@@ -231,6 +231,8 @@ def add_args(parser) -> None:
 
 def make(cfg: service.ServiceConfig):
     a = cfg.args
+    # fail closed: no candidate runs on a host where the sandbox is not proved (one line, the service exits)
+    canary.require(cfg.data, cfg.bundle.path, what="candidates (the controller's timing workers)")
     kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
           "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave,
           "pin_cpus": a.pin_cpus, "seed_file": cfg.bundle.split_seed}

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot.sandbox import Limits, Sandbox, Worker, WorkerFailed
+from specpilot.sandbox import Limits, Sandbox, Worker, WorkerFailed, copy_untrusted
 from specpilot.services.controller.pinning import timing_cpus
 from specpilot.services.controller.systems import Systems
 
@@ -217,7 +217,9 @@ class Workers:
         empty one is kept without starting it (a worker start saved per system).
 
         The kept cache is only ever written by the fill (`compile_fill_requests`); what a timed worker
-        writes goes to its own copy and is gone with its trial."""
+        writes goes to its own copy and is gone with its trial. What a sandbox wrote is hostile input: every
+        copy is `copy_untrusted` (no link or special file followed, sizes bounded), and a cache passes only
+        between systems of one commit (the same code, so the same author)."""
         if not self.compile_cache:
             return None
         key = system.key()
@@ -228,7 +230,7 @@ class Workers:
         if not kept.exists():
             if starts < 2:
                 if sibling is not None:
-                    shutil.copytree(sibling, copy)
+                    copy_untrusted(sibling, copy)
                 else:
                     copy.mkdir()
                     self._watched[copy] = key
@@ -240,20 +242,24 @@ class Workers:
                 kept.mkdir(parents=True)
         if any(kept.iterdir()):
             self._kept.setdefault(system.commit, kept)
-        shutil.copytree(kept, copy)
+        copy_untrusted(kept, copy)
         return copy
 
     def _fill(self, system: System, device: str, fills: list[tuple[list[int], int]], kept: Path,
               seed: Path | None) -> None:
         """Fill ``kept`` by a worker of ``system`` answering ``fills``, from a copy of ``seed`` (what the
         commit built already is not built again) or from nothing."""
-        with tempfile.TemporaryDirectory(prefix="sp-fill-") as filling:
+        with tempfile.TemporaryDirectory(prefix="sp-fill-") as tmp:
+            filling = Path(tmp) / "cache"
             if seed is not None:
-                shutil.copytree(seed, filling, dirs_exist_ok=True)
-            with self.worker(system, device, lambda _: Path(filling)) as worker:
+                copy_untrusted(seed, filling)
+            else:
+                filling.mkdir()
+            with self.worker(system, device, lambda _: filling) as worker:
                 for p, n in fills:
                     worker.generate(p, n, timeout=self.limits.wall_s)
             staged = kept.with_suffix(".tmp")
             shutil.rmtree(staged, ignore_errors=True)  # a fill that died half-way
-            shutil.copytree(filling, staged)
+            # what the worker wrote is hostile: links and special files are left out, sizes bounded
+            copy_untrusted(filling, staged)
             staged.rename(kept)  # whole or absent, never half-filled

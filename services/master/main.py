@@ -228,7 +228,7 @@ class RoundDriver:
         """Plan (or find) this wave's directions and wait for their verdicts; False when nothing is left."""
         prefix = f"{self.round_id}-w{wave}-"
         directions = [d for d in await self.round_events(schema.DirectionPlanned)
-                      if d.event_id.startswith(prefix)]
+                      if d.direction_id.startswith(prefix)]
         if not directions:
             planned, told = await self.plan(ceiling, usage_id=f"{prefix}planner")
             planned = await self.within_budget(planned)
@@ -370,7 +370,8 @@ class RoundDriver:
         verdicts = await self.round_events(schema.VerdictIssued)
         refused = await self.round_events(schema.PatchRefused)
         proposals = {p.patch_id: p for p in await self.round_events(schema.PatchProposed)}  # type: ignore[attr-defined]
-        summary = summarise(final, ceiling, verdicts, refused, proposals)
+        tested = await self.round_events(schema.PatchTested)
+        summary = summarise(final, ceiling, verdicts, refused, proposals, tested)
         await self.emit(schema.RoundFinished(event_id=f"{self.round_id}-finished", summary=summary))
         log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
 
@@ -456,8 +457,18 @@ def compute_batched_ceiling(prof: schema.ProfileMeasured, hw: schema.HardwareMea
                                      measured_c={int(k): v for k, v in prof.batch_cost.items()})
 
 
+def sandbox_of(tested: list) -> str:
+    """How the round's agent code ran, from its ``PatchTested`` records: "proved" (bubblewrap, proved at the
+    controller's start), the development override by name when any candidate ran without a sandbox, or ""
+    (nothing was tested)."""
+    records = [dict(t.sandbox) for t in tested if getattr(t, "sandbox", None)]
+    if unsafe := next((r for r in records if not r.get("proved")), None):
+        return f"NONE: {unsafe.get('override') or 'not proved'} (development only: agent code ran unisolated)"
+    return "proved (bubblewrap: no network, data directory and bundle hidden)" if records else ""
+
+
 def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingComputed | None,
-              verdicts: list, refused: list, proposals: dict) -> dict[str, Any]:
+              verdicts: list, refused: list, proposals: dict, tested: list = ()) -> dict[str, Any]:
     results = dict(final.results) if final else {}
     headline: dict[str, Any] = {}
     if "final" in results and "stock" in results:
@@ -483,7 +494,7 @@ def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingC
         candidates.append({"patch_id": r.patch_id, "decision": "refused", "reason": r.reason})
     return {"headline": headline, "sealed": results, "candidates": candidates,
             "ceiling": {"speedup": ceiling.ceiling_speedup, "factors": dict(ceiling.factors)} if ceiling else {},
-            "final_commit": final.final_commit if final else ""}
+            "final_commit": final.final_commit if final else "", "sandbox": sandbox_of(list(tested))}
 
 
 def make(cfg: service.ServiceConfig):

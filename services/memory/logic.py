@@ -2,8 +2,9 @@
 
 Given the messages of one fetch, ``classify`` returns a ``Plan``:
 - authorised events are recorded as themselves;
-- an event whose type its subject's source may not publish is recorded as a ``SecurityViolation``
-  instead (deterministic id, so a redelivery is absorbed like any duplicate);
+- an event whose type its subject's source may not publish, or whose id that source did not mint
+  (`bus.authorised`), is recorded as a ``SecurityViolation`` instead (deterministic id, so a redelivery
+  is absorbed like any duplicate);
 - bytes that do not decode are retried until ``bus.DECODE_ATTEMPTS`` deliveries, then dead-lettered.
 """
 
@@ -28,14 +29,15 @@ class Plan:
 
 def violation(d: Delivery, event: schema.Event, why: str) -> schema.SecurityViolation:
     return schema.SecurityViolation(
-        event_id=f"security-violation-{d.seq}", ts_ns=event.ts_ns, source=schema.MEMORY,
+        event_id=f"{schema.MEMORY}:security-violation-{d.seq}", ts_ns=event.ts_ns, source=schema.MEMORY,
         round_id=event.round_id, deployment=event.deployment, causation_id=event.event_id,
         subject=d.subject, claimed_type=event.tag, claimed_source=subjects.source_of(d.subject) or "",
         reason=why, seq=d.seq, payload_sha256=hashlib.sha256(d.data).hexdigest(),
     )
 
 
-def classify(deliveries: list[Delivery]) -> Plan:
+def classify(deliveries: list[Delivery], legacy_ids: bool = False) -> Plan:
+    """``legacy_ids``: accept ids that name no minter (a stream from before ids carried their source)."""
     plan = Plan()
     for d in deliveries:
         try:
@@ -47,7 +49,7 @@ def classify(deliveries: list[Delivery]) -> Plan:
             else:
                 plan.retry.append(d)
             continue
-        if why := authorised(d.subject, event):
+        if why := authorised(d.subject, event, legacy_ids):
             v = violation(d, event, why)
             plan.record.append(Incoming(subjects.event_subject(schema.MEMORY, v.tag), d.seq, v, schema.encode(v)))
         else:

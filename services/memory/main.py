@@ -122,10 +122,10 @@ async def rebuild(led: ledger.Ledger, messages) -> int:
     async for seq, subject, raw in messages:
         batch.append(bus.Delivery(subject=subject, data=raw, seq=seq, num_delivered=bus.DECODE_ATTEMPTS, _msg=None))
         if len(batch) >= BATCH:
-            recorder.commit(logic.classify(batch))
+            recorder.commit(logic.classify(batch, legacy_ids=True))
             n, batch = n + len(batch), []
     if batch:
-        recorder.commit(logic.classify(batch))
+        recorder.commit(logic.classify(batch, legacy_ids=True))
     return n + len(batch)
 
 
@@ -143,7 +143,7 @@ def imported(entry: dict, evidence: list[dict], origin: str, known: set[str]) ->
         raise ValueError(f"not a memory entry: {exc}") from None
     if original.entry_id in known:
         return None
-    return msgspec.structs.replace(original, event_id=f"imported-{original.entry_id}", ts_ns=time.time_ns(),
+    return msgspec.structs.replace(original, event_id=f"{schema.MEMORY}:imported-{original.entry_id}", ts_ns=time.time_ns(),
                                    source=schema.MEMORY, round_id="", causation_id="", correlation_id="",
                                    origin=origin or original.origin, imported_evidence=list(evidence))
 
@@ -151,11 +151,23 @@ def imported(entry: dict, evidence: list[dict], origin: str, known: set[str]) ->
 def endpoints(led: ledger.Ledger, state: projections.State, bus_of=lambda: None) -> dict:
     """The memory service's RPCs; ``state`` is the recorder's live projections; ``bus_of()`` the service's
     bus once it is connected (imports are published on it, so they are recorded like any event)."""
+    async def off_the_recorder(read):
+        """``read(reader)`` in a worker thread over a cursor of its own: the recorder (this event loop, the
+        ledger's connection) never waits on a reader (docs/DESIGN.md §2, "Reads")."""
+        def run():
+            reader = led.reader()
+            try:
+                return read(reader)
+            finally:
+                reader.close()
+        return await asyncio.to_thread(run)
+
     async def sql(req: dict) -> dict:
-        return led.query_readonly(str(req.get("query", "")))
+        return await off_the_recorder(lambda r: r.query_readonly(str(req.get("query", ""))))
 
     async def audit(req: dict) -> dict:
-        return {"events": [schema.encode(e).decode() for e in led.audit(str(req.get("event_id", "")))]}
+        return await off_the_recorder(
+            lambda r: {"events": [schema.encode(e).decode() for e in r.audit(str(req.get("event_id", "")))]})
 
     async def replay(req: dict) -> dict:
         return ledger.verify(led).as_dict()
@@ -168,7 +180,7 @@ def endpoints(led: ledger.Ledger, state: projections.State, bus_of=lambda: None)
             q = msgspec.convert(req, reads.EventQuery)
         except msgspec.ValidationError as exc:
             raise ValueError(f"not an event query: {exc}") from None
-        return reads.reply_for(led, q)
+        return await off_the_recorder(lambda r: reads.reply_for(r, q))
 
     async def view(req: dict) -> dict:
         try:

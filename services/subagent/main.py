@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -37,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot import bus, providers, schema, service, subjects
+from specpilot import bus, canary, providers, schema, service, subjects
 from specpilot.errors import UserError
 from specpilot.llm import Usage
 from specpilot.paths import REPO_ROOT
@@ -160,13 +159,9 @@ def produce(direction: schema.DirectionPlanned, best: Best, settings: Settings,
 
 
 def patch_event_id(direction_event_id: str, index: int) -> str:
-    """The id of a direction's ``index``-th patch event: the direction's millisecond prefix and hash bits, so a
-    republished patch is the same event (the server's dedupe and the ledger's primary key absorb it)."""
-    hexid = direction_event_id.replace("-", "")
-    ms = hexid[:12] if len(hexid) == 32 else "0" * 12
-    h = hashlib.sha256(f"patch.proposed:{direction_event_id}:{index}".encode()).hexdigest()
-    raw = f"{ms}7{h[:3]}{'89ab'[int(h[15], 16) % 4]}{h[3:18]}"
-    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+    """The id of a direction's ``index``-th patch event (`schema.derived_id`): a republished patch is the same
+    event (the server's dedupe and the ledger's primary key absorb it); the bus mints it as this service's."""
+    return schema.derived_id(direction_event_id, f"patch.proposed:{direction_event_id}:{index}")
 
 
 def patch_events(direction: schema.DirectionPlanned, proposals: list[Proposal], best: Best,
@@ -313,6 +308,8 @@ def add_args(parser) -> None:
 
 def make(cfg: service.ServiceConfig):
     a = cfg.args
+    # fail closed: no agent-written test, option check or advice run on a host without a proved sandbox
+    canary.require(cfg.data, cfg.bundle.path, what="agent code (tests, option checks, advice runs)")
     settings = Settings(source=a.source, default_provider=a.default_provider, max_turns=a.max_turns,
                         test_timeout_s=a.test_timeout, work_dir=a.work_dir, data=Path(cfg.data),
                         max_wall_s=a.max_wall_s, max_llm_tokens=a.max_llm_tokens, concurrency=a.concurrency)

@@ -101,6 +101,7 @@ def memory(hints: dict, workspace: Workspace) -> Proposal:
     options = entry.get("options") or {}
     if not isinstance(delta, str) or not isinstance(options, dict):
         raise ProviderError(f"memory entry {entry_id!r}: delta must be a diff and options an object")
+    delta = policy.current_paths(delta)  # an entry recorded by SpecPilot 0.2 names its old folders
     if refusal := policy.check(delta, options):
         raise ProviderError(f"memory entry {entry_id!r} breaks the policy ({refusal.rule}): {refusal.reason}")
     try:

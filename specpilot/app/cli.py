@@ -124,9 +124,14 @@ def ensure_up(args: argparse.Namespace, extra_flags: dict[str, list[str]] | None
               timeout: float = 60.0) -> natsd.LocalServer:
     """Start the local server and every service that does not answer; return when all answer.
 
-    ``extra_flags``: per service, flags for a service this call starts (a running one keeps its own)."""
+    ``extra_flags``: per service, flags for a service this call starts (a running one keeps its own). The
+    controller and subagent run agent code, so the sandbox is proved first on this host (`canary.require`):
+    without one nothing starts (`SandboxUnavailable`, exit 2)."""
+    from specpilot import canary
+
     data = data_dir(args)
     data.mkdir(parents=True, exist_ok=True)
+    canary.require(data, what="agent code (the controller's candidates, the subagents' tests)")
     server = natsd.running(data)
     if server is None:
         with console.status("starting nats-server"):
@@ -146,7 +151,9 @@ def ensure_up(args: argparse.Namespace, extra_flags: dict[str, list[str]] | None
                 break
             for name, p in procs.items():
                 if p.poll() is not None:
-                    raise UserError(f"service {name} exited with code {p.returncode}; see {data}/logs/{name}.log")
+                    last = (data / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()[-1:]
+                    raise UserError(f"service {name} exited with code {p.returncode} ({last[0][:300] if last else 'no log'})"
+                                    f"; see {data}/logs/{name}.log")
             if time.monotonic() > deadline:
                 missing = ", ".join(sorted(set(SERVICES) - found))
                 raise UserError(f"services did not answer within {timeout:.0f} s: {missing}; see {data}/logs/")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -129,16 +130,19 @@ def read_export(src: Path) -> tuple[dict, list[dict]]:
 
 
 def file_stock(src: Path, data: Path) -> int:
-    """Copy an export's stock files into data directory ``data``'s snapshot store; how many were new."""
+    """File an export's stock files into data directory ``data``'s snapshot store; how many were new. An
+    export is hostile input: a blob is filed only when it is a regular file (no link followed), its name
+    is a sha256 and its content hashes to it (`entries.file_blob`); anything else is left out."""
     from specpilot.services.memory.main import stock_store
 
     store = stock_store(data)
     store.mkdir(parents=True, exist_ok=True)
     filed = 0
-    for blob in (src / "stock").glob("*"):
-        if len(blob.name) == 64 and not (store / blob.name).exists():
-            shutil.copyfile(blob, store / blob.name)  # content-addressed: the name is the file's sha256
-            filed += 1
+    folder = src / "stock"
+    for name in sorted(os.listdir(folder)) if folder.is_dir() and not folder.is_symlink() else []:
+        if entries.SHA256.fullmatch(name) and not (store / name).exists():
+            blob = entries.read_regular(folder / name)
+            filed += blob is not None and entries.file_blob(store, blob, name)
     return filed
 
 

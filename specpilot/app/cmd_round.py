@@ -270,6 +270,8 @@ def _table(summary: dict) -> None:
         c.add_row(cand["patch_id"], cand.get("provider", ""), json.dumps(cand.get("options", {})),
                   _pct(cand.get("gain")), _pct(cand.get("lower_bound")), _pct(cand.get("bar")), cand["decision"])
     out.print(c)
+    if sandbox := summary.get("sandbox"):  # how agent code ran: a development override is never silent
+        out.print(f"sandbox: {sandbox}")
 
 
 def _ci(row: dict, key: str) -> str:

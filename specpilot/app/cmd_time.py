@@ -61,10 +61,12 @@ def read_patch(args: argparse.Namespace) -> schema.PatchProposed:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specpilot import canary
     from specpilot.services.controller.main import Controller
 
     patch = read_patch(args)
     data = Path(args.data or paths.default_data_dir())
+    canary.require(data, what="the patch (its default check and timing workers)")  # fail closed: exit 2
     kw = {"n_requests": args.requests, "max_new_tokens": args.max_new_tokens}
     if args.trials:
         kw["trials"] = args.trials

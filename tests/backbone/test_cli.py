@@ -175,6 +175,11 @@ def test_compose_gives_each_container_only_its_own_bundle_and_volume():
         # the command really parses: the module exists and takes these flags
         help_ = subprocess.run([sys.executable, *cmd[1:3], "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert help_.returncode == 0
+    # agent code runs only in bubblewrap: the image ships it, and only the two containers that run agent code
+    # get the namespaces it needs (each proves its sandbox at start and refuses to start without one)
+    assert "bubblewrap" in (REPO / "Dockerfile").read_text()
+    confined = {name for name, svc in svcs.items() if "seccomp=unconfined" not in svc.get("security_opt", [])}
+    assert set(svcs) - confined == {"controller", "subagent"}
 
 
 @pytest.mark.parametrize("user", SERVICES)

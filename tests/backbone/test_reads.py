@@ -140,3 +140,39 @@ def test_projections_of_an_older_version_are_rebuilt_not_reported_as_tampering(t
         assert new.live_projections()["version"] == str(projections.VERSION)
     finally:
         new.close()
+
+
+@pytest.mark.slow
+def test_a_heavy_query_never_stalls_the_recorder(server, memory):
+    """A query that would run for minutes, sent through the `sql` RPC every service may call, runs off the
+    recording path: events published meanwhile are each recorded within a second, and the query is stopped
+    at the server's limit (`ledger.READ_TIMEOUT_S`) with a line that says so."""
+    import asyncio
+    import time
+
+    from specpilot import subjects
+    from tests.backbone.helpers import directions
+    from tests.conftest import connect_as
+
+    async def go():
+        reader, master = await connect_as(server, "controller"), await connect_as(server, "master")
+        heavy = asyncio.create_task(reader.request(
+            subjects.RPC_SQL, {"query": "SELECT sum(a.range * b.range) FROM range(200000) a, range(200000) b"},
+            timeout=ledger.READ_TIMEOUT_S + 30))
+        await asyncio.sleep(1.0)  # the query is running
+        delays = []
+        for n, e in enumerate(directions(5, prefix="during"), start=1):
+            await master.publish(e)
+            t0 = time.monotonic()
+            while (await reader.request(subjects.RPC_EVENTS, {"types": ["direction.planned"], "count": True}))[
+                    "count"] < n:
+                await asyncio.sleep(0.05)
+            delays.append(time.monotonic() - t0)
+        assert not heavy.done(), "the heavy query ended early: it cannot show the recorder ran beside it"
+        assert max(delays) < 1.0, delays
+        with pytest.raises(bus.BusError, match=r"ran past 20 s and was stopped"):
+            await heavy
+        await reader.close()
+        await master.close()
+
+    asyncio.run(go())

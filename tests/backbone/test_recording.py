@@ -69,6 +69,32 @@ def test_forged_verdict_becomes_security_violation(server, memory):
     asyncio.run(go())
 
 
+def test_an_event_id_belongs_to_its_publisher(server, memory):
+    """The master's ids follow fixed patterns a subagent can read (``<round>-finished``): the subagent takes that
+    id first, with the message id the stream would have deduplicated on before ids carried their minter, and
+    again through its own bus. Both become security violations, and the master's event is recorded."""
+    async def go():
+        sub = await connect_as(server, "subagent")
+        master = await connect_as(server, "master")
+        squat = schema.PatchProposed(event_id="master:round-x-finished", direction_id="d", patch_id="p", diff="",
+                                     source="subagent")
+        await sub.publish_raw(subjects.event_subject("subagent", squat.tag), schema.encode(squat), squat.event_id)
+        await sub.publish(squat)  # the id names another minter: kept as it is, and refused by the recorder
+        published, _ = await master.publish(schema.RoundFinished(event_id="round-x-finished", round_id="round-x"))
+        assert published.event_id == "master:round-x-finished" and master.msg_id(published.event_id) != published.event_id
+        assert master.msg_id(published.event_id) != sub.msg_id(published.event_id)  # keyed by each one's bundle
+        await sub.close()
+        await master.close()
+        await wait_for_rows(server, "SELECT count(*) FROM events", 3)
+        rows = await sql(server, "SELECT type, event_id, json_extract_string(payload, '$.reason') FROM events "
+                                 "ORDER BY pos")
+        assert [r[0] for r in rows] == ["security.violation", "security.violation", "round.finished"]
+        assert rows[2][1] == "master:round-x-finished"
+        assert all("is not minted by its publisher 'subagent'" in r[2] for r in rows[:2])
+
+    asyncio.run(go())
+
+
 def test_poison_message_is_dead_lettered_and_does_not_stall(server, memory):
     async def go():
         master = await connect_as(server, "master")

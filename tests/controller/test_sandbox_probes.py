@@ -202,6 +202,80 @@ def test_nans_are_caught(ctl):
     assert v.decision == "reject"
 
 
+def test_links_planted_in_the_compile_cache_are_never_followed(ctl, outside_tmp, monkeypatch):
+    """Every worker start plants links to the controller's key and split seed (and a FIFO) in its writable
+    compile cache, then looks for their contents among the plain files it was given: the controller copies
+    what a sandbox wrote without following links (`sandbox.copy_untrusted`), so the secrets never come back."""
+    own_bundle = outside_tmp / "controller"
+    own_bundle.mkdir(parents=True)
+    (own_bundle / "key.pem").write_text("secret key material")
+    monkeypatch.setenv("SPECPILOT_BUNDLE", str(own_bundle))
+    seed = ctl.data / "controller" / "split_seed"
+    ctl.evaluator("tiny-cpu").split_seed()
+    probe = f"""
+    import os as _os
+    _cache = _os.environ.get("TRITON_CACHE_DIR", "")
+    _seed = "{seed.read_text().strip()}"  # written into the probe by the test, never known to a real candidate
+    if _cache:
+        for _root, _dirs, _files in _os.walk(_cache):
+            for _f in _files:
+                _p = _os.path.join(_root, _f)
+                if not _os.path.islink(_p) and _os.path.isfile(_p):
+                    _text = open(_p, "rb").read().decode(errors="replace")
+                    if "secret key material" in _text or _seed in _text:
+                        raise SystemExit("ESCAPED: a planted link was followed into " + _p)
+        for _i, _target in enumerate(("{own_bundle}/key.pem", "{seed}")):
+            try:
+                _os.symlink(_target, _os.path.join(_cache, "leak%d" % _i))
+            except FileExistsError:
+                pass
+        try:
+            _os.mkfifo(_os.path.join(_cache, "fifo"))
+        except FileExistsError:
+            pass
+    """
+    events = evaluate(ctl, worker_patch(before_ready=probe), {"block_size": 3})
+    assert patch_tested(events).passed
+    kept = ctl.data / "controller" / "compile-cache"
+    assert kept.is_dir() and not [p for p in kept.rglob("*") if p.is_symlink() or p.is_fifo()]
+
+
+def test_secrets_held_by_the_controller_reach_no_event(ctl, outside_tmp, monkeypatch):
+    """The controller holds a bundle (key, split seed) and a provider token in its environment; a candidate
+    searches everything it can reach (its environment, every /proc entry, the bundle and the data directory,
+    its files) and puts what it found in its failure: none of the secrets appears in any event."""
+    own_bundle = outside_tmp / "controller"
+    own_bundle.mkdir(parents=True)
+    (own_bundle / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\nMIIEsecretkeybodyQIBADANBgkqhkiG9w0\n")
+    (own_bundle / "split_seed").write_text("918273645546372819\n")
+    monkeypatch.setenv("SPECPILOT_BUNDLE", str(own_bundle))
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-provider-token-never-shown")
+    seed = ctl.evaluator("tiny-cpu").split_seed()
+    probe = f"""
+    import os as _os
+    _found = [f"{{k}}={{v}}" for k, v in _os.environ.items()]
+    for _pid in [d for d in _os.listdir("/proc") if d.isdigit()]:
+        for _name in ("environ", "cmdline"):
+            try:
+                _found.append(open(f"/proc/{{_pid}}/{{_name}}", "rb").read().decode(errors="replace"))
+            except OSError:
+                pass
+    for _top in ("{own_bundle}", "{ctl.data}", "/tmp"):
+        for _root, _dirs, _files in _os.walk(_top):
+            for _f in _files:
+                try:
+                    _found.append(open(_os.path.join(_root, _f), "rb").read(4096).decode(errors="replace"))
+                except OSError:
+                    pass
+    raise RuntimeError("found: " + " | ".join(_found)[-3000:])
+    """
+    events = evaluate(ctl, worker_patch(before_ready=probe))
+    assert not patch_tested(events).passed
+    text = "".join(schema.encode(e).decode() for e in ctl.events)
+    for secret in ("MIIEsecretkeybodyQIBADANBgkqhkiG9w0", "918273645546372819", str(seed), "sk-ant-provider-token"):
+        assert secret not in text, secret
+
+
 def test_controller_still_works_after_the_probes(ctl):
     events = evaluate(ctl, "", {"verify": "tree"})
     assert patch_tested(events).passed and verdict(events).n_trials == 2

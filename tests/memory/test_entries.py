@@ -98,3 +98,46 @@ def test_a_stock_snapshot_keeps_entries_checkable_after_the_checkout_changes(tmp
     fresh = tmp_path / "fresh-store"  # another data directory that never saw that stock
     problem = entries.validate(delta, files, stock=live, stock_files=stock, store=fresh)
     assert "not in the snapshot store" in problem and OPTIONS_PY in problem and "memory import" in problem
+
+
+def test_hostile_entries_write_and_read_nothing_outside(tmp_path):
+    """An export is hostile input (issue 53's attack): stock paths that climb or are absolute, a "blob hash"
+    that is a path to the controller's key, a blob that is a link, a delta outside the runtime. Nothing is
+    written outside the work folder, no key is copied, and each entry is refused with what is wrong."""
+    import hashlib
+    import os
+
+    from specpilot.app.cmd_memory import file_stock
+
+    key = tmp_path / "data" / "bundles" / "controller" / "key.pem"
+    key.parent.mkdir(parents=True)
+    key.write_text("-----BEGIN PRIVATE KEY-----\nsecret\n")
+    os.chmod(key, 0o600)
+    store = tmp_path / "store"
+    store.mkdir()
+    good = hashlib.sha256(b"x = 1\n").hexdigest()
+    cases = {
+        "../escaped.py": good,
+        "/tmp/absolute-escape.py": good,
+        "engine/../../escaped.py": good,
+        "engine/ok.py": "../data/bundles/controller/key.pem",
+        "specpilot/harness/worker.py": good,
+    }
+    for rel, sha in cases.items():
+        problem = entries.validate("", {"engine/x.py": good}, stock=tmp_path, stock_files={rel: sha}, store=store)
+        assert problem.startswith("its stock file "), (rel, problem)
+    outside = "diff --git a/specpilot/harness/worker.py b/specpilot/harness/worker.py\n--- a/specpilot/harness/" \
+              "worker.py\n+++ b/specpilot/harness/worker.py\n@@ -1 +1 @@\n-a\n+b\n"
+    assert entries.validate(outside, {"engine/x.py": good}).startswith("its delta breaks the patch policy (paths:")
+    assert not (tmp_path / "escaped.py").exists() and not Path("/tmp/absolute-escape.py").exists()
+    assert entries.snapshot(store, {"../data/bundles/controller/key.pem": good}, live=tmp_path / "live") == 0
+    # an export's stock folder: a link named like a hash, a blob whose content is not its name, a good blob
+    export = tmp_path / "export" / "stock"
+    export.mkdir(parents=True)
+    os.symlink(key, export / hashlib.sha256(key.read_bytes()).hexdigest())
+    (export / ("0" * 64)).write_text("not what the name says")
+    (export / good).write_text("x = 1\n")
+    filed = file_stock(tmp_path / "export", tmp_path / "data2")
+    kept = sorted(p.name for p in (tmp_path / "data2" / "memory" / "stock").iterdir())
+    assert filed == 1 and kept == [good]
+    assert not any("PRIVATE KEY" in p.read_text() for p in (tmp_path / "data2" / "memory" / "stock").iterdir())

@@ -112,7 +112,8 @@ def test_sweep_direction_publishes_patches_then_acks(ledger_server, tmp_path):
     # validated on the base (block size 6), carrying only its own setting (laid over the best by the controller)
     assert [p.options for p in patches] == [{"demo_int": 2}, {"demo_int": 3}]
     for i, p in enumerate(patches):
-        assert p.event_id == patch_event_id(sent.event_id, i) and p.event_id[:13] == sent.event_id[:13]
+        assert p.event_id == schema.mint("subagent", patch_event_id(sent.event_id, i))
+        assert p.event_id.partition(":")[2][:13] == sent.event_id.partition(":")[2][:13]
         assert (p.deployment, p.round_id, p.source) == ("tiny-cpu", "r1", "subagent")
         assert p.causation_id == p.correlation_id == sent.event_id
         assert p.base_commit == "c1" and p.provider == "sweep" and p.diff == "" and p.direction_id == "d1"
