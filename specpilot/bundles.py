@@ -10,8 +10,9 @@ A bundle is a folder that ``specpilot init`` writes under ``DATA/bundles/<name>/
 - the controller's alone: ``split_seed`` (0600), the secret seed of the dev/sealed split.
 
 The CA's key stays in ``DATA/pki`` on the host that ran ``init``; no bundle carries it, so no host but
-that one can issue an identity. `create` is idempotent (existing bundles are kept; ``renew`` issues new
-certificates from the same CA, keeping the split seed). `Bundle.load` checks a folder before anything
+that one can issue an identity. `create` is idempotent (existing bundles are kept); ``renew`` makes a new
+CA and issues every bundle from it (keeping the split seed), so every old bundle stops working at once: the
+server of the renewed installation trusts no certificate the old CA issued (a leaked key is revoked). `Bundle.load` checks a folder before anything
 starts: the files, whose bundle it is, and that its certificate is in force and from its CA.
 """
 
@@ -121,13 +122,13 @@ def create(data: Path, hosts: tuple[str, ...] = DEFAULT_HOSTS, port: int = 4222,
 
     ``hosts``: the names and addresses clients dial the server by (its certificate names them all;
     the first is the URL in every client bundle); ``listen``: the address the server binds. Existing
-    bundles are kept unless ``renew``, which issues new certificates from the same CA. A controller
-    bundle takes an existing ``DATA/controller/split_seed`` (a data directory from before bundles), so
-    the split stays."""
+    bundles are kept unless ``renew``, which makes a new CA first (every old bundle is then refused) and
+    issues every bundle from it. A controller bundle takes an existing ``DATA/controller/split_seed`` (a data
+    directory from before bundles), so the split stays."""
     data = Path(data)
     hosts = tuple(dict.fromkeys(hosts)) or DEFAULT_HOSTS
     pki = pki_dir(data)
-    if not (pki / "ca.pem").exists():
+    if renew or not (pki / "ca.pem").exists():
         tls.create_ca(pki)
     url = f"tls://{hosts[0]}:{port}"
     for name in (SERVER, *CLIENTS):

@@ -222,7 +222,8 @@ class Bus:
         cause, its causation and correlation."""
         extra: dict[str, str] = {"source": self.user, "event_id": schema.mint(self.user, event.event_id)}
         if cause is not None:
-            extra["causation_id"] = cause.event_id
+            if not event.causation_id:  # an event of a batch may name an earlier one of it as its cause
+                extra["causation_id"] = cause.event_id
             if not event.correlation_id:
                 extra["correlation_id"] = cause.correlation_id or cause.event_id
             for name in ("round_id", "deployment"):
@@ -267,7 +268,17 @@ class Bus:
             await self._publish_atomic(stamped[i:i + ATOMIC_BATCH], deadline_s)
         return stamped
 
-    async def _publish_atomic(self, events: list[schema.Event], deadline_s: float) -> None:
+    async def publish_together(self, events: list[schema.Event], cause: schema.Event | None = None,
+                               deadline_s: float = 60.0) -> tuple[list[schema.Event], bool]:
+        """Publish up to ``ATOMIC_BATCH`` events as one atomic batch: all are stored or none (a decision and
+        its consequences). Returns the stamped events and whether the server stored them now (False: it held
+        them already, from an earlier publish of the same ids: the earlier one is what stands)."""
+        if len(events) > ATOMIC_BATCH:
+            raise ValueError(f"at most {ATOMIC_BATCH} events are published together")
+        stamped = [self.stamp(e, cause) for e in events]
+        return stamped, await self._publish_atomic(stamped, deadline_s)
+
+    async def _publish_atomic(self, events: list[schema.Event], deadline_s: float) -> bool:
         deadline = time.monotonic() + deadline_s
         delay = 0.05
         while True:
@@ -283,8 +294,10 @@ class Bus:
                     headers[api.Header.BATCH_COMMIT] = "1"
                     reply = json.loads((await self.nc.request(subject, data, headers=headers, timeout=5.0)).data)
                     error = reply.get("error")
-                    if not error or error.get("err_code") == ERR_BATCH_DUPLICATE_ID:
-                        return
+                    if not error:
+                        return True
+                    if error.get("err_code") == ERR_BATCH_DUPLICATE_ID:
+                        return False
                     raise BusError(f"atomic publish of {len(events)} events refused: {error.get('description')}")
             except RETRIABLE as exc:
                 if time.monotonic() > deadline:

@@ -8,7 +8,7 @@ Contract:
   other bundles), each of ``secret_files`` (the service's bundle: its key, the controller's split seed), a
   random marker this process put in its own environment (found in the canary's environment or in any
   ``/proc/<pid>/environ`` or ``cmdline`` it can read: the parent's environment and its API keys), and a
-  file written into the checkout (the host's files). Returns a `Proof`: ``ok`` when it reached nothing,
+  file written into a folder this process may write (the checkout, else its home: the host's files). Returns a `Proof`: ``ok`` when it reached nothing,
   else ``problem``, one line naming what it reached or what is missing and how to get it.
 - `require(data_dir, bundle)` is what a service calls at start (controller, subagent, `specpilot time`): it
   proves the sandbox and marks this process (`sandbox.mark_proved`), so every later `Sandbox` isolates.
@@ -68,12 +68,13 @@ for pid in (d for d in os.listdir("/proc") if d.isdigit()):
             pass
 if seen:
     reached.append("the host's environment")
-try:
-    with open(write_probe, "w") as f:
-        f.write("x")
-    reached.append("the host's files (it wrote " + write_probe + ")")
-except OSError:
-    pass
+if write_probe:
+    try:
+        with open(write_probe, "w") as f:
+            f.write("x")
+        reached.append("the host's files (it wrote " + write_probe + ")")
+    except OSError:
+        pass
 print(json.dumps({"reached": reached}))
 """
 
@@ -99,7 +100,7 @@ def prove(data_dir: Path, secret_files: list[Path] = (), timeout_s: float = 60.0
     marker = secrets.token_hex(16)
     planted = data_dir / f".sandbox-canary-{marker[:8]}"
     planted.write_text(marker)
-    write_probe = REPO_ROOT / f".sandbox-canary-{marker[:8]}"
+    write_probe = _writable_host_dir() / f".sandbox-canary-{marker[:8]}" if _writable_host_dir() else None
     listener = socket.create_server(("127.0.0.1", 0))
     os.environ[MARKER_ENV] = marker
     try:
@@ -110,13 +111,14 @@ def prove(data_dir: Path, secret_files: list[Path] = (), timeout_s: float = 60.0
             with sandbox.Sandbox(src=src, models=Path(tmp) / "none", hide=[data_dir],
                                  limits=sandbox.Limits(wall_s=timeout_s), proof_run=True) as sbx:
                 res = sbx.run([sys.executable, "-I", "-c", CANARY, str(listener.getsockname()[1]), marker[:16],
-                               marker[16:], str(write_probe), *paths], timeout=timeout_s)
+                               marker[16:], str(write_probe or ""), *paths], timeout=timeout_s)
     finally:
         os.environ.pop(MARKER_ENV, None)
         listener.close()
         planted.unlink(missing_ok=True)
-        written = write_probe.exists()
-        write_probe.unlink(missing_ok=True)
+        written = write_probe is not None and write_probe.exists()
+        if written:
+            write_probe.unlink()
     try:
         reached = json.loads(res["output"].strip().splitlines()[-1])["reached"]
     except (ValueError, KeyError, IndexError, TypeError):
@@ -129,6 +131,16 @@ def prove(data_dir: Path, secret_files: list[Path] = (), timeout_s: float = 60.0
     if reached:
         return Proof(False, "the sandbox let agent code reach " + "; ".join(reached), reached)
     return Proof(True)
+
+
+def _writable_host_dir() -> Path | None:
+    """A folder this process may write that a sandbox shows (read-only): the checkout, else the home folder;
+    None where neither is writable here (a host whose checkout is read-only already), and under /tmp (a
+    sandbox's own tmpfs covers it, so a write there would not reach the host)."""
+    for folder in (REPO_ROOT, Path.home()):
+        if os.access(folder, os.W_OK) and not str(folder.resolve()).startswith("/tmp/"):
+            return folder
+    return None
 
 
 def secret_values(bundle: Path | None = None, environ: dict[str, str] | None = None) -> list[str]:

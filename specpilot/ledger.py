@@ -293,9 +293,9 @@ class Ledger:
         clause = f"WHERE {' AND '.join(where)} " if where else ""
         if q.count:
             return self.con.execute(f"SELECT count(*) FROM events {clause}", params).fetchone()[0]
-        if q.last:
+        if q.last:  # the last N in recording order, from the ``offset``-th of them on (a later page)
             sql = (f"SELECT payload FROM (SELECT payload, pos FROM events {clause}ORDER BY pos DESC LIMIT {int(q.last)}) "
-                   "ORDER BY pos")
+                   f"ORDER BY pos OFFSET {int(q.offset)}")
         else:
             sql = f"SELECT payload FROM events {clause}ORDER BY pos OFFSET {int(q.offset)}"
         return [schema.decode(r[0].encode()) for r in self.con.execute(sql, params).fetchall()]

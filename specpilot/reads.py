@@ -31,6 +31,7 @@ from specpilot import projections, schema, subjects
 log = logging.getLogger("reads")
 FieldValue = str | int | float | bool
 RETRY_S = 1.0
+MAX_REPLY_BYTES = 768 << 10  # of events a reply carries (a NATS message holds 1 MiB): more go on later pages
 
 
 class EventQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,8 +115,14 @@ class Reads:
     # --- the two queries ------------------------------------------------------------------------
 
     async def events(self, *kinds: type[schema.Event], **filters: Any) -> list[schema.Event]:
-        reply = await self._ask(subjects.RPC_EVENTS, query(*kinds, **filters))
-        return [schema.decode(e.encode()) for e in reply["events"]]
+        """Every matching event, in recording order, however many pages the answer takes (`reply_for`)."""
+        q, out = query(*kinds, **filters), []
+        while True:
+            reply = await self._ask(subjects.RPC_EVENTS, q)
+            out += [schema.decode(e.encode()) for e in reply["events"]]
+            if not reply.get("more"):
+                return out
+            q = msgspec.structs.replace(q, offset=q.offset + len(reply["events"]))
 
     async def count(self, *kinds: type[schema.Event], **filters: Any) -> int:
         return int((await self._ask(subjects.RPC_EVENTS, query(*kinds, count=True, **filters)))["count"])
@@ -145,12 +152,21 @@ class Reads:
         return row is not None and row.decided
 
 
-def reply_for(ledger, q: EventQuery) -> dict[str, Any]:
-    """The reply the memory service sends for ``q`` (shared by its endpoint and `Reads.local`)."""
+def reply_for(ledger, q: EventQuery, max_bytes: int = MAX_REPLY_BYTES) -> dict[str, Any]:
+    """The reply the memory service sends for ``q`` (shared by its endpoint and `Reads.local`): the events in
+    recording order, as many as fit ``max_bytes`` (a NATS message holds 1 MiB), with ``"more": true`` when
+    some were left for the next page (`Reads.events` asks again from ``offset`` + what it got)."""
     found = ledger.select(q)
     if q.count:
         return {"count": found}
-    return {"events": [schema.encode(e).decode() for e in found]}
+    page, size = [], 0
+    for e in found:
+        text = schema.encode(e).decode()
+        if page and size + len(text) > max_bytes:
+            return {"events": page, "more": True}
+        page.append(text)
+        size += len(text) + 3
+    return {"events": page}
 
 
 def view_reply(state: projections.State, q: ViewQuery) -> dict[str, Any]:

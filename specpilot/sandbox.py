@@ -253,6 +253,7 @@ def copy_untrusted(src: Path, dest: Path, max_bytes: int = 4 << 30, max_files: i
                 counts["skipped"] += 1
 
     root = os.open(src, nofollow | os.O_DIRECTORY)
+    Path(dest).parent.mkdir(parents=True, exist_ok=True)  # the controller's own folders, as copytree made them
     try:
         copy_dir(root, Path(dest))
     except BaseException:

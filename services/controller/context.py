@@ -1,7 +1,7 @@
 """What a job of the controller (`verdict`, `phases`) may ask of the service that runs it.
 
 `Service` is the interface `main.Controller` provides: emit an event (recorded and folded into the
-state), ask the ledger whether work is already done, get a deployment's evaluator (registered) and its
+state), or a decision and its consequences together (all recorded or none), ask the ledger whether work is already done, get a deployment's evaluator (registered) and its
 best system, and wait for a forcing report. Jobs are typed against it, so they point down to it and
 never up to the service module.
 """
@@ -27,6 +27,8 @@ class Service(Protocol):
     forcing: dict[str, asyncio.Future]  # forcing requests awaiting their report
 
     async def emit(self, event: schema.Event, cause: schema.Event) -> schema.Event: ...
+
+    async def emit_together(self, events: list[schema.Event], cause: schema.Event) -> list[schema.Event]: ...
 
     async def already_decided(self, patch_id: str) -> bool: ...
 

@@ -61,6 +61,21 @@ class Controller:
         evolve(self.state, stamped)
         return stamped
 
+    async def emit_together(self, events: list[schema.Event], cause: schema.Event) -> list[schema.Event]:
+        """A decision and its consequences, recorded all or none (one atomic publish). Where the server held
+        those ids already (a decision made before a crash, or by a redelivery that memory could not yet say
+        was decided), the earlier one stands: the state is folded again from the ledger, not from these."""
+        stamped, stored = await self.emitter.emit_together(events, cause)
+        self.events.extend(stamped)
+        if stored:
+            for e in stamped:
+                evolve(self.state, e)
+        else:
+            log.warning("%s: already recorded (an earlier decision stands); state restored from the ledger",
+                        ", ".join(e.event_id for e in stamped))
+            await self.restore()
+        return stamped
+
     async def restore(self) -> None:
         """Rebuild the state from the emitter's history: the ledger (with a bus) or the local log (without)."""
         self.state = fold(await self.emitter.history())
@@ -131,14 +146,17 @@ class Controller:
     async def _report_failure(self, event: schema.Event, exc: Exception) -> None:
         reason = f"controller failure ({type(exc).__name__}: {exc}); see its log"
         if isinstance(event, schema.PatchProposed):
-            await self.emit(schema.VerdictIssued(patch_id=event.patch_id, decision="reject", reason=reason), event)
+            await self.emit(schema.VerdictIssued(event_id=verdict.verdict_id(event.patch_id), patch_id=event.patch_id,
+                                                 decision="reject", reason=reason), event)
         elif isinstance(event, schema.SealedFinalRequested):
             await self.emit(schema.SealedFinalReported(results={"error": reason}), event)
         else:  # phase 0: the master plans without a profile (it waits for one, then goes on)
             await self.emit(schema.ProfileMeasured(device=self.device, step_s=0.0, classes_s={"error": 0.0}), event)
 
     async def already_decided(self, patch_id: str) -> bool:
-        """Whether the ledger holds a decision on the patch (False when memory cannot answer: redo the work)."""
+        """Whether the ledger holds a decision on the patch. False when memory cannot answer: the work is done
+        again, and since every event of a decision has an id derived from the patch (`verdict.verdict_id`), a
+        second decision is dropped as a duplicate: a patch is decided once whatever memory says."""
         with contextlib.suppress(bus.BusError):
             return await self.reads.decided(patch_id)
         return False

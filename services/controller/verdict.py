@@ -6,10 +6,13 @@ For each ``PatchProposed``: policy → ``PatchRefused``; else apply + sandboxed 
 ``TimingMeasured``; if the candidate's outputs differ from the incumbent's, token forcing (`force`: the
 forcer service over the bus, or this process for `specpilot time`); then ``VerdictIssued`` with every
 statistic (`stats.decide`). A promotion is first profiled (``ProfileMeasured``, so the round's cost
-model plans the next wave from the new best's step costs and replays), then ``BestAdvanced`` and a
-``MemoryEntryProposed`` (`memory_entry`: the whole delta from stock, the promoted system's file
-hashes, the deployment's facts as requirements). A patch whose decision is already in the ledger is
-not evaluated again (redelivery). Decisions are pure (`specpilot.policy`, `stats`); this module does
+model plans the next wave from the new best's step costs and replays), then its ``VerdictIssued``,
+``BestAdvanced`` and ``MemoryEntryProposed`` (`memory_entry`: the whole delta from stock, the promoted
+system's file hashes, the deployment's facts as requirements) are published together, all recorded or
+none. A patch whose decision is already in the ledger is not evaluated again (redelivery); every event
+of a patch's decision has an id derived from the patch (``verdict-<patch>``, ``tested-<patch>``, ...), so
+a decision made twice (memory could not say it was made) is recorded once: the stream or the ledger drops
+the second. Decisions are pure (`specpilot.policy`, `stats`); this module does
 the I/O, through the `context.Service` it is given.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -46,7 +50,7 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         log.info("patch %s already has a verdict; skipping the redelivery", patch.patch_id)
         return
     if refusal := policy.refused(patch):
-        await ctl.emit(refusal, patch)
+        await ctl.emit(schema.stamp(refusal, event_id=f"refused-{patch.patch_id}"), patch)
         return
     ev, dep = await ctl.registered(patch)
     best = ctl.best_system(ev, dep)
@@ -54,19 +58,19 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
 
     fields, candidate = await asyncio.to_thread(default_check, ev, patch, best,
                                                 ctl.state.base_options(dep, patch.base_commit))
-    await ctl.emit(schema.PatchTested(patch_id=patch.patch_id, **fields), patch)
+    await ctl.emit(schema.PatchTested(event_id=f"tested-{patch.patch_id}", patch_id=patch.patch_id, **fields), patch)
     if candidate is None:
-        await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=fields["detail"],
-                                            noise=noise), patch)
+        await ctl.emit(schema.VerdictIssued(event_id=verdict_id(patch.patch_id), patch_id=patch.patch_id,
+                                            decision="reject", reason=fields["detail"], noise=noise), patch)
         return
 
     interleave = ev.interleave
     first: tuple[stats.GainEstimate, schema.TimingMeasured] | None = None  # the interleaved timing, if retimed
-    while True:
+    for attempt in itertools.count():
         t0 = time.monotonic()
         trial = await asyncio.to_thread(timing.paired, ev, best, candidate, None, interleave)
         measured = await ctl.emit(schema.TimingMeasured(
-            patch_id=patch.patch_id, kind="candidate", device=ctl.device, incumbent_commit=best.commit,
+            event_id=f"timing-{patch.patch_id}-{attempt}", patch_id=patch.patch_id, kind="candidate", device=ctl.device, incumbent_commit=best.commit,
             candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=interleave,
             wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
         if trial.problem:
@@ -83,8 +87,9 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         first = None if trial.carryover is not None and trial.carryover.suspect else (estimate, measured)
         interleave = False
     if trial.problem:
-        await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, decision="reject", reason=trial.problem,
-                                            noise=noise, timing_event_id=measured.event_id), patch)
+        await ctl.emit(schema.VerdictIssued(event_id=verdict_id(patch.patch_id), patch_id=patch.patch_id,
+                                            decision="reject", reason=trial.problem, noise=noise,
+                                            timing_event_id=measured.event_id), patch)
         return
 
     identical = trial.candidate_outputs == ev.reference(best)
@@ -109,16 +114,31 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         # next plan, made after it, cannot miss it.
         label = await asyncio.to_thread(hardware.device_label, ev.device)
         await ctl.emit(await asyncio.to_thread(phases.profile, ev, candidate, label), measured)
-    verdict = await ctl.emit(schema.VerdictIssued(patch_id=patch.patch_id, timing_event_id=measured.event_id,
-                                                  **decision.verdict_fields()), patch)
-    if decision.decision == "promote":
-        previous = ev.systems.advance(dep, candidate.commit)
-        advanced = await ctl.emit(schema.BestAdvanced(commit=candidate.commit, previous_commit=previous,
-                                                      patch_id=patch.patch_id, options=candidate.options,
-                                                      gain=estimate.gain), verdict)
-        await ctl.emit(memory_entry(ev, patch, candidate, identical,
-                                    [patch.event_id, *evidence, verdict.event_id, advanced.event_id]),
-                       advanced)
+    verdict = schema.VerdictIssued(event_id=verdict_id(patch.patch_id), patch_id=patch.patch_id,
+                                   timing_event_id=measured.event_id, **decision.verdict_fields())
+    if decision.decision != "promote":
+        await ctl.emit(verdict, patch)
+        return
+    # The verdict and its consequences are recorded together or not at all (one atomic publish): a crash
+    # between them can no longer leave a promotion decided but never advanced. The branch follows the
+    # ledger's state (`best_system` re-points it), so it moves only once they are recorded.
+    minted = schema.mint(schema.CONTROLLER, verdict.event_id)
+    advanced = schema.BestAdvanced(event_id=f"best-{patch.patch_id}", causation_id=minted, commit=candidate.commit,
+                                   previous_commit=best.commit, patch_id=patch.patch_id, options=candidate.options,
+                                   gain=estimate.gain)
+    entry = memory_entry(ev, patch, candidate, identical,
+                         [patch.event_id, *evidence, minted, schema.mint(schema.CONTROLLER, advanced.event_id)])
+    await ctl.emit_together([verdict, advanced, schema.stamp(
+        entry, event_id=f"entry-{patch.patch_id}", causation_id=schema.mint(schema.CONTROLLER, advanced.event_id))],
+        patch)
+    ctl.best_system(ev, dep)  # the branch best/<dep> follows the recorded best
+
+
+def verdict_id(patch_id: str) -> str:
+    """A patch's verdict has one id (minted by the controller: `schema.mint`), whoever decides it and however
+    often: a second decision of the same patch (a redelivery memory could not yet call decided) is dropped
+    by the stream's dedupe or the ledger's primary key, so a patch is decided exactly once."""
+    return f"verdict-{patch_id}"
 
 
 async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema.Event) -> float:

@@ -468,7 +468,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:4222", help="HOST:PORT the server will listen on")
     p.add_argument("--host", action="append", metavar="NAME_OR_IP",
                    help="a name or address clients dial the server by (repeat; the first goes in every bundle)")
-    p.add_argument("--renew", action="store_true", help="issue new certificates from the same CA")
+    p.add_argument("--renew", action="store_true",
+                   help="a new CA and new bundles for every host (the old ones stop working: copy each host its new one)")
     p = command("server", cmd_server, "run the NATS server in the foreground from its bundle (another host)")
     p.add_argument("--store", type=Path, default=None, help="JetStream store folder (default: DATA/nats)")
     command("provision", cmd_provision, "create the event stream and the services' consumers (admin)")

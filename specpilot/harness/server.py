@@ -336,6 +336,10 @@ class ServerEngine:
             raise ServerFailed(f"the server answered {path} with HTTP {exc.code}: "
                                f"{exc.read()[:300].decode(errors='replace')}") from None
         except (OSError, urllib.error.URLError) as exc:
+            # a server that crashed closes its sockets a moment before it is reaped: wait that moment, so the
+            # message can say it exited (and how) rather than only that the connection dropped
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2.0)
             dead = f" (it exited with status {self.proc.returncode}: {self.log_tail(600)})" if self.proc.poll() is not None else ""
             raise ServerFailed(f"no answer from the server on {path}: {exc}{dead}") from None
         try:

@@ -176,3 +176,22 @@ def test_a_heavy_query_never_stalls_the_recorder(server, memory):
         await master.close()
 
     asyncio.run(go())
+
+
+def test_answers_larger_than_a_message_come_in_pages(server, memory):
+    """A history read whose events hold more than a NATS message (1 MiB: twelve 100 KB diffs) comes back whole,
+    in recording order, over several pages (`reads.reply_for`, `Reads.events`)."""
+    async def go():
+        sub, reader = await connect_as(server, "subagent"), await connect_as(server, "master")
+        big = [schema.PatchProposed(direction_id="d", patch_id=f"p{i:02d}", diff=f"# {i}\n" + "x" * 100_000)
+               for i in range(12)]
+        await publish_all(sub, big)
+        await wait_for_rows(server, "SELECT count(*) FROM events", 12)
+        got = await Reads.over(reader).events(schema.PatchProposed)
+        assert [e.patch_id for e in got] == [e.patch_id for e in big]
+        assert [e.patch_id for e in await Reads.over(reader).events(schema.PatchProposed, last=3)] == ["p09", "p10",
+                                                                                                    "p11"]
+        await sub.close()
+        await reader.close()
+
+    asyncio.run(go())

@@ -51,9 +51,17 @@ def test_init_writes_one_bundle_per_host_and_nothing_else(tmp_path):
     cert = (bundles.bundle_path(data, "master") / "cert.pem").read_bytes()
     bundles.create(data, hosts=("10.9.0.1",))
     assert (bundles.bundle_path(data, "master") / "cert.pem").read_bytes() == cert
+    old_master = tmp_path / "old-master"
+    shutil.copytree(bundles.bundle_path(data, "master"), old_master)
     bundles.create(data, hosts=("10.9.0.1",), renew=True)
     assert (bundles.bundle_path(data, "master") / "cert.pem").read_bytes() != cert
     assert (bundles.bundle_path(data, "controller") / "split_seed").read_text() == seed
+    # renewing makes a new CA: an old bundle is no longer trusted by the renewed installation
+    new_ca = bundles.bundle_path(data, "server") / "ca.pem"
+    assert new_ca.read_bytes() != (old_master / "ca.pem").read_bytes()
+    shutil.copyfile(new_ca, old_master / "ca.pem")  # what the renewed server trusts
+    with pytest.raises(tls.TlsError, match="not issued by the CA"):
+        Bundle.load(old_master)
 
 
 def test_bad_bundles_are_refused_before_anything_starts(tmp_path):

@@ -57,7 +57,7 @@ def _an_entry(tmp_path):
         entry_id="e-carried", title="their mechanism", delta=delta, options={"linear_backend": "stream"},
         requirements=entries.requirements_for({"linear_backend": "stream"}, facts, code_delta=True,
                                               outputs_identical=True, **requirement_tables()),
-        contract="greedy tokens identical to the incumbent's", evidence=["v-1"], deployment="smollm2-cpu",
+        contract="greedy tokens identical to the incumbent's", evidence=["controller:v-1"], deployment="smollm2-cpu",
         source_files=entries.tree_hashes(source), stock_files=entries.tree_hashes(stock))
     return entry, stock
 
@@ -88,7 +88,7 @@ def test_an_entry_moves_with_its_evidence_and_stock_and_is_checked_again(tmp_pat
         a.stop()
     assert manifest["entries"] == ["e-carried"] and manifest["stock_files_missing"] == []
     line = json.loads((out / "entries.jsonl").read_text())
-    assert [e["event_id"] for e in line["evidence"]] == ["v-1"] and line["entry"]["entry_id"] == "e-carried"
+    assert [e["event_id"] for e in line["evidence"]] == ["controller:v-1"] and line["entry"]["entry_id"] == "e-carried"
     assert (out / "stock" / entry.stock_files[ENGINE_README]).exists()  # their stock, not this checkout's
 
     b = natsd.start(tmp_path / "b")
@@ -123,7 +123,7 @@ def test_an_entry_moves_with_its_evidence_and_stock_and_is_checked_again(tmp_pat
         b.stop()
     # its requirements (a CPU kernel option, code validated on the CPU) hold for the tiny CPU deployment only
     assert [e["entry_id"] for e in got["tiny-cpu"]] == ["e-carried"] and got["smollm2-h200"] == []
-    assert got["tiny-cpu"][0]["imported_evidence"][0]["event_id"] == "v-1"
+    assert got["tiny-cpu"][0]["imported_evidence"][0]["event_id"] == "controller:v-1"  # as its publisher minted it
     assert recorded == [["memory", str(a.data)]]  # proposed by B's memory, naming where it came from
 
 
