@@ -40,6 +40,19 @@ def diffstat(diff: str) -> str:
     return ", ".join(f"{path} +{a} -{r}" for path, (a, r) in files.items())
 
 
+def skeleton(diff: str) -> str:
+    """``diff`` without its code: the ``---``/``+++`` file lines whole, every added or removed line as its
+    sign alone. ``diffstat(skeleton(d)) == diffstat(d)`` at a few bytes a line: what history reads carry
+    (`specpilot.reads.EventQuery.brief`), where every patch's text would outgrow a reply."""
+    out = []
+    for line in diff.splitlines():
+        if line.startswith(("+++ ", "--- ")):
+            out.append(line)
+        elif line[:1] in ("+", "-"):
+            out.append(line[0])
+    return "\n".join(out)
+
+
 def attempts(events: list[schema.Event]) -> list[dict[str, Any]]:
     """What was tried on a deployment, oldest first, from its direction, patch and decision events."""
     titles = {e.direction_id: e.title for e in events if isinstance(e, schema.DirectionPlanned)}

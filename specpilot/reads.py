@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from specpilot import projections, schema, subjects
+from specpilot import evidence, projections, schema, subjects
 
 log = logging.getLogger("reads")
 FieldValue = str | int | float | bool
@@ -44,6 +44,7 @@ class EventQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     last: int = 0  # only the last N (0: all)
     offset: int = 0  # skip the first N (in recording order)
     count: bool = False  # only how many
+    brief: bool = False  # diffs and deltas as their skeleton (`evidence.skeleton`): history without the code
 
 
 class ViewQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,10 +61,11 @@ def tag_of(kind: type[schema.Event]) -> str:
 
 def query(*kinds: type[schema.Event], deployment: str | list[str] | None = None,
           round_id: str | list[str] | None = None, last: int = 0,
-          offset: int = 0, count: bool = False, **fields: FieldValue | list[FieldValue]) -> EventQuery:
+          offset: int = 0, count: bool = False, brief: bool = False,
+          **fields: FieldValue | list[FieldValue]) -> EventQuery:
     """An `EventQuery` from event classes and filters (payload fields as keywords)."""
     return EventQuery(types=tuple(tag_of(k) for k in kinds), deployment=deployment, round_id=round_id,
-                      fields=fields, last=last, offset=offset, count=count)
+                      fields=fields, last=last, offset=offset, count=count, brief=brief)
 
 
 Ask = Callable[[str, Any], Awaitable[dict[str, Any]]]  # (RPC subject, query struct) -> reply
@@ -161,12 +163,20 @@ def reply_for(ledger, q: EventQuery, max_bytes: int = MAX_REPLY_BYTES) -> dict[s
         return {"count": found}
     page, size = [], 0
     for e in found:
+        if q.brief:
+            e = _brief(e)
         text = schema.encode(e).decode()
         if page and size + len(text) > max_bytes:
             return {"events": page, "more": True}
         page.append(text)
         size += len(text) + 3
     return {"events": page}
+
+
+def _brief(event: schema.Event) -> schema.Event:
+    """``event`` with its patch text (a ``diff`` or ``delta`` field) reduced to `evidence.skeleton`."""
+    cut = {f: evidence.skeleton(v) for f in ("diff", "delta") if isinstance(v := getattr(event, f, None), str) and v}
+    return msgspec.structs.replace(event, **cut) if cut else event
 
 
 def view_reply(state: projections.State, q: ViewQuery) -> dict[str, Any]:

@@ -278,7 +278,7 @@ class RoundDriver:
         best = await self.reads.events(schema.BestAdvanced, deployment=self.deployment)
         best_options = dict(best[-1].options) if best else {}  # type: ignore[attr-defined]
         history = await self.reads.events(schema.DirectionPlanned, schema.PatchProposed, schema.PatchRefused,
-                                          schema.VerdictIssued, deployment=self.deployment)
+                                          schema.VerdictIssued, deployment=self.deployment, brief=True)
         failed = await self.reads.events(schema.DirectionFailed, deployment=self.deployment)
         past = planner.history_from([*history, *failed], self.round_id)
         try:

@@ -4,9 +4,10 @@ service error, not a retry loop; service users may call the endpoint, and nothin
 
 import asyncio
 
+import msgspec
 import pytest
 
-from specpilot import bus, ledger, projections, reads, schema
+from specpilot import bus, evidence, ledger, projections, reads, schema
 from specpilot.reads import Reads
 from tests.backbone.helpers import publish_all, wait_for_rows
 from tests.conftest import connect_as
@@ -183,14 +184,22 @@ def test_answers_larger_than_a_message_come_in_pages(server, memory):
     in recording order, over several pages (`reads.reply_for`, `Reads.events`)."""
     async def go():
         sub, reader = await connect_as(server, "subagent"), await connect_as(server, "master")
-        big = [schema.PatchProposed(direction_id="d", patch_id=f"p{i:02d}", diff=f"# {i}\n" + "x" * 100_000)
-               for i in range(12)]
+        big = [schema.PatchProposed(direction_id="d", patch_id=f"p{i:02d}",
+                                    diff=f"--- a/engine/f{i}.py\n+++ b/engine/f{i}.py\n@@ -1 +1,2 @@\n-old\n"
+                                         + ("+" + "x" * 99 + "\n") * 1000) for i in range(12)]
         await publish_all(sub, big)
         await wait_for_rows(server, "SELECT count(*) FROM events", 12)
         got = await Reads.over(reader).events(schema.PatchProposed)
         assert [e.patch_id for e in got] == [e.patch_id for e in big]
         assert [e.patch_id for e in await Reads.over(reader).events(schema.PatchProposed, last=3)] == ["p09", "p10",
                                                                                                     "p11"]
+        # History reads (the master's planner) ask for the skeleton: one page, the same diffstat, no code
+        brief = await Reads.over(reader).events(schema.PatchProposed, brief=True)
+        assert [evidence.diffstat(e.diff) for e in brief] == [evidence.diffstat(e.diff) for e in big]
+        assert evidence.diffstat(brief[0].diff) == "engine/f0.py +1000 -1" and "x" not in brief[0].diff
+        one = await reader.request(reads.subjects.RPC_EVENTS, msgspec.to_builtins(reads.query(schema.PatchProposed,
+                                                                                             brief=True)))
+        assert len(one["events"]) == 12 and not one.get("more")
         await sub.close()
         await reader.close()
 
