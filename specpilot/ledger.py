@@ -18,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import shutil
@@ -78,6 +79,13 @@ COLUMNS = ("event_id", "pos", "seq", "type", "source", "subject", "ts_ns", "roun
 
 class LedgerError(UserError):
     pass
+
+
+class LedgerFull(LedgerError):
+    """A batch could not be written because the ledger's disk is full; nothing of it was recorded."""
+
+
+NO_SPACE = ("no space left on device", "disk quota exceeded", "not enough space")
 
 
 class ReadOnlyViolation(LedgerError):
@@ -211,10 +219,14 @@ class Ledger:
                     projection.fold(item.event)
                 self._write_projections(projection)
             self.con.execute("COMMIT")
-        except Exception:
-            self.con.execute("ROLLBACK")
+        except Exception as exc:
+            with contextlib.suppress(duckdb.Error):  # a failed COMMIT has ended the transaction already
+                self.con.execute("ROLLBACK")
             if projection is not None and fresh:
                 projection.reset_to(self.live_projections())
+            if any(text in str(exc).lower() for text in NO_SPACE):
+                free = shutil.disk_usage(self.data).free
+                raise LedgerFull(f"the disk of {self.data} is full ({free >> 20} MiB free): {exc}") from exc
             raise
         self.last_pos, self.last_hash = pos, prev
         return fresh

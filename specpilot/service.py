@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot import __version__, bundles, bus, handshake, natsd, paths
@@ -33,6 +33,9 @@ class ServiceConfig:
     data: Path
     connect_timeout_s: float = 20.0
     args: argparse.Namespace | None = None  # the service's own flags
+    # What every discovery reply carries (micro metadata): the version handshake, and what the service says
+    # of its state while it runs (the memory service: ``recording``), shown by `specpilot status`
+    announced: dict[str, str] = field(default_factory=dict)
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ async def run(cfg: ServiceConfig, description: str, body: Body | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    svc = await b.serve(cfg.name, __version__, description, endpoints or {}, metadata=handshake.identity())
+    cfg.announced.update(handshake.identity())  # the same dict object: later changes reach every reply
+    svc = await b.serve(cfg.name, __version__, description, endpoints or {}, metadata=cfg.announced)
     logging.getLogger(cfg.name).info("%s up on %s", cfg.name, cfg.nats)
     try:
         if body is None:

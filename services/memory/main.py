@@ -34,6 +34,7 @@ from specpilot.services.memory import logic
 NAME = "memory"
 DESCRIPTION = "Sole ledger writer: records every event once, serves read-only SQL and memory entries."
 BATCH = 2000
+FULL_RETRY_S = 2.0  # how often a recorder paused on a full disk tries its batch again
 log = logging.getLogger(NAME)
 
 
@@ -48,14 +49,17 @@ class Recorder:
     """Fetch → classify → append+commit → ack. ``record`` keeps that order; tests subclass it."""
 
     def __init__(self, led: ledger.Ledger, b: bus.Bus, projection: projections.State | None = None,
-                 store: Path | None = None):
+                 store: Path | None = None, announced: dict[str, str] | None = None):
         """``projection``: the live projections, shared with the ``view`` endpoint (read from the ledger
         when not given); ``store``: the stock snapshot store (None: entries are checked against this
-        host's checkout, as before snapshots existed)."""
+        host's checkout, as before snapshots existed); ``announced``: the service's discovery metadata,
+        where ``recording`` says whether it records or is paused (`specpilot status`)."""
         self.ledger = led
         self.bus = b
         self.projection = projection if projection is not None else led.projections()
         self.store = store
+        self.announced = announced if announced is not None else {}
+        self.announced["recording"] = "running"
 
     async def step(self, timeout: float = 0.5) -> int:
         deliveries = await self.bus.fetch(batch=BATCH, timeout=timeout)
@@ -81,8 +85,33 @@ class Recorder:
 
     async def record(self, deliveries: list[bus.Delivery]) -> None:
         plan = logic.classify(deliveries)
-        self.commit(plan)
+        await self.commit_when_there_is_room(plan, deliveries)
         await self.acknowledge(plan)
+
+    async def commit_when_there_is_room(self, plan: logic.Plan, deliveries: list[bus.Delivery]) -> None:
+        """Commit ``plan``. While the ledger's disk is full, recording pauses instead of crashing: the batch
+        is held unacknowledged (the stream is told it is in progress, so nothing is redelivered or lost),
+        the pause is logged once and announced (`specpilot status`), and the batch is tried again every
+        `FULL_RETRY_S` until space returns; then recording resumes where it stopped."""
+        paused_at = None
+        while True:
+            try:
+                self.commit(plan)
+            except ledger.LedgerFull as exc:
+                if paused_at is None:
+                    paused_at = time.monotonic()
+                    log.error("recording paused: %s. Free space on that disk: the events wait in the stream and "
+                              "recording resumes by itself", exc)
+                    self.announced["recording"] = f"paused: disk full since {time.strftime('%H:%M:%S')}"
+                for d in deliveries:
+                    with contextlib.suppress(bus.BusError):
+                        await d.in_progress()
+                await asyncio.sleep(FULL_RETRY_S)
+                continue
+            if paused_at is not None:
+                log.warning("recording resumed after %.0f s paused on a full disk", time.monotonic() - paused_at)
+                self.announced["recording"] = "running"
+            return
 
     def commit(self, plan: logic.Plan) -> None:
         self.ledger.append(plan.record, plan.dead, self.projection)
@@ -220,7 +249,7 @@ def make(cfg: service.ServiceConfig, recorder_cls: type[Recorder] = Recorder):
 
     async def body(b: bus.Bus, stop: asyncio.Event) -> None:
         connected.append(b)
-        await recorder_cls(led, b, state, stock_store(cfg.data)).run(stop)
+        await recorder_cls(led, b, state, stock_store(cfg.data), cfg.announced).run(stop)
 
     return body, endpoints(led, state, lambda: connected[-1] if connected else None)
 

@@ -175,15 +175,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         meta = s.get("metadata") or {}  # the version handshake's announcement (specpilot.handshake)
         rows.append({"name": s.get("name"), "version": meta.get("version") or s.get("version"),
                      "host": meta.get("host", ""), "stock_tree": meta.get("stock_tree", ""), "id": s.get("id"),
-                     "description": s.get("description", ""),
+                     "description": s.get("description", ""), "state": meta.get("recording", ""),
                      "endpoints": [e.get("subject") for e in s.get("endpoints") or []]})
     if args.json:
         print(json.dumps(rows))
         return 0
     table = output.table(f"SpecPilot services ({url or 'no server running'})",
-                         ("name", "host", "version", "stock tree", "id", "endpoints"))
+                         ("name", "host", "version", "stock tree", "id", "state", "endpoints"))
     for r in rows:
-        table.add_row(r["name"], r["host"], r["version"], r["stock_tree"], r["id"], ", ".join(r["endpoints"]))
+        state = f"[red]{r['state']}[/red]" if r["state"].startswith("paused") else r["state"]
+        table.add_row(r["name"], r["host"], r["version"], r["stock_tree"], r["id"], state, ", ".join(r["endpoints"]))
     out.print(table)
     missing = set(SERVICES) - {r["name"] for r in rows}
     if url is None:

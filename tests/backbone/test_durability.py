@@ -2,13 +2,16 @@
 published, the ack-before-commit variant losing events under the same harness, and a broker crash."""
 
 import asyncio
+import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
 
-from specpilot import ledger
+from specpilot import ledger, schema, subjects
+from specpilot.services.memory import main as memory_main
 from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
 from tests.conftest import connect_as, spawn_service, wait_for_services
 
@@ -112,3 +115,76 @@ def test_broker_crash_during_publishing(server):
     ids, recorded = asyncio.run(go())
     assert len(recorded) == len(set(recorded)) == len(ids)
     assert set(recorded) == set(ids)
+
+
+def _fill(disk) -> None:
+    """Write one file until ``disk`` has no byte left."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (256 << 10))
+                f.flush()
+        except OSError:
+            pass
+
+
+async def _recording_state(server) -> str:
+    b = await connect_as(server, "master")
+    try:
+        found = [s for s in await b.discover() if s.get("name") == "memory"]
+        return (found[0].get("metadata") or {}).get("recording", "") if found else "not answering"
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB tmpfs: the ledger's disk, to fill. Mounting needs root (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_pauses_recording_and_space_resumes_it_losing_nothing(server, small_disk):
+    """The ledger on a disk that fills: the recorder neither crashes nor drops a batch; it says it is paused
+    (discovery, `specpilot status`), the events wait in the stream, and when space returns every one is
+    recorded once, by the same process, with the hash chain whole."""
+    memory = spawn_service(server, "memory", extra=["--data", str(small_disk)])
+    try:
+        wait_for_services(server, {"memory"})
+
+        async def go():
+            first = await publish_all(await connect_as(server, "master"), directions(20, "before"))
+            assert await wait_for_rows(server, "SELECT count(*) FROM events", 20) == 20
+            _fill(small_disk)
+            master = await connect_as(server, "master")
+            later = [schema.DirectionPlanned(direction_id=f"full-{i}", title="x" * 4000) for i in range(400)]
+            ids = await publish_all(master, later)  # the stream takes them: its store is on another disk
+            await master.close()
+            deadline = time.monotonic() + 30
+            while not (state := await _recording_state(server)).startswith("paused") and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert state.startswith("paused: disk full"), state
+            await asyncio.sleep(3 * memory_main.FULL_RETRY_S)
+            assert memory.poll() is None, "the recorder crashed on a full disk"
+            assert (await sql(server, "SELECT count(*) FROM events"))[0][0] < 420  # reads still answer
+            (small_disk / "filler").unlink()
+            assert await wait_for_rows(server, "SELECT count(*) FROM events", 420, timeout=60) == 420
+            recorded = {r[0] for r in await sql(server, "SELECT event_id FROM events")}
+            assert recorded == set(first) | set(ids)
+            assert await _recording_state(server) == "running"
+            b = await connect_as(server, "admin")
+            assert (await b.request(subjects.RPC_REPLAY, {}, timeout=60))["ok"]
+            await b.close()
+
+        asyncio.run(go())
+        assert memory.poll() is None  # one process throughout: no crash loop
+        log = (server.data / "memory.log").read_text()
+        assert "recording paused: the disk of" in log and "recording resumed after" in log
+    finally:
+        memory.terminate()
+        memory.wait(timeout=20)
