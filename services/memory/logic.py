@@ -56,3 +56,46 @@ def classify(deliveries: list[Delivery], legacy_ids: bool = False) -> Plan:
             plan.record.append(Incoming(d.subject, d.seq, event, d.data))
         plan.finished.append(d)
     return plan
+
+
+@dataclass
+class StreamCheck:
+    """The ledger against the stream, message by message (`check_stream`)."""
+
+    messages: int = 0  # in the stream
+    recorded: int = 0  # of them recorded under their own sequence (as themselves or as a SecurityViolation)
+    dead: int = 0  # of them dead-lettered (never decoded)
+    missing: list[int] = field(default_factory=list)  # stream sequences the ledger holds nowhere: lost
+    repeated: list[str] = field(default_factory=list)  # event ids the stream holds more than once
+    strays: list[int] = field(default_factory=list)  # ledger sequences the stream does not hold
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.repeated or self.strays)
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "messages": self.messages, "recorded": self.recorded, "dead": self.dead,
+                "missing": self.missing[:50], "repeated": self.repeated[:50], "strays": self.strays[:50]}
+
+
+def check_stream(messages, recorded: dict[int, str], dead: set[int]) -> StreamCheck:
+    """Whether every stream message ``(seq, subject, raw)`` was recorded exactly once: under its own
+    sequence in ``recorded`` (ledger ``seq -> event_id``) or in ``dead`` (dead-letter sequences). A message
+    whose event id the ledger holds under another sequence is the same event published twice (the ledger
+    kept one; the stream's dedupe window had passed); one recorded nowhere is lost."""
+    out, ids, seen = StreamCheck(), set(recorded.values()), set()
+    for seq, _subject, raw in messages:
+        out.messages += 1
+        seen.add(seq)
+        if seq in recorded:
+            out.recorded += 1
+        elif seq in dead:
+            out.dead += 1
+        else:
+            try:
+                event_id = schema.decode(raw).event_id
+            except schema.DecodeError:
+                event_id = ""
+            (out.repeated.append(event_id) if event_id in ids else out.missing.append(seq))
+    out.strays = sorted(set(recorded) - seen)
+    return out

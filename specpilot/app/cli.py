@@ -296,6 +296,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.rebuild:
         return rebuild(args)
     res = ledger_call(args, subjects.RPC_REPLAY, {}, lambda led: ledger.verify(led).as_dict())
+    if args.stream:
+        res["stream"] = asyncio.run(against_stream(args)).as_dict()
     if args.json:
         print(json.dumps(res))
     elif not res["ok"]:
@@ -307,7 +309,35 @@ def cmd_replay(args: argparse.Namespace) -> int:
         console.print(f"[green]ok[/green]: {res['rows']} events, chain intact; projections not compared: {res['reason']}")
     else:
         console.print(f"[green]ok[/green]: {res['rows']} events, chain intact, projections rebuilt identical")
-    return 0 if res["ok"] and res["projections_match"] else 1
+    if (seen := res.get("stream")) is not None and not args.json:
+        console.print((f"[green]stream = ledger[/green]: each of {seen['messages']} messages recorded once"
+                       f" ({seen['dead']} dead-lettered)") if seen["ok"] else
+                      f"[red]stream and ledger differ[/red]: lost sequences {seen['missing']}, events the stream "
+                      f"holds twice {seen['repeated']}, ledger rows not in the stream {seen['strays']}")
+    return 0 if res["ok"] and res["projections_match"] and res.get("stream", {"ok": True})["ok"] else 1
+
+
+async def against_stream(args: argparse.Namespace):
+    """The ledger (through the memory service, or the file) against the stream, message by message."""
+    from specpilot.services.memory import logic
+
+    def rows(query: str) -> list[list]:
+        out, last = [], -1
+        while True:  # in pages: one `sql` reply holds at most 10,000 rows
+            text = query.format(after=last)
+            page = ledger_call(args, subjects.RPC_SQL, {"query": text}, lambda led, q=text: led.query_readonly(q))["rows"]
+            out += page
+            if len(page) < 10_000:
+                return out
+            last = page[-1][0]
+
+    recorded = dict(await asyncio.to_thread(rows, "SELECT seq, event_id FROM events WHERE seq > {after} ORDER BY seq"))
+    dead = {r[0] for r in await asyncio.to_thread(rows, "SELECT seq FROM dead_letters WHERE seq > {after} ORDER BY seq")}
+    b = await admin_bus(args)
+    try:
+        return logic.check_stream([m async for m in bus.raw_stream_messages(b)], recorded, dead)
+    finally:
+        await b.close()
 
 
 def rebuild(args: argparse.Namespace) -> int:
@@ -484,6 +514,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rebuild", action="store_true",
                    help="rebuild a corrupted ledger from the stream (on the memory service's host; stop it first)")
+    p.add_argument("--stream", action="store_true",
+                   help="also compare the ledger with the stream message by message (each recorded exactly once)")
     p = command("export", cmd_export, "export the ledger as Parquet files, or the final system as files + patch")
     p.add_argument("--parquet", metavar="DIR", help="write the ledger's tables as Parquet files into DIR")
     p.add_argument("--system", metavar="DIR", help="write the best system's files, final.patch and options.json")

@@ -111,6 +111,10 @@ def test_corrupted_ledger_is_reported_and_rebuilt_from_the_stream(server, tmp_pa
     assert sorted(r[0] for r in led.con.execute("SELECT event_id FROM events").fetchall()) == sorted(ids)
     assert ledger.verify(led).ok
     led.close()
+    res = run("replay", "--stream", "--json", "--nats", server.url, data=server.data)  # from the file: memory is down
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["stream"] == {"ok": True, "messages": 30, "recorded": 30, "dead": 0, "missing": [],
+                                                "repeated": [], "strays": []}
 
 
 def test_every_command_has_help():

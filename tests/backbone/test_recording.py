@@ -6,6 +6,7 @@ import pytest
 
 from specpilot import bus, ledger, schema, subjects
 from specpilot.app.cli import main as cli
+from specpilot.services.memory import logic
 from tests.backbone.helpers import directions, publish_all, sql, wait_for_rows
 from tests.conftest import connect_as, spawn_service
 
@@ -224,3 +225,17 @@ def test_projections_rebuilt_equal_live_and_detect_edits(server):
     res = ledger.verify(led)
     led.close()
     assert res.ok and not res.projections_match and res.projection_diff == "counts"
+
+
+def test_the_stream_check_finds_lost_repeated_and_stray_messages():
+    """`logic.check_stream`, what `specpilot replay --stream` and the chaos bench report: every stream message
+    recorded once under its sequence, or dead-lettered; anything else is named."""
+    events = [schema.DirectionPlanned(event_id=f"master:d{i}", direction_id=f"d{i}", title="t") for i in range(4)]
+    stream = [(i + 1, "x", schema.encode(e)) for i, e in enumerate(events)]
+    stream += [(5, "x", b"not json"), (6, "x", schema.encode(events[0]))]  # a dead letter; d0 published again
+    recorded = {1: "master:d0", 2: "master:d1", 4: "master:d3", 9: "master:elsewhere"}  # d2 (seq 3) was lost
+    got = logic.check_stream(stream, recorded, dead={5})
+    assert (got.messages, got.recorded, got.dead) == (6, 3, 1)
+    assert (got.missing, got.repeated, got.strays, got.ok) == ([3], ["master:d0"], [9], False)
+    whole = logic.check_stream(stream[:2], {1: "master:d0", 2: "master:d1"}, set())
+    assert whole.ok and whole.as_dict()["recorded"] == 2
