@@ -1,13 +1,15 @@
-"""Chaos across separate hosts: a round on the tiny deployment while every service (and the NATS server,
-twice) is SIGKILLed at random points and one service's link is cut for 20 s.
+"""Chaos across separate hosts: a round on the tiny deployment while every service and the NATS server
+are SIGKILLed at random points and links are cut for 20 s each.
 
 Each host is its own network namespace with only its own bundle and folder (`tests.netlab`, as
 `tests/backbone/test_separate_hosts.py`); a supervisor (this script) restarts what it killed after a
-short pause, as systemd or compose would. When the round has finished, the operator's queries check
-that the ledger holds every event once, the hash chain verifies, and every patch has exactly one
-decision. Prints a table and one JSON line: kills, events, lost, duplicated, seconds to recover.
+short pause, as systemd or compose would. When the round has finished, the operator checks what matters:
+the stream against the ledger message by message (`specpilot replay --stream`: every message recorded
+exactly once, none lost), the hash chain, exactly one decision per patch, no patch tested twice and no
+timing of a patch repeated (a re-timed trial keeps its id: ``timing-<patch>-<n>``), and a
+``BestAdvanced`` and memory entry for every promotion. Prints a table and one JSON line.
 
-    sudo .venv/bin/python bench/chaos_hosts.py [--kills 12] [--seed 0] [--json]
+    sudo .venv/bin/python bench/chaos_hosts.py [--kills 30] [--cuts 3] [--seed 0] [--json]
 
 Needs root (network namespaces), bubblewrap, nsenter and ip.
 """
@@ -57,9 +59,13 @@ def up_times(log: Path) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=12, help="SIGKILLs during the round (the server gets two)")
+    ap.add_argument("--kills", type=int, default=30, help="SIGKILLs during the round, spread over the five "
+                                                           "services and the server (which gets at least two)")
+    ap.add_argument("--cuts", type=int, default=3, help="links cut for 20 s each, the services' in turn")
+    ap.add_argument("--waves", type=int, default=4, help="waves of directions in the round")
+    ap.add_argument("--gap", type=float, nargs=2, default=(2.0, 8.0), metavar=("MIN", "MAX"),
+                    help="seconds between kills, drawn uniformly")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cut", default="subagent", help="the service whose link is cut for 20 s")
     ap.add_argument("--keep", action="store_true", help="keep the hosts' folders (logs) afterwards")
     ap.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
     args = ap.parse_args()
@@ -71,6 +77,8 @@ def main() -> int:
     if victims.count("server") < 2:
         victims[-1] = "server"
     rng.shuffle(victims)
+    cut_order = ["subagent", "controller", "memory", "forcer", "master"]
+    cuts = {len(victims) * (k + 1) // (args.cuts + 1): cut_order[k % len(cut_order)] for k in range(args.cuts)}
     root = Path(tempfile.mkdtemp(prefix="chaos-hosts-"))
     kills: list[dict] = []
     with Lab(root / "hosts", ["server", *SERVICES, "operator"]) as lab:
@@ -82,20 +90,22 @@ def main() -> int:
             if (res := inst.operator("provision", timeout=120)).returncode != 0:
                 raise SystemExit(f"provision: {res.stderr}")
             t0 = time.time()
-            follower = inst.operator_popen("round", "--deployment", "tiny-cpu", "--rounds", "2", "--sealed-requests", "2",
+            follower = inst.operator_popen("round", "--deployment", "tiny-cpu", "--rounds", str(args.waves),
+                                           "--sealed-requests", "2",
                                            "--sealed-trials", "2", "--minutes", "0", "--json", "--timeout", "3000")
             time.sleep(8)  # let the round start before the first kill
-            cut_at = len(victims) // 2
+            cut_done: list[str] = []
             for i, name in enumerate(victims):
                 if follower.poll() is not None:
                     console.print(f"the round finished after {i} kills")
                     break
-                if i == cut_at:
-                    console.print(f"{time.time() - t0:6.0f}s cut {args.cut}'s link for 20 s")
-                    lab.cut(args.cut)
+                if i in cuts:
+                    console.print(f"{time.time() - t0:6.0f}s cut {cuts[i]}'s link for 20 s")
+                    lab.cut(cuts[i])
                     time.sleep(20)
-                    lab.mend(args.cut)
-                time.sleep(rng.uniform(3.0, 12.0))
+                    lab.mend(cuts[i])
+                    cut_done.append(cuts[i])
+                time.sleep(rng.uniform(*args.gap))
                 console.print(f"{time.time() - t0:6.0f}s SIGKILL {name}")
                 inst.procs[name].send_signal(signal.SIGKILL)
                 inst.procs[name].wait()
@@ -107,12 +117,8 @@ def main() -> int:
             wall = time.time() - t0
             out = (lab.root / "operator.log").read_text(errors="replace").strip().splitlines()
             result = json.loads(next(line for line in reversed(out) if line.startswith("{")))
-            rows = sql(inst, "SELECT type, count(*) AS n, count(DISTINCT event_id) AS distinct_ids FROM events GROUP BY type")
-            decided = sql(inst, "SELECT json_extract_string(payload, '$.patch_id') AS patch, count(*) AS n FROM events "
-                                "WHERE type IN ('verdict.issued', 'patch.refused') GROUP BY 1")
-            proposed = sql(inst, "SELECT DISTINCT json_extract_string(payload, '$.patch_id') AS patch FROM events "
-                                 "WHERE type = 'patch.proposed'")
-            replay = json.loads(inst.operator("replay", "--json", timeout=300).stdout)
+            checks = ledger_checks(inst)
+            replay = json.loads(inst.operator("replay", "--stream", "--json", timeout=600).stdout)
         finally:
             inst.stop()
         for k in kills:  # time to recover: from the kill to the restarted process saying it is up
@@ -121,33 +127,73 @@ def main() -> int:
                 continue
             later = [t for t in up_times(lab.root / f"{k['service']}.log") if t > k["killed"]]
             k["recover_s"] = round(later[0] - k["killed"], 1) if later else None
-    events = sum(r["n"] for r in rows)
-    duplicated = sum(r["n"] - r["distinct_ids"] for r in rows)
-    counts = {d["patch"]: d["n"] for d in decided}
-    lost = [p["patch"] for p in proposed if p["patch"] not in counts]
-    twice = [p for p, n in counts.items() if n > 1]
+    stream = replay.get("stream") or {}
     recovered = [k["recover_s"] for k in kills if k["recover_s"] is not None]
-    summary = {"bench": "chaos_hosts", "kills": len(kills), "server_kills": sum(k["service"] == "server" for k in kills),
-               "link_cut": args.cut, "events": events, "duplicated_events": duplicated, "patches": len(proposed),
-               "verdicts_lost": len(lost), "verdicts_twice": len(twice), "chain_ok": replay.get("ok"),
-               "projections_match": replay.get("projections_match"), "round_lossless": result.get("lossless"),
-               "wall_s": round(wall, 1), "recover_s_max": max(recovered, default=None),
+    by_service = {name: sum(k["service"] == name for k in kills) for name in (*SERVICES, "server")}
+    summary = {"bench": "chaos_hosts", "seed": args.seed, "kills": len(kills), "kills_by_service": by_service,
+               "link_cuts": cut_done, "stream_messages": stream.get("messages"), "events": checks["events"],
+               "events_lost": len(stream.get("missing", [])) if stream else None,
+               "events_twice": len(stream.get("repeated", [])) if stream else None,
+               "stream_equals_ledger": stream.get("ok"), **{k: v for k, v in checks.items() if k != "events"},
+               "chain_ok": replay.get("ok"), "projections_match": replay.get("projections_match"),
+               "round_lossless": result.get("lossless"), "wall_s": round(wall, 1),
+               "recover_s_max": max(recovered, default=None),
                "recover_s_mean": round(sum(recovered) / len(recovered), 1) if recovered else None,
                "kill_log": [{k: v for k, v in k.items() if k != "killed"} for k in kills]}
     if not args.json:
         table = Table(title=f"chaos across hosts (seed {args.seed})")
-        for col in ("kills", "server kills", "events", "duplicated", "verdicts lost", "verdicts twice", "chain",
-                    "recover max s", "round s"):
+        cols = {"kills": summary["kills"], "cuts": len(cut_done), "stream msgs": summary["stream_messages"],
+                "lost": summary["events_lost"], "twice": summary["events_twice"], "patches": summary["patches"],
+                "undecided": summary["undecided"], "decided twice": summary["decided_twice"],
+                "tested twice": summary["tested_twice"], "timings repeated": summary["timings_repeated"],
+                "promotions not advanced": summary["promotions_not_advanced"],
+                "chain": "ok" if summary["chain_ok"] else "BROKEN", "recover max s": summary["recover_s_max"],
+                "round s": summary["wall_s"]}
+        for col in cols:
             table.add_column(col)
-        table.add_row(str(summary["kills"]), str(summary["server_kills"]), str(events), str(duplicated), str(len(lost)),
-                      str(len(twice)), "ok" if summary["chain_ok"] else "BROKEN", str(summary["recover_s_max"]),
-                      str(summary["wall_s"]))
+        table.add_row(*(str(v) for v in cols.values()))
         Console().print(table)
     print(json.dumps(summary))
     if not args.keep:
         subprocess.run(["rm", "-rf", str(root)], check=False)
-    ok = summary["chain_ok"] and not duplicated and not lost and not twice and summary["round_lossless"]
-    return 0 if ok else 1
+    return 0 if passed(summary) else 1
+
+
+def passed(summary: dict) -> bool:
+    """What the chaos must leave: every message recorded once, every patch decided once, nothing tested or
+    timed twice, every promotion advanced, the chain whole, the round's final lossless."""
+    return bool(summary["stream_equals_ledger"] and summary["chain_ok"] and summary["round_lossless"]
+                and not any(summary[k] for k in ("undecided", "decided_twice", "tested_twice", "timings_repeated",
+                                                 "promotions_not_advanced")))
+
+
+def ledger_checks(inst: Installation) -> dict:
+    """Per patch, from the ledger: decisions (verdicts and refusals), tests, candidate timings, promotions
+    and their ``BestAdvanced``."""
+    per_patch = sql(inst, "SELECT json_extract_string(payload, '$.patch_id') AS patch, type, count(*) AS n, "
+                          "list(event_id) AS ids FROM events WHERE type IN ('patch.proposed', 'verdict.issued', "
+                          "'patch.refused', 'patch.tested', 'best.advanced', 'timing.measured') AND "
+                          "json_extract_string(payload, '$.patch_id') != '' GROUP BY 1, 2")
+    promoted = {r["patch"] for r in sql(inst, "SELECT json_extract_string(payload, '$.patch_id') AS patch FROM events "
+                                              "WHERE type = 'verdict.issued' AND "
+                                              "json_extract_string(payload, '$.decision') = 'promote'")}
+    events = sql(inst, "SELECT count(*) AS n FROM events")[0]["n"]
+    counts: dict[str, dict[str, int]] = {}
+    repeated = []
+    for r in per_patch:
+        counts.setdefault(r["patch"], {})[r["type"]] = r["n"]
+        if r["type"] == "timing.measured":  # ids timing-<patch>-<n>: one per trial attempt, n = 0, 1, ...
+            attempts = sorted(int(i.rsplit("-", 1)[-1]) for i in r["ids"] if re.search(r"-\d+$", i))
+            if attempts != list(range(len(r["ids"]))):
+                repeated.append(r["patch"])
+    proposed = [p for p, c in counts.items() if c.get("patch.proposed")]
+    decisions = {p: counts[p].get("verdict.issued", 0) + counts[p].get("patch.refused", 0) for p in proposed}
+    return {"events": events, "patches": len(proposed),
+            "undecided": sorted(p for p, n in decisions.items() if n == 0),
+            "decided_twice": sorted(p for p, n in decisions.items() if n > 1),
+            "tested_twice": sorted(p for p in proposed if counts[p].get("patch.tested", 0) > 1),
+            "timings_repeated": sorted(repeated),
+            "promotions_not_advanced": sorted(p for p in promoted if counts.get(p, {}).get("best.advanced", 0) != 1)}
 
 
 if __name__ == "__main__":
