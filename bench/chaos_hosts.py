@@ -171,7 +171,7 @@ def ledger_checks(inst: Installation) -> dict:
     """Per patch, from the ledger: decisions (verdicts and refusals), tests, candidate timings, promotions
     and their ``BestAdvanced``."""
     per_patch = sql(inst, "SELECT json_extract_string(payload, '$.patch_id') AS patch, type, count(*) AS n, "
-                          "list(event_id) AS ids FROM events WHERE type IN ('patch.proposed', 'verdict.issued', "
+                          "string_agg(event_id, ' ') AS ids FROM events WHERE type IN ('patch.proposed', 'verdict.issued', "
                           "'patch.refused', 'patch.tested', 'best.advanced', 'timing.measured') AND "
                           "json_extract_string(payload, '$.patch_id') != '' GROUP BY 1, 2")
     promoted = {r["patch"] for r in sql(inst, "SELECT json_extract_string(payload, '$.patch_id') AS patch FROM events "
@@ -183,8 +183,9 @@ def ledger_checks(inst: Installation) -> dict:
     for r in per_patch:
         counts.setdefault(r["patch"], {})[r["type"]] = r["n"]
         if r["type"] == "timing.measured":  # ids timing-<patch>-<n>: one per trial attempt, n = 0, 1, ...
-            attempts = sorted(int(i.rsplit("-", 1)[-1]) for i in r["ids"] if re.search(r"-\d+$", i))
-            if attempts != list(range(len(r["ids"]))):
+            ids = r["ids"].split()
+            attempts = sorted(int(i.rsplit("-", 1)[-1]) for i in ids if re.search(r"-\d+$", i))
+            if attempts != list(range(len(ids))):
                 repeated.append(r["patch"])
     proposed = [p for p, c in counts.items() if c.get("patch.proposed")]
     decisions = {p: counts[p].get("verdict.issued", 0) + counts[p].get("patch.refused", 0) for p in proposed}

@@ -8,7 +8,9 @@ Contract:
   other bundles), each of ``secret_files`` (the service's bundle: its key, the controller's split seed), a
   random marker this process put in its own environment (found in the canary's environment or in any
   ``/proc/<pid>/environ`` or ``cmdline`` it can read: the parent's environment and its API keys), and a
-  file written into a folder this process may write (the checkout, else its home: the host's files). Returns a `Proof`: ``ok`` when it reached nothing,
+  file written into a folder this process may write (the checkout, else its home: the host's files), and, where
+  this process is root, a file only root may read in that folder, which the sandbox shows (sandboxed code runs
+  as `sandbox.SANDBOX_UID`). Returns a `Proof`: ``ok`` when it reached nothing,
   else ``problem``, one line naming what it reached or what is missing and how to get it.
 - `require(data_dir, bundle)` is what a service calls at start (controller, subagent, `specpilot time`): it
   proves the sandbox and marks this process (`sandbox.mark_proved`), so every later `Sandbox` isolates.
@@ -101,13 +103,20 @@ def prove(data_dir: Path, secret_files: list[Path] = (), timeout_s: float = 60.0
     planted = data_dir / f".sandbox-canary-{marker[:8]}"
     planted.write_text(marker)
     write_probe = _writable_host_dir() / f".sandbox-canary-{marker[:8]}" if _writable_host_dir() else None
+    # Run by root, sandboxed code is another user: a file only root may read must stay unread where it is shown
+    owner_only = write_probe.with_name(f".sandbox-canary-owner-{marker[:8]}") if write_probe and os.geteuid() == 0 \
+        else None
+    if owner_only is not None:
+        owner_only.touch(mode=0o600)
+        owner_only.write_text(marker)
     listener = socket.create_server(("127.0.0.1", 0))
     os.environ[MARKER_ENV] = marker
     try:
         with tempfile.TemporaryDirectory(prefix="sp-canary-") as tmp:
             src = Path(tmp) / "src"
             src.mkdir()
-            paths = [str(planted), *(str(p) for p in secret_files if Path(p).is_file())]
+            paths = [str(planted), *([str(owner_only)] if owner_only else []),
+                     *(str(p) for p in secret_files if Path(p).is_file())]
             with sandbox.Sandbox(src=src, models=Path(tmp) / "none", hide=[data_dir],
                                  limits=sandbox.Limits(wall_s=timeout_s), proof_run=True) as sbx:
                 res = sbx.run([sys.executable, "-I", "-c", CANARY, str(listener.getsockname()[1]), marker[:16],
@@ -116,6 +125,8 @@ def prove(data_dir: Path, secret_files: list[Path] = (), timeout_s: float = 60.0
         os.environ.pop(MARKER_ENV, None)
         listener.close()
         planted.unlink(missing_ok=True)
+        if owner_only is not None:
+            owner_only.unlink(missing_ok=True)
         written = write_probe is not None and write_probe.exists()
         if written:
             write_probe.unlink()

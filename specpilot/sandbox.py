@@ -70,6 +70,12 @@ SANDBOX_SRC = "/tmp/src"
 SANDBOX_DATA = "/tmp/data"
 SANDBOX_COMPILE_CACHE = "/tmp/compile-cache"
 UNSAFE_ENV = "SPECPILOT_UNSAFE_NO_SANDBOX"  # development only: agent code runs unisolated (recorded)
+# A service that runs as root (the containers of compose.yaml) starts sandboxed code as this user, so files only
+# root may read (keys, other bundles, the CA key) stay unreadable even where a mount shows them; a service that
+# runs as another user cannot change users, and its sandboxed code keeps its uid (what it hides stays hidden).
+SANDBOX_UID = 65534  # nobody
+_DROP_TO_SANDBOX_USER = (f"import os, sys; os.setgroups([]); os.setgid({SANDBOX_UID}); os.setuid({SANDBOX_UID}); "
+                         "os.execvp(sys.argv[1], sys.argv[1:])")
 TEXT_LIMIT = 4000  # characters of a sandbox's text (stderr, output) a caller ever sees
 
 
@@ -264,6 +270,28 @@ def copy_untrusted(src: Path, dest: Path, max_bytes: int = 4 << 30, max_files: i
     return counts
 
 
+def _hand_over(folder: Path) -> None:
+    """Make ``folder`` (a compile cache: host-made, sandbox-written) the sandbox user's to write, without
+    following a link any earlier sandboxed run may have left in it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in [".", *dirs, *files]:
+            os.chown(os.path.join(root, name), SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+
+
+def _open_to_all(tree: Path) -> None:
+    """Let every user read ``tree`` (the code and models a root service shows its sandbox): folders it made
+    private (``mkdtemp``'s 0700) would stop the sandbox user at the mount. Links are not followed."""
+    if not tree.is_dir():
+        return
+    for root, dirs, files in os.walk(tree, followlinks=False):
+        for name, want in [(".", 0o005), *((d, 0o005) for d in dirs), *((f, 0o004) for f in files)]:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & want != want:
+                os.chmod(path, stat.S_IMODE(st.st_mode) | want)
+
+
 def bwrap_available() -> bool:
     return shutil.which("bwrap") is not None
 
@@ -303,6 +331,7 @@ class Sandbox:
         proved = proof() or {}
         return {"bubblewrap": self.isolated, "proved": bool(proved.get("proved")),
                 **({"override": proved["override"]} if "override" in proved else {}),
+                "user": f"nobody ({SANDBOX_UID})" if self.drops_to_sandbox_user else "the service's own",
                 "cgroup": self._cgroup.active, "network": "none" if self.isolated else "host",
                 "filesystem": "read-only, private /tmp" if self.isolated else "host (temporary cwd only)",
                 "pids_max": self.limits.pids, "memory_bytes": self.limits.memory_bytes, "wall_s": self.limits.wall_s,
@@ -324,16 +353,30 @@ class Sandbox:
             env.update(TRITON_CACHE_DIR=cache, TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions")
         return env
 
+    @property
+    def drops_to_sandbox_user(self) -> bool:
+        """Whether sandboxed code runs as `SANDBOX_UID` (an isolated sandbox started by root)."""
+        return self.isolated and os.geteuid() == 0
+
     def argv(self, cmd: list[str]) -> list[str]:
         if not self.isolated:
             return cmd
+        drop = self.drops_to_sandbox_user
         # by its full path: bubblewrap starts with the scrubbed environment, whose PATH may not hold it
-        args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp"]
-        # The interpreter, its environment and the project (editable install) may live under /tmp
-        # (a CI clone, say): show them again, read-only, before hiding the data directory.
+        args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/"]
+        # /tmp is the sandbox's own (writable by its user); root's home is hidden whole when its user is not root
+        covered = ("/tmp/", "/root/") if drop else ("/tmp/",)
+        args += ["--perms", "01777", "--tmpfs", "/tmp"] + (["--tmpfs", "/root"] if drop else [])
+        # The interpreter, its environment and the project (editable install) may live under /tmp (a CI clone)
+        # or root's home (pyenv): show them again, read-only, before hiding the data directory.
         for keep in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), REPO_ROOT.resolve(),
+                            Path(sys.executable).resolve().parent,
                             *(Path(v).resolve() for v in self.visible if Path(v).exists())}):
-            if str(keep).startswith("/tmp/"):
+            if str(keep).startswith(covered):
+                # the folders above it in the tmpfs, made open to the sandbox user (bubblewrap makes them 0700)
+                top = Path("/", keep.parts[1])
+                for above in sorted(d for d in keep.parents if d.is_relative_to(top) and d != top):
+                    args += ["--perms", "0755", "--dir", str(above)]
                 args += ["--ro-bind", str(keep), str(keep)]
         # The host's own bundle (its certificate's key; the controller's split seed) wherever it lies;
         # a path inside one already hidden is left alone (its mount point would show its parents).
@@ -355,6 +398,9 @@ class Sandbox:
         args += ["--dev-bind", "/dev", "/dev"] if self.device.startswith("cuda") else ["--dev", "/dev"]
         args += ["--proc", "/proc", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                  "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", SANDBOX_SRC, "--clearenv"]
+        if drop:  # only to change users: setuid to nobody clears every capability
+            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            cmd = [sys.executable, "-I", "-c", _DROP_TO_SANDBOX_USER, *cmd]
         for k, v in self._env().items():
             args += ["--setenv", k, v]
         return args + cmd
@@ -369,6 +415,11 @@ class Sandbox:
             if not cgroup.active and not cuda:
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
 
+        if self.drops_to_sandbox_user:
+            for tree in (self.src, self.models):  # what it runs and reads, shown read-only
+                _open_to_all(Path(tree))
+            if self.compile_cache:
+                _hand_over(Path(self.compile_cache))
         cwd = None if self.isolated else str(self.src)
         # bubblewrap gets the scrubbed environment too: its own /proc/<pid>/environ is readable from inside
         proc = subprocess.Popen(self.argv(cmd), cwd=cwd, env=self._env(), preexec_fn=preexec, start_new_session=True,

@@ -62,6 +62,9 @@ def test_the_override_is_explicit_and_recorded(fresh_state, tmp_path, monkeypatc
 @needs_bwrap
 def test_a_canary_that_reaches_anything_fails_the_proof(fresh_state, outside_tmp, monkeypatch):
     data = outside_tmp / "data"  # outside /tmp: the sandbox's own tmpfs would hide it anyway
+    data.mkdir()
+    for d in (outside_tmp, data):  # open to all: the cover, not the sandbox user's rights, is what is tested
+        d.chmod(0o755)
     assert canary.prove(data).ok
     argv = Sandbox.argv
 
@@ -78,14 +81,24 @@ def test_a_canary_that_reaches_anything_fails_the_proof(fresh_state, outside_tmp
     assert any(".sandbox-canary-" in r for r in proof.reached), proof.reached
 
 
+READ_EVERY_ENVIRON = """
+import os
+def environ(pid):
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:  # another user's (bubblewrap's, where the sandbox user is not root)
+        return b""
+print(any(b"sk-ant-never" in environ(p) for p in os.listdir("/proc") if p.isdigit()), "sk-ant" in str(os.environ))
+"""
+
+
 @needs_bwrap
 def test_bubblewrap_gets_no_environment_of_the_service(fresh_state, tmp_path, monkeypatch):
     """bubblewrap's own /proc/<pid>/environ is readable from inside: it must hold nothing of the service's."""
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-never-seen-inside")
     canary.require(tmp_path / "data")
     with Sandbox(src=tmp_path, models=tmp_path / "none") as sbx:
-        res = sbx.run([sys.executable, "-I", "-c", "import os; print(any(b'sk-ant-never' in open(f'/proc/{p}/environ', "
-                       "'rb').read() for p in os.listdir('/proc') if p.isdigit()), 'sk-ant' in str(os.environ))"])
+        res = sbx.run([sys.executable, "-I", "-c", READ_EVERY_ENVIRON])
     assert res["output"].split() == ["False", "False"], res
 
 
@@ -153,3 +166,19 @@ def test_the_round_table_says_how_agent_code_ran():
     assert sandbox_of([proved]).startswith("proved (bubblewrap")
     assert sandbox_of([proved, unsafe]).startswith(f"NONE: {sandbox.UNSAFE_ENV} (development only")
     assert sandbox_of([]) == ""
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root service changes users for sandboxed code")
+def test_sandboxed_code_of_a_root_service_runs_as_nobody_and_reads_no_owner_only_file(fresh_state, tmp_path,
+                                                                                       monkeypatch):
+    """A file only root may read, where the sandbox shows it (the checkout), stays unread: the proof asks it
+    at every start, and fails where sandboxed code would keep root's uid."""
+    assert canary.prove(tmp_path / "data").ok
+    with Sandbox(src=tmp_path, models=tmp_path / "none", proof_run=True) as sbx:
+        assert sbx.describe()["user"] == f"nobody ({sandbox.SANDBOX_UID})"
+        assert sbx.run([sys.executable, "-I", "-c", "import os; print(os.getuid(), os.getgid())"])["output"].split() \
+            == [str(sandbox.SANDBOX_UID)] * 2
+    monkeypatch.setattr(Sandbox, "drops_to_sandbox_user", property(lambda self: False))
+    proof = canary.prove(tmp_path / "data")
+    assert not proof.ok and any(".sandbox-canary-owner-" in r for r in proof.reached), proof
