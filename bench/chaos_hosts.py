@@ -149,9 +149,10 @@ def main() -> int:
                 "promotions not advanced": summary["promotions_not_advanced"],
                 "chain": "ok" if summary["chain_ok"] else "BROKEN", "recover max s": summary["recover_s_max"],
                 "round s": summary["wall_s"]}
-        for col in cols:
-            table.add_column(col)
-        table.add_row(*(str(v) for v in cols.values()))
+        table.add_column("what")
+        table.add_column("found", justify="right")
+        for what, value in cols.items():
+            table.add_row(what, ", ".join(value) if isinstance(value, list) else str(value))
         Console().print(table)
     print(json.dumps(summary))
     if not args.keep:
