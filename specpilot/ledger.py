@@ -111,6 +111,13 @@ class DeadLetter:
     deliveries: int
 
 
+def sequences_query(table: str, after: int, limit: int = 10_000) -> str:
+    """The read-only query for one page of stream sequences a ledger holds: ``events`` (``seq, event_id``) or
+    ``dead_letters`` (``seq``), past ``after``, in order (what `specpilot replay --stream` compares)."""
+    columns = {"events": "seq, event_id", "dead_letters": "seq"}[table]
+    return f"SELECT {columns} FROM {table} WHERE seq > {int(after)} ORDER BY seq LIMIT {int(limit)}"
+
+
 def sql_literal(text: str) -> str:
     """``text`` as a quoted SQL string literal (quotes doubled), for queries sent to the read-only endpoint."""
     return "'" + str(text).replace("'", "''") + "'"

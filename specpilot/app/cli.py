@@ -321,18 +321,18 @@ async def against_stream(args: argparse.Namespace):
     """The ledger (through the memory service, or the file) against the stream, message by message."""
     from specpilot.services.memory import logic
 
-    def rows(query: str) -> list[list]:
+    def rows(table: str) -> list[list]:
         out, last = [], -1
         while True:  # in pages: one `sql` reply holds at most 10,000 rows
-            text = query.format(after=last)
+            text = ledger.sequences_query(table, last)
             page = ledger_call(args, subjects.RPC_SQL, {"query": text}, lambda led, q=text: led.query_readonly(q))["rows"]
             out += page
             if len(page) < 10_000:
                 return out
             last = page[-1][0]
 
-    recorded = dict(await asyncio.to_thread(rows, "SELECT seq, event_id FROM events WHERE seq > {after} ORDER BY seq"))
-    dead = {r[0] for r in await asyncio.to_thread(rows, "SELECT seq FROM dead_letters WHERE seq > {after} ORDER BY seq")}
+    recorded = dict(await asyncio.to_thread(rows, "events"))
+    dead = {r[0] for r in await asyncio.to_thread(rows, "dead_letters")}
     b = await admin_bus(args)
     try:
         return logic.check_stream([m async for m in bus.raw_stream_messages(b)], recorded, dead)
