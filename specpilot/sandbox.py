@@ -391,7 +391,8 @@ class Sandbox:
                 raise ValueError(f"{v} lies inside {next(h for h in hidden if Path(v).resolve().is_relative_to(h))}, "
                                  "which sandboxes hide (a data directory or a bundle): move it elsewhere")
         args += ["--ro-bind", str(Path(self.src).resolve()), SANDBOX_SRC]
-        if Path(self.models).exists():
+        if Path(self.models).exists():  # its mount point's parent, made open to the sandbox user (else 0700)
+            args += ["--perms", "0755", "--dir", SANDBOX_DATA]
             args += ["--ro-bind", str(Path(self.models).resolve()), f"{SANDBOX_DATA}/models"]
         if self.compile_cache:
             args += ["--bind", str(Path(self.compile_cache).resolve()), SANDBOX_COMPILE_CACHE]

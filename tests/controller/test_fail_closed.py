@@ -175,10 +175,17 @@ def test_sandboxed_code_of_a_root_service_runs_as_nobody_and_reads_no_owner_only
     """A file only root may read, where the sandbox shows it (the checkout), stays unread: the proof asks it
     at every start, and fails where sandboxed code would keep root's uid."""
     assert canary.prove(tmp_path / "data").ok
-    with Sandbox(src=tmp_path, models=tmp_path / "none", proof_run=True) as sbx:
+    src, models = tmp_path / "src", tmp_path / "models" / "smollm2-135m"
+    src.mkdir(mode=0o700)  # as `mkdtemp` makes a workspace
+    models.mkdir(parents=True)
+    (models / "weights").write_text("w")
+    (src / "code.py").write_text("c")
+    read = "import os; print(os.getuid(), os.getgid(), open('code.py').read(), open(os.environ['W']).read())"
+    with Sandbox(src=src, models=tmp_path / "models", proof_run=True,
+                 env={"W": f"{sandbox.SANDBOX_DATA}/models/smollm2-135m/weights"}) as sbx:
         assert sbx.describe()["user"] == f"nobody ({sandbox.SANDBOX_UID})"
-        assert sbx.run([sys.executable, "-I", "-c", "import os; print(os.getuid(), os.getgid())"])["output"].split() \
-            == [str(sandbox.SANDBOX_UID)] * 2
+        res = sbx.run([sys.executable, "-I", "-c", read])
+        assert res["output"].split() == [str(sandbox.SANDBOX_UID)] * 2 + ["c", "w"], res
     monkeypatch.setattr(Sandbox, "drops_to_sandbox_user", property(lambda self: False))
     proof = canary.prove(tmp_path / "data")
     assert not proof.ok and any(".sandbox-canary-owner-" in r for r in proof.reached), proof
