@@ -270,26 +270,31 @@ def copy_untrusted(src: Path, dest: Path, max_bytes: int = 4 << 30, max_files: i
     return counts
 
 
-def _hand_over(folder: Path) -> None:
-    """Make ``folder`` (a compile cache: host-made, sandbox-written) the sandbox user's to write, without
-    following a link any earlier sandboxed run may have left in it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for root, dirs, files in os.walk(folder, followlinks=False):
+def _entries(tree: Path):
+    """``(path, lstat)`` of ``tree`` and everything under it, without following a link (a sandboxed run may
+    have left some)."""
+    for root, dirs, files in os.walk(tree, followlinks=False):
         for name in [".", *dirs, *files]:
-            os.chown(os.path.join(root, name), SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+            path = os.path.join(root, name)
+            yield path, os.lstat(path)
+
+
+def _hand_over(folder: Path) -> None:
+    """Make ``folder`` (a compile cache: host-made, sandbox-written) the sandbox user's to write."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, _ in _entries(folder):
+        os.chown(path, SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
 
 
 def _open_to_all(tree: Path) -> None:
     """Let every user read ``tree`` (the code and models a root service shows its sandbox): folders it made
-    private (``mkdtemp``'s 0700) would stop the sandbox user at the mount. Links are not followed."""
+    private (``mkdtemp``'s 0700) would stop the sandbox user at the mount."""
     if not tree.is_dir():
         return
-    for root, dirs, files in os.walk(tree, followlinks=False):
-        for name, want in [(".", 0o005), *((d, 0o005) for d in dirs), *((f, 0o004) for f in files)]:
-            path = os.path.join(root, name)
-            st = os.lstat(path)
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & want != want:
-                os.chmod(path, stat.S_IMODE(st.st_mode) | want)
+    for path, st in _entries(tree):
+        want = 0o005 if stat.S_ISDIR(st.st_mode) else 0o004
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & want != want:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | want)
 
 
 def bwrap_available() -> bool:

@@ -95,6 +95,13 @@ def _decided_once(server, patch_id: str) -> None:
     assert res.returncode == 0 and replay["ok"] and replay["stream"]["ok"], (replay, res.stderr[-2000:])
 
 
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=60)
+
+
 def _said(server, line: str) -> bool:
     return line in (server.data / "controller.log").read_text(errors="replace")
 
@@ -115,10 +122,7 @@ def test_a_controller_killed_before_its_decision_decides_once_after_the_restart(
         time.sleep(3.0)  # a second decision, if one were made, would be recorded by now
         _decided_once(server, "p-kill")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=60)
+        _stop(*procs)
 
 
 def test_memory_down_while_the_controller_decides_and_a_kill_after_its_decision(server, tmp_path):
@@ -145,10 +149,7 @@ def test_memory_down_while_the_controller_decides_and_a_kill_after_its_decision(
         time.sleep(3.0)
         _decided_once(server, "p-memory")
     finally:
-        for p in (memory, ctl):
-            p.terminate()
-        for p in (memory, ctl):
-            p.wait(timeout=60)
+        _stop(memory, ctl)
 
 
 def test_a_90_second_nats_outage_mid_timing(server, tmp_path):
@@ -171,7 +172,4 @@ def test_a_90_second_nats_outage_mid_timing(server, tmp_path):
         time.sleep(3.0)
         _decided_once(restarted, "p-outage")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=60)
+        _stop(*procs)
