@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from specpilot import canary  # noqa: E402
 from specpilot.engine.options import options_from_dict  # noqa: E402
 from specpilot.harness.deployment import DEFAULT_DEPLOYMENT  # noqa: E402
 from specpilot.services.controller import stats, timing  # noqa: E402
@@ -50,19 +51,22 @@ def main() -> None:
                          "default: on for one device)")
     ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
                     help="pin the workers to one core beside the device (Evaluator.pin_cpus; default: on for GPUs)")
+    ap.add_argument("--prestart", action="store_true",
+                    help="start each trial's workers while the trial before it is timed (Evaluator.prestart)")
     ap.add_argument("--options", type=json.loads, default={},
                     help='engine options of the system timed against itself, as JSON (default: stock)')
     ap.add_argument("--data", type=Path, default=None, help="data directory (default: a temporary one)")
     args = ap.parse_args()
     data = args.data or Path(tempfile.mkdtemp(prefix="sp-noise-"))
     console = Console(stderr=True)
+    canary.require(data, what="the timed systems")  # workers run only in a proved sandbox, as in the controller
     ev = Evaluator(data, args.deployment, device=args.device, n_requests=args.requests,
                    max_new_tokens=args.max_new_tokens, trials=args.trials, threads=args.threads,
-                   interleave=args.interleave, pin_cpus=args.pin_cpus)
+                   interleave=args.interleave, pin_cpus=args.pin_cpus, prestart=args.prestart)
     with console.status("preparing stock"):
         stock = System(ev.prepare(), options_from_dict(args.options).changed())
         ev.reference(stock)
-    runs, seconds, carryovers = [], [], []
+    runs, orders, seconds, carryovers = [], [], [], []
     for i in range(args.runs):
         with console.status(f"stock vs stock, run {i + 1}/{args.runs} ({args.trials} trials)"):
             t0 = time.perf_counter()
@@ -71,21 +75,25 @@ def main() -> None:
         if trial.problem:
             raise SystemExit(f"timing failed: {trial.problem}")
         runs.append((trial.incumbent_s, trial.candidate_s))
+        orders.append(trial.order)
         carryovers.append(trial.carryover)
         # one line per finished run, so a run cut short by a time limit still leaves its figures; the
         # per-request seconds of every worker tell jitter between requests from a slow worker
         console.print(json.dumps({"run": i + 1, "seconds": round(seconds[-1], 1),
-                                  "gain": stats.paired_gain(*runs[-1]).gain,
+                                  "gain": stats.paired_gain(*runs[-1], order=trial.order).gain,
                                   "incumbent_s": trial.incumbent_s, "candidate_s": trial.candidate_s,
+                                  "order": trial.order,
                                   "request_s": [[who, [round(t, 5) for t in ts]] for who, ts in trial.request_s]}),
                       soft_wrap=True)
-    noise = stats.noise_from_stock_runs(runs)
-    decisions = [stats.decide(stats.paired_gain(a, b), noise, outputs_identical=True) for a, b in runs]
-    gains = [stats.paired_gain(a, b).gain for a, b in runs]
+    # the crossover fit, as the controller analyses its timings (stats, "Position")
+    noise = stats.noise_from_stock_runs(runs, orders=orders)
+    estimates = [stats.paired_gain(a, b, order=o) for (a, b), o in zip(runs, orders, strict=True)]
+    decisions = [stats.decide(e, noise, outputs_identical=True) for e in estimates]
+    gains = [e.gain for e in estimates]
     result = {"bench": "controller_noise", "deployment": args.deployment, "device": args.device,
               "options": stock.options,
               "trials": args.trials, "runs": args.runs, "requests": args.requests, "threads": args.threads,
-              "interleave": ev.interleave, "cpus": ev.workers.cpus(ev.device),
+              "interleave": ev.interleave, "prestart": ev.prestart, "cpus": ev.workers.cpus(ev.device),
               "max_new_tokens": args.max_new_tokens, "per_trial_sd": noise.per_trial_sd,
               "noise_gain": noise.noise, "noise_within": noise.within, "noise_between": noise.between,
               "run_gains": gains, "false_promotions": sum(d.promoted for d in decisions),

@@ -124,6 +124,8 @@ class HardwareMeasured(Event, frozen=True, kw_only=True, tag="hardware.measured"
     launch_s: float = 0.0  # host time of one eager operator launch (0: not measured)
     kernel_floor_s: float = 0.0  # device time of one tiny kernel replayed back to back in a CUDA graph (0: CPU)
     method: str = ""
+    # the kind of machine (device kind, ISA or GPU, worker threads, dtype): what memory entries are compared by
+    machine: dict[str, Any] = {}
 
 
 class ProfileMeasured(Event, frozen=True, kw_only=True, tag="profile.measured"):
@@ -380,6 +382,8 @@ class MemoryEntryProposed(Event, frozen=True, kw_only=True, tag="memory.entry.pr
     source_files: dict[str, str] = {}  # path -> sha256 of every file of the source system under engine/ and kernels/
     stock_files: dict[str, str] = {}  # the same for the stock the delta is against (as registered by the controller)
     origin: str = ""  # imported: where it was exported from (`specpilot memory import`)
+    # the kind of machine it was found on (device kind, ISA or GPU, worker threads, dtype; {}: not recorded)
+    machine: dict[str, Any] = {}
     imported_evidence: list[dict[str, Any]] = []  # imported: the evidence events themselves, as recorded there
 
 

@@ -45,7 +45,8 @@ class Evaluator:
     device: str = "cpu"
     n_requests: int = 4
     max_new_tokens: int = 64
-    trials: int = stats.DEFAULT_TRIALS
+    trials: int = stats.DEFAULT_TRIALS  # the most trials a verdict's sequential timing runs
+    noise_trials: int | None = None  # trials of the stock-versus-stock noise run (None: ``trials``)
     threads: int | None = None
     limits: Limits = field(default_factory=Limits)
     python: str = sys.executable
@@ -62,16 +63,23 @@ class Evaluator:
     # kernels on GPUs, C++ extensions (linear_backend = "stream") on CPUs. None: on.
     compile_cache: bool | None = None
     seed_file: Path | None = None  # the controller bundle's split seed (None: one of this data directory's)
+    # Start each interleaved trial's fresh workers while the trial before it is timed (`timing.Prestarted`),
+    # so a worker's start-up (3-5 s on a CPU) leaves the critical path. Off unless asked: on a 2-core VM it cut
+    # a trial from 32 to 23 s but raised the per-trial SD from 3.5% to 6.1%, three times the trials for the
+    # same power (docs/lab/2026-12-07-session-44.md); a GPU's warm-up would run on the timed device.
+    prestart: bool = False
 
     def __post_init__(self) -> None:
         # "cuda:0,cuda:1": two devices; trials then run both systems at once and swap (`timing.paired`).
         self.devices = tuple(d.strip() for d in self.device.split(",") if d.strip())
+        self.noise_trials = self.noise_trials or self.trials
         self.device = self.devices[0]
         # two devices run both systems at once: nothing to interleave
         self.interleave = len(self.devices) == 1 and self.interleave is not False
         gpu = self.device.startswith("cuda")
         self.pin_cpus = gpu if self.pin_cpus is None else self.pin_cpus
         self.compile_cache = self.compile_cache is not False
+        self.prestart = self.interleave and self.prestart
         self.root = Path(self.data) / "controller"
         self.root.mkdir(parents=True, exist_ok=True)
         self.systems = Systems(self.root / "systems")
@@ -168,7 +176,7 @@ class Evaluator:
         return {"machine": fingerprint(self.device), "device": ",".join(self.devices), "threads": self.threads,
                 "deployment": self.deployment,
                 "deployment_sha256": hashlib.sha256(Path(self.dep.path).read_bytes()).hexdigest()[:16],
-                "requests": self.n_requests, "trials": self.trials, "max_new_tokens": self.max_new_tokens,
+                "requests": self.n_requests, "trials": self.noise_trials, "max_new_tokens": self.max_new_tokens,
                 "interleave": self.interleave, "specpilot": __version__,
                 "analysis": "crossover"}  # noise of the crossover fit (`stats`, "Position"), not the plain one
 

@@ -25,6 +25,30 @@ def device_label(device: str) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
+# the CPU instruction sets a kernel's speed turns on, most capable first (`machine`)
+ISA_LEVELS = (("amx", {"amx_tile", "amx_bf16"}), ("avx512-bf16", {"avx512f", "avx512_bf16"}),
+              ("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"}))
+
+
+def cpu_isa() -> str:
+    """The most capable of `ISA_LEVELS` this CPU has ("other" when none, or /proc/cpuinfo is unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        flags = set()
+    return next((name for name, needs in ISA_LEVELS if needs <= flags), "other")
+
+
+def machine(device: str, threads: int | None, dtype: str) -> dict[str, str | int]:
+    """The kind of machine a finding was made on, as memory entries carry it: what a timing's outcome
+    turns on (the ISA or the GPU, the worker's threads, the dtype). Two machines of one kind are expected to
+    rank options alike; a finding from another kind is a hypothesis (`services.master.planner.plan`)."""
+    if device.startswith("cuda"):
+        return {"device_kind": "cuda", "device": device_label(device), "threads": threads or 0, "dtype": dtype}
+    return {"device_kind": "cpu", "device": cpu_isa(), "threads": threads or os.cpu_count() or 1, "dtype": dtype}
+
+
 def fingerprint(device: str) -> str:
     """What makes timings on this machine comparable: the CPU model, its cores and this host's kernel
     build (and the GPU's name for a CUDA device), hashed."""

@@ -234,13 +234,19 @@ def add_args(parser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="device the candidates are timed on; two, comma-separated (cuda:0,cuda:1), run both "
                              "systems of a trial at once and then swap devices")
-    parser.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS, help="ABBA trials per verdict")
+    parser.add_argument("--trials", type=int, default=stats.DEFAULT_TRIALS,
+                        help="the most ABBA trials a verdict's timing runs (it stops as soon as the evidence is clear)")
+    parser.add_argument("--noise-trials", type=int, default=None,
+                        help="ABBA trials of the stock-versus-stock noise run (default: --trials)")
     parser.add_argument("--requests", type=int, default=4, help="dev requests per trial")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="one device: both workers of a trial alive, each request answered by both in turn "
                              "(default: on for one device, checked for carry-over; off for two)")
     parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
                         help="pin each timing device's workers to one core beside it (default: on for GPUs)")
+    parser.add_argument("--prestart", action="store_true",
+                        help="start each trial's fresh workers while the trial before it is timed (faster trials; "
+                             "on a 2-core machine noisier ones: off by default)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timing request")
     parser.add_argument("--wall-s", type=float, default=600.0, help="wall-clock limit of one sandboxed step")
     parser.add_argument("--threads", type=int, default=None,
@@ -251,9 +257,9 @@ def make(cfg: service.ServiceConfig):
     a = cfg.args
     # fail closed: no candidate runs on a host where the sandbox is not proved (one line, the service exits)
     canary.require(cfg.data, cfg.bundle.path, what="candidates (the controller's timing workers)")
-    kw = {"trials": a.trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
+    kw = {"trials": a.trials, "noise_trials": a.noise_trials, "n_requests": a.requests, "max_new_tokens": a.max_new_tokens,
           "limits": Limits(wall_s=a.wall_s), "threads": a.threads, "interleave": a.interleave,
-          "pin_cpus": a.pin_cpus, "seed_file": cfg.bundle.split_seed}
+          "pin_cpus": a.pin_cpus, "prestart": a.prestart, "seed_file": cfg.bundle.split_seed}
 
     holder: dict[str, Controller] = {}
 

@@ -170,7 +170,7 @@ async def round_started(ctl: Service, event: schema.RoundStarted) -> None:
     best = ctl.best_system(ev, dep)
     dtype = str(best.options.get("dtype") or ev.dep.dtype)
     hw = await asyncio.to_thread(hardware.measure, ev.device, dtype, ev.threads)
-    await ctl.emit(schema.HardwareMeasured(**hw), event)
+    await ctl.emit(schema.HardwareMeasured(**hw, machine=hardware.machine(ev.device, ev.threads, dtype)), event)
     await ctl.emit(await asyncio.to_thread(profile, ev, best, hw["device"]), event)
 
 

@@ -29,7 +29,8 @@ Contract (docs/DESIGN.md §5, steps 4-5):
        the candidate can gain over the incumbent, a factor, e.g. 1.8); beyond it the measurement is
        at fault, not the candidate (``ceiling <= 0`` means unknown: the rule is skipped);
     3. *forcing*: if the candidate's outputs differ from the incumbent's, a forcing verdict is
-       required and must have passed (a failed verdict rejects even identical outputs);
+       required and must have passed (a failed verdict rejects even identical outputs); forcing that
+       could not run (``forcing_error``) rejects under its own rule, naming the cause, not as a failure;
     4. *bar*: ``lower_bound > bar`` with ``bar = log(1.01) + 2 * noise``, raised to at least
        ``log(1.03)`` when outputs differ.
   `Decision` carries every statistic so the controller can put them all in a ``VerdictIssued``
@@ -362,7 +363,7 @@ def promotion_bar(noise: float, outputs_identical: bool) -> float:
 @dataclass(frozen=True)
 class Decision:
     decision: Verdict
-    rule: str  # "promoted" | "bad_estimate" | "ceiling" | "forcing_missing" | "forcing_failed" | "below_bar"
+    rule: str  # "promoted" | "bad_estimate" | "ceiling" | "forcing_error" | "forcing_missing" | "forcing_failed" | "below_bar"
     reason: str
     gain: float
     lower_bound: float
@@ -392,7 +393,7 @@ class Decision:
 
 
 def decide(estimate: GainEstimate, noise: float | NoiseEstimate, outputs_identical: bool,
-           forcing_passed: bool | None = None, ceiling: float = 0.0) -> Decision:
+           forcing_passed: bool | None = None, ceiling: float = 0.0, forcing_error: str = "") -> Decision:
     """Promote or reject a candidate (rules in the module docstring, checked in that order).
 
     ``forcing_passed``: None when no forcing verdict exists. ``ceiling``: the largest physically
@@ -416,6 +417,8 @@ def decide(estimate: GainEstimate, noise: float | NoiseEstimate, outputs_identic
     if ceiling > 0 and speedup > ceiling:
         return out("reject", "ceiling", f"measured speedup {speedup:.3f}x exceeds the physical ceiling "
                                         f"{ceiling:.3f}x: a measurement fault")
+    if forcing_error:
+        return out("reject", "forcing_error", f"forcing could not run, so nothing was proved: {forcing_error}")
     if forcing_passed is False:
         return out("reject", "forcing_failed", "the forcing verdict failed")
     if not outputs_identical and forcing_passed is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,7 +61,7 @@ class TrialResult:
 
 
 def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | None = None,
-         interleave: bool | None = None) -> TrialResult:
+           interleave: bool | None = None, stop: Callable[[TrialResult], bool] | None = None) -> TrialResult:
     """Paired trials on ``ev``'s dev requests; stops early with ``problem`` set when a system misbehaves.
 
     One device: interleaved ABBA, one system at a time; with ``interleave``, ABBA within the trial
@@ -69,6 +70,8 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
     second), then again with the devices swapped; a system's trial time is the sum of its two runs,
     so a faster device favours neither.
 
+    ``stop``, asked after each complete trial, ends the timing early when it says so (a sequential
+    verdict: `sequential.look`); ``trials`` (default: the evaluator's) is then the cap.
     ``interleave`` overrides the evaluator's setting for this timing. An interleaved timing carries
     its carry-over test (`stats.carryover`); the caller decides what a suspect one means (the
     controller times again without interleaving)."""
@@ -78,32 +81,50 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
     first_candidate: list[list[int]] | None = None
     systems = {"A": incumbent, "B": candidate}
     ev.workers.untimed.clear()  # this timing's workers only (one job at a time)
-    for order in stats.abba_order(trials or ev.trials):
-        times: dict[str, float] = {"A": 0.0, "B": 0.0}
-        for who, outs, secs, failure in _trial_runs(ev, order, systems, prompts, interleave):
-            if failure is not None:
-                res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {failure}"
-                return res
-            times[who] += sum(secs)
-            res.request_s.append((who, secs))
-            if who == "A" and outs != reference:
-                res.problem = "the incumbent did not reproduce its reference tokens (nondeterministic system?)"
-                return res
-            if who == "B":
-                if short := incomplete(outs, reference, ev.stop_ids(), ev.max_new_tokens):
-                    res.problem = short
+    orders = stats.abba_order(trials or ev.trials)
+    # interleaved on a machine with a spare core: the next trial's workers start while this one is timed
+    ahead: dict[int, Prestarted] = {}
+
+    def start_next(i: int) -> Callable[[], None] | None:
+        if not (interleave and ev.prestart and i + 1 < len(orders)):
+            return None
+        return lambda: ahead.setdefault(i + 1, Prestarted(ev, orders[i + 1], systems, prompts))
+
+    try:
+        for i, order in enumerate(orders):
+            times: dict[str, float] = {"A": 0.0, "B": 0.0}
+            runs = _trial_runs(ev, order, systems, prompts, interleave, ahead.get(i), start_next(i))
+            for who, outs, secs, failure in runs:
+                if failure is not None:
+                    res.problem = f"{'incumbent' if who == 'A' else 'candidate'} failed during timing: {failure}"
                     return res
-                if first_candidate is None:
-                    first_candidate = outs
-                    res.candidate_outputs = outs
-                elif outs != first_candidate:
-                    res.problem = ("the candidate's tokens changed between trials: a system must answer the "
-                                   "same request the same way every time")
+                times[who] += sum(secs)
+                res.request_s.append((who, secs))
+                if who == "A" and outs != reference:
+                    res.problem = "the incumbent did not reproduce its reference tokens (nondeterministic system?)"
                     return res
-        res.incumbent_s.append(times["A"])
-        res.candidate_s.append(times["B"])
-        res.order.append(order if len(ev.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
-        res.load.append(os.getloadavg()[0])
+                if who == "B":
+                    if short := incomplete(outs, reference, ev.stop_ids(), ev.max_new_tokens):
+                        res.problem = short
+                        return res
+                    if first_candidate is None:
+                        first_candidate = outs
+                        res.candidate_outputs = outs
+                    elif outs != first_candidate:
+                        res.problem = ("the candidate's tokens changed between trials: a system must answer the "
+                                       "same request the same way every time")
+                        return res
+            if (done := ahead.pop(i, None)) is not None:
+                done.close()
+            res.incumbent_s.append(times["A"])
+            res.candidate_s.append(times["B"])
+            res.order.append(order if len(ev.devices) < 2 else f"{order[0]}@0{order[1]}@1|{order[0]}@1{order[1]}@0")
+            res.load.append(os.getloadavg()[0])
+            if stop is not None and stop(res):
+                break
+    finally:
+        for unused in ahead.values():  # started for a trial that will not run (a stop, a failure)
+            unused.close()
     if interleave:
         res.carryover = stats.carryover(res.per_trial_requests())
     res.incumbent_untimed_s = [s for key, s in ev.workers.untimed if key == incumbent.key()]
@@ -113,15 +134,66 @@ def paired(ev: Evaluator, incumbent: System, candidate: System, trials: int | No
     return res
 
 
+class Prestarted:
+    """A trial's fresh workers, started and warmed up in a background thread while the trial before it
+    is timed (`paired`), each paused once warm: they take no CPU until their own trial resumes them.
+    Each is a fresh process of its own system, as a worker started at its trial would be. The thread
+    lives as long as its workers: bubblewrap's ``--die-with-parent`` kills a sandbox when the thread that
+    started it ends."""
+
+    def __init__(self, ev: Evaluator, order: str, systems: dict[str, System], prompts: list[list[int]]):
+        self.workers: dict[str, Worker] = {}
+        self.failed: tuple[str, WorkerFailed] | None = None
+        self._ready, self._release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ev, order, systems, prompts), daemon=True,
+                                        name=f"prestart-{order}")
+        self._thread.start()
+
+    def _run(self, ev: Evaluator, order: str, systems: dict[str, System], prompts: list[list[int]]) -> None:
+        who = order[0]
+        with contextlib.ExitStack() as stack:
+            try:
+                for who in order:
+                    worker = stack.enter_context(ev.workers.warm_worker(systems[who], prompts, ev.device))
+                    worker.sandbox.pause()
+                    self.workers[who] = worker
+            except WorkerFailed as exc:
+                self.failed = (who, exc)
+            except Exception as exc:  # noqa: BLE001 - any start failure is the trial's failure, reported there
+                self.failed = (who, WorkerFailed(f"{type(exc).__name__}: {exc}"))
+            finally:
+                self._ready.set()
+                self._release.wait()  # until `close`: the workers end with this thread
+
+    def wait(self) -> None:
+        self._ready.wait()
+
+    def take(self) -> dict[str, Worker]:
+        """The warm, paused workers by system ("A", "B"); raises the start's `WorkerFailed`."""
+        self._ready.wait()
+        if self.failed is not None:
+            raise self.failed[1]
+        return self.workers
+
+    def close(self) -> None:
+        self._ready.wait()
+        for w in self.workers.values():
+            w.sandbox.resume()  # a stopped process would not see its stdin close
+        self._release.set()
+        self._thread.join()
+
+
 def _trial_runs(ev: Evaluator, order: str, systems: dict[str, System], prompts: list[list[int]],
-                interleave: bool) -> Iterator[Run]:
-    """Each run of one trial, in ``order``."""
+                interleave: bool, ready: Prestarted | None = None,
+                when_timing: Callable[[], None] | None = None) -> Iterator[Run]:
+    """Each run of one trial, in ``order``; interleaved: its workers from ``ready`` when they were started
+    ahead, and ``when_timing`` called once they are all warm, before the first timed request."""
     if interleave:
         def request_order(i: int) -> list[str]:  # both systems per request, the order flipped on odd ones
             first = stats.first_in_request(order, i)
             return [first, order.replace(first, "")]
 
-        yield from together(ev, list(order), systems, prompts, request_order)
+        yield from together(ev, list(order), systems, prompts, request_order, ready, when_timing)
         return
     if len(ev.devices) < 2:
         for who in order:
@@ -146,9 +218,11 @@ def _trial_runs(ev: Evaluator, order: str, systems: dict[str, System], prompts: 
 
 
 def together(ev: Evaluator, names: list[str], systems: dict[str, System], prompts: list[list[int]],
-             request_order: Callable[[int], list[str]]) -> Iterator[Run]:
+             request_order: Callable[[int], list[str]], ready: Prestarted | None = None,
+             when_timing: Callable[[], None] | None = None) -> Iterator[Run]:
     """A run of each of ``names``, their fresh workers alive at once: each started and warmed up alone
-    (the others paused), then unit ``i`` (a request, or a batched deployment's load: `Workers.units`)
+    (the others paused), or taken warm from ``ready`` (started ahead: `Prestarted`, closed by its owner),
+    then ``when_timing()``, then unit ``i`` (a request, or a batched deployment's load: `Workers.units`)
     answered by each system in ``request_order(i)``; a worker
     not being timed is paused (``Sandbox.pause``), so it takes no CPU while another answers. On a
     failure only the failing system is yielded. Also the sealed final's way of running (`phases`)."""
@@ -158,10 +232,18 @@ def together(ev: Evaluator, names: list[str], systems: dict[str, System], prompt
     who = names[0]
     with contextlib.ExitStack() as stack:
         try:
+            if ready is not None:
+                ready.wait()
+                who = ready.failed[0] if ready.failed else who
+                workers.update(ready.take())
             for who in names:
+                if who in workers:
+                    continue
                 for other in workers.values():
                     other.sandbox.pause()
                 workers[who] = stack.enter_context(ev.workers.warm_worker(systems[who], prompts, ev.device))
+            if when_timing is not None:
+                when_timing()
             for i, unit in enumerate(ev.workers.units(prompts)):
                 for who in request_order(i):
                     for other, w in workers.items():

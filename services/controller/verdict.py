@@ -2,8 +2,8 @@
 
 For each ``PatchProposed``: policy → ``PatchRefused``; else apply + sandboxed default check
 (`checks.default_check`) → ``PatchTested``; stock-versus-stock noise once per deployment and device
-(`noise`) → ``TimingMeasured(kind="noise")``; paired ABBA timing (`timing.paired`) →
-``TimingMeasured``; if the candidate's outputs differ from the incumbent's, token forcing (`force`: the
+(`noise`) → ``TimingMeasured(kind="noise")``; paired ABBA timing (`timing.paired`), stopped at the first
+look whose evidence is clear (`sequential.look`, at most ``trials``) → ``TimingMeasured``; if the candidate's outputs differ from the incumbent's, token forcing (`force`: the
 forcer service over the bus, or this process for `specpilot time`); then ``VerdictIssued`` with every
 statistic (`stats.decide`). A promotion is first profiled (``ProfileMeasured``, so the round's cost
 model plans the next wave from the new best's step costs and replays), then its ``VerdictIssued``,
@@ -12,7 +12,7 @@ system's file hashes, the deployment's facts as requirements) are published toge
 none. A patch whose decision is already in the ledger is not evaluated again (redelivery); every event
 of a patch's decision has an id derived from the patch (``verdict-<patch>``, ``tested-<patch>``, ...), so
 a decision made twice (memory could not say it was made) is recorded once: the stream or the ledger drops
-the second. Decisions are pure (`specpilot.policy`, `stats`); this module does
+the second. Decisions are pure (`specpilot.policy`, `stats`, `sequential`); this module does
 the I/O, through the `context.Service` it is given.
 """
 
@@ -22,12 +22,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specpilot import policy, schema
-from specpilot.services.controller import hardware, phases, stats, timing
+from specpilot.services.controller import hardware, phases, sequential, stats, timing
 from specpilot.services.controller.checks import default_check
 from specpilot.services.controller.state import noise_key
 from specpilot.services.controller.systems import SYSTEM_DIRS
@@ -65,26 +66,49 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
         return
 
     interleave = ev.interleave
-    first: tuple[stats.GainEstimate, schema.TimingMeasured] | None = None  # the interleaved timing, if retimed
+    reference_tokens = ev.reference(best)
+    stock_noise = sequential.Reference.from_noise(noise, ev.noise_trials)
+    cap = sequential.cap_for(stock_noise, ev.trials)  # the most trials this noise needs for a 5% gain
+    looked: list[sequential.Look] = []
+
+    def clear(res: timing.TrialResult) -> bool:
+        """The sequential rule: after each pair of trials, stop once the evidence is clear."""
+        if len(res.order) not in sequential.looks(cap):
+            return False
+        looked.append(sequential.look(res.incumbent_s, res.candidate_s, res.order, stock_noise, cap,
+                                      res.candidate_outputs == reference_tokens))
+        return looked[-1].action != "continue"
+
+    # the interleaved timing's (estimate, noise of its bar, event, look), when a GPU win is confirmed run by run
+    first: tuple[stats.GainEstimate, float, schema.TimingMeasured, sequential.Look | None] | None = None
     for attempt in itertools.count():
         t0 = time.monotonic()
-        trial = await asyncio.to_thread(timing.paired, ev, best, candidate, None, interleave)
+        # The first timing is sequential; a timing again run by run (below) runs its full count.
+        trial = await asyncio.to_thread(timing.paired, ev, best, candidate, cap if attempt == 0 else None,
+                                        interleave, clear if attempt == 0 else None)
         measured = await ctl.emit(schema.TimingMeasured(
             event_id=f"timing-{patch.patch_id}-{attempt}", patch_id=patch.patch_id, kind="candidate", device=ctl.device, incumbent_commit=best.commit,
             candidate_commit=candidate.commit, noise=noise, requests=ev.n_requests, interleaved=interleave,
             wall_s=time.monotonic() - t0, **trial.event_fields()), patch)
         if trial.problem:
             break
-        estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s, order=trial.order)
+        basis = looked[-1] if attempt == 0 and looked and looked[-1].k == len(trial.order) else None
+        if basis is not None:
+            estimate, verdict_noise = basis.estimate, basis.noise
+        else:
+            estimate = stats.paired_gain(trial.incumbent_s, trial.candidate_s, order=trial.order)
+            verdict_noise = stock_noise.per_trial_sd / math.sqrt(estimate.n)
         # The candidate may slow the other system (work it leaves queued on the device while
         # stopped, caches it evicts): interleaving would credit that to it. Whole runs, each in
         # a worker that exits before the other starts, cannot (stats.retime_reason).
-        why = stats.retime_reason(interleave, trial.carryover, estimate, noise, gpu=ev.device.startswith("cuda"))
+        why = stats.retime_reason(interleave, trial.carryover, estimate, verdict_noise,
+                                  gpu=ev.device.startswith("cuda"))
         if not why:
             break
         log.warning("patch %s: %s; timing again run by run", patch.patch_id, why)
         # A suspect carry-over discredits the interleaved timing; a GPU win only asks for confirmation.
-        first = None if trial.carryover is not None and trial.carryover.suspect else (estimate, measured)
+        first = (None if trial.carryover is not None and trial.carryover.suspect
+                 else (estimate, verdict_noise, measured, basis))
         interleave = False
     if trial.problem:
         await ctl.emit(schema.VerdictIssued(event_id=verdict_id(patch.patch_id), patch_id=patch.patch_id,
@@ -92,19 +116,21 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
                                             timing_event_id=measured.event_id), patch)
         return
 
-    identical = trial.candidate_outputs == ev.reference(best)
+    identical = trial.candidate_outputs == reference_tokens
     evidence, confirmation = [measured.event_id], ""
     if first is not None:  # an interleaved GPU win, timed again run by run: does that uphold it?
-        upheld, confirmation = stats.confirms(first[0], estimate, stats.promotion_bar(noise, identical))
+        upheld, confirmation = stats.confirms(first[0], estimate, stats.promotion_bar(first[1], identical))
         if upheld:
-            (estimate, measured), evidence = first, [first[1].event_id, measured.event_id]
+            (estimate, verdict_noise, measured, basis), evidence = first, [first[2].event_id, measured.event_id]
     if not measured.interleaved and ev.interleave:  # the verdict rests on a design whose noise is unmeasured
-        noise = stats.confirmation_noise(noise, estimate)
-    forcing_passed = None
+        verdict_noise = stats.confirmation_noise(verdict_noise, estimate)
+    forcing_passed, forcing_error = None, ""
     if not identical:
-        forcing_passed = await force(ctl, ev, patch, candidate, trial.candidate_outputs)
-    decision = stats.decide(estimate, noise, outputs_identical=identical, forcing_passed=forcing_passed,
-                            ceiling=ctl.state.ceiling.get(dep, SANITY_CEILING))
+        forcing_passed, forcing_error = await force(ctl, ev, patch, candidate, trial.candidate_outputs)
+    decision = stats.decide(estimate, verdict_noise, outputs_identical=identical, forcing_passed=forcing_passed,
+                            ceiling=ctl.state.ceiling.get(dep, SANITY_CEILING), forcing_error=forcing_error)
+    if basis is not None:
+        decision = dataclasses.replace(decision, reason=f"{decision.reason}; {basis.why()}")
     if confirmation:
         decision = dataclasses.replace(decision, reason=f"{decision.reason}; run by run: {confirmation}")
     if decision.decision == "promote":
@@ -155,7 +181,7 @@ async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema
             reused_from=f"{cached.get('data')}: {cached.get('event_id')}"), cause)
     if key not in ctl.state.noise:
         t0 = time.monotonic()
-        trial = await asyncio.to_thread(timing.paired, ev, best, best)
+        trial = await asyncio.to_thread(timing.paired, ev, best, best, ev.noise_trials)
         wall_s = time.monotonic() - t0
         if trial.problem:
             raise RuntimeError(f"noise measurement failed: {trial.problem}")
@@ -168,8 +194,9 @@ async def measure_noise(ctl: Service, ev: Evaluator, best: System, cause: schema
 
 
 async def force(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
-                outputs: list[list[int]]) -> bool:
-    """Whether the candidate's outputs pass token forcing against the target (False on a timeout).
+                outputs: list[list[int]]) -> tuple[bool, str]:
+    """Whether the candidate's outputs pass token forcing against the target, and why forcing could not
+    run ('' when it ran: a forcer error, no report within the timeout), which is not a failed verdict.
 
     The timing's outputs are forced first; a pass whose rate rule had less than 90% power to catch a
     system one point worse than stock (the report's ``tokens_for_power``) is forced again with the
@@ -177,20 +204,27 @@ async def force(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candid
     prompts = ev.prompts()
     report = await _force_once(ctl, ev, patch, candidate, f"force-{patch.patch_id}", prompts, outputs)
     if report is None or not report.passed:
-        return False
+        return False, _forcing_error(report)
     have = sum(map(len, outputs))
     need = int(report.stats.get("tokens_for_power", 0))
     if need <= have:
-        return True
+        return True, ""
     extra = await asyncio.to_thread(ev.more_dev_prompts, need - have)
     if not extra:
-        return True
+        return True, ""
     more, _ = await asyncio.to_thread(ev.workers.run, candidate, extra)
     log.info("patch %s: forcing again on %d more dev requests (%d tokens forced had %.0f%% power)",
              patch.patch_id, len(extra), have, 100 * float(report.stats.get("power", 0.0)))
     report = await _force_once(ctl, ev, patch, candidate, f"force-{patch.patch_id}-powered", prompts + extra,
                                outputs + more)
-    return report is not None and report.passed
+    return report is not None and report.passed, "" if report is not None and report.passed else _forcing_error(report)
+
+
+def _forcing_error(report: schema.ForcingReported | None) -> str:
+    """Why forcing could not run at all ('' for a report of a forcing that ran and failed)."""
+    if report is None:
+        return f"no forcing report within {FORCING_TIMEOUT_S:.0f} s (is the forcer service running?)"
+    return str(report.stats.get("error", ""))
 
 
 async def _force_once(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candidate: System,
@@ -240,4 +274,5 @@ def memory_entry(ev: Evaluator, patch: schema.PatchProposed, candidate: System, 
                                       outputs_identical=identical, **requirement_tables()),
         contract="greedy tokens identical to the incumbent's" if identical
         else "passes token forcing against stock (rate and event rules)",
-        evidence=evidence, source_commit=candidate.commit, source_files=files, stock_files=stock_files)
+        evidence=evidence, source_commit=candidate.commit, source_files=files, stock_files=stock_files,
+        machine=hardware.machine(ev.device, ev.threads, str(candidate.options.get("dtype") or ev.dep.dtype)))

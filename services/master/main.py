@@ -40,7 +40,7 @@ from typing import Any
 from specpilot import bus, evidence, handshake, schema, service, subjects
 from specpilot.llm import Usage
 from specpilot.reads import Reads
-from specpilot.services.master import costmodel, planner, plots
+from specpilot.services.master import costmodel, planner, plots, timeline
 
 NAME = "master"
 DESCRIPTION = "Plans directions from the cost model, integrates winners, starts the sealed final."
@@ -291,11 +291,12 @@ class RoundDriver:
         past = dataclasses.replace(past, applied_entries=past.applied_entries
                                    | planner.entries_in_lineage(entries, {b.event_id for b in best}))
         known = set(options.__dataclass_fields__)
-        entries = [{**e, "origin_device_kind": _device_kind_of(e.get("deployment", ""))}
+        hardware = await self.round_events(schema.HardwareMeasured)
+        here = dict(hardware[-1].machine) if hardware else {}  # type: ignore[attr-defined]
+        entries = [{**e, "same_machine": planner.same_machine_kind(e.get("machine"), here)}
                    for e in planner.applicable_entries(entries, known, server=bool(deployment.server))]
         predict = None
         profiles = [p for p in await self.round_events(schema.ProfileMeasured) if p.step_s > 0]  # type: ignore[attr-defined]
-        hardware = await self.round_events(schema.HardwareMeasured)
         told = evidence.bundle(facts=facts, best_options=best_options, attempts=evidence.attempts(history),
                                hardware=hardware[-1] if hardware else None,  # type: ignore[arg-type]
                                profile=profiles[-1] if profiles else None, ceiling=ceiling,  # type: ignore[arg-type]
@@ -372,18 +373,15 @@ class RoundDriver:
         proposals = {p.patch_id: p for p in await self.round_events(schema.PatchProposed)}  # type: ignore[attr-defined]
         tested = await self.round_events(schema.PatchTested)
         summary = summarise(final, ceiling, verdicts, refused, proposals, tested)
+        # where the round's time went: the events that mark it (brief: a proposal's diff as its skeleton)
+        marks = await self.reads.events(
+            schema.RoundStarted, schema.CeilingComputed, schema.TimingMeasured, schema.PatchProposed,
+            schema.PatchTested, schema.ForcingRequested, schema.ForcingReported, schema.VerdictIssued,
+            schema.PatchRefused, schema.SealedFinalRequested, schema.SealedFinalReported,
+            round_id=self.round_id, brief=True)
+        summary["timeline"] = timeline.timeline(marks, until_ns=time.time_ns())
         await self.emit(schema.RoundFinished(event_id=f"{self.round_id}-finished", summary=summary))
         log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
-
-
-def _device_kind_of(deployment: str) -> str | None:
-    """The device kind of the deployment an entry was found on, when this checkout has it (reads its TOML)."""
-    from specpilot.harness.deployment import DeploymentError, load_deployment
-
-    try:
-        return load_deployment(deployment).facts().get("device_kind")
-    except (DeploymentError, OSError, ValueError):
-        return None
 
 
 # --- pure helpers ------------------------------------------------------------------------------------
@@ -489,7 +487,7 @@ def summarise(final: schema.SealedFinalReported | None, ceiling: schema.CeilingC
         p = proposals.get(v.patch_id)
         candidates.append({"patch_id": v.patch_id, "provider": p.provider if p else "", "options": dict(p.options) if p else {},
                            "decision": v.decision, "gain": v.gain, "lower_bound": v.lower_bound, "bar": v.bar,
-                           "reason": v.reason})
+                           "n_trials": v.n_trials, "reason": v.reason})
     for r in refused:
         candidates.append({"patch_id": r.patch_id, "decision": "refused", "reason": r.reason})
     return {"headline": headline, "sealed": results, "candidates": candidates,

@@ -2,8 +2,11 @@
 facts, accepted memory entries and what the ledger says was already tried (docs/DESIGN.md §7).
 
 The offline planner (``rules``) works in this order:
-1. accepted memory entries whose requirements hold here and that no direction has applied yet
-   (provider ``memory``);
+1. accepted memory entries whose requirements hold here, that no direction has applied yet and that were
+   found on this kind of machine (``same_machine``: the same device kind, ISA or GPU, worker threads and
+   dtype; provider ``memory``); an entry from another kind, or one that does not say, is a hypothesis:
+   ranked with the sweeps by the cost model's prediction of its options on the best (last among them
+   when it cannot say; not timed when it predicts a clear loss), never first by rule;
 2. with an LLM coder, one open direction per wave for the largest factor, written for the LLM;
 3. option sweeps (what each `EngineOptions` field's `OptionInfo` says: values, factor, devices, what it
    requires), grouped by the factor they attack, largest factor first, skipping option values
@@ -133,15 +136,22 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     requires = engine_options.requirements(cls)
     shapes = engine_options.shape_options(cls)
     out: list[Direction] = []
-    elsewhere: list[Direction] = []  # entries found on another device kind: after this kind's sweeps
+    sweeps: list[tuple[float, Direction]] = []  # ranked by predicted gain: sweeps, and entries from elsewhere
     for entry in entries:
         if entry["entry_id"] not in history.applied_entries:
             d = Direction(title=f"apply memory entry {entry['entry_id']}: {entry.get('title', '')}".strip(),
                           factor="memory", provider="memory", memory_entry_id=entry["entry_id"],
                           rationale="validated on a deployment whose facts match this one",
                           hints={"entry": {k: entry.get(k) for k in ("entry_id", "delta", "options")}})
-            found_on = entry.get("origin_device_kind")
-            (elsewhere if found_on and found_on != facts.get("device_kind", "cpu") else out).append(d)
+            if entry.get("same_machine"):
+                out.append(d)
+                continue
+            score = _entry_prediction(entry, best_options, predict)
+            if score is None or score >= MIN_PREDICTED_GAIN:
+                found = entry.get("machine") or {}
+                sweeps.append((score if score is not None else 1.0, replace(
+                    d, rationale=f"a hypothesis: found on another kind of machine ({_kind_words(found)})"
+                    + (f", predicted {score:.2f}x here" if score is not None else ", not predictable here"))))
     order = sorted(factors, key=lambda f: -factors[f]) or list(sweep_table)
     llm = coder not in ("sweep", "memory", "")
     if llm and order:
@@ -149,7 +159,6 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
         out.append(Direction(title=f"{top}: {LLM_TASKS.get(top, 'make the decode step faster')}", factor=top,
                              provider=coder, rationale=_why(top, factors),
                              hints={"factors": factors, "best_options": best_options}))
-    sweeps: list[tuple[float, Direction]] = []
     for factor in order:
         for option, values, kinds in sweep_table.get(factor, []):
             if facts.get("device_kind", "cpu") not in kinds or option not in known_options:
@@ -200,7 +209,7 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
     touched: dict[str, set[str]] = {k: {repr(v)} for d in out if d.provider == "memory"
                                     for k, v in (d.hints["entry"].get("options") or {}).items()}
     # stable: this mode's own mechanisms, then the score, then factor and field order among equals
-    for _, d in sorted(sweeps, key=lambda sd: (sd[1].hints["option"] not in own_mode, -sd[0])):
+    for _, d in sorted(sweeps, key=lambda sd: (sd[1].hints.get("option") not in own_mode, -sd[0])):
         # Directions of one wave are timed one on top of the other: one that sets an option an earlier
         # one sets (a block size next to a drafter paired with one), or that needs another value of it
         # (an n-gram setting next to another drafter), would undo it; it waits for a wave planned on
@@ -212,18 +221,45 @@ def plan(*, factors: dict[str, float], facts: dict[str, Any], best_options: dict
         for k, v in needs.items():
             touched[k] = {v}
         out.append(d)
-    # A setting validated on another device kind is a weak prior here (a CPU round's block size led a
-    # GPU round and lost: docs/FIGURES.md, "Two rounds over the realistic stock"): it waits for this
-    # kind's own sweeps, and for a wave where no sweep sets its options.
-    for d in elsewhere:
-        if not set(d.hints["entry"].get("options") or {}) & touched.keys():
-            out.append(d)
     return out[:devices]
+
+
+def _entry_prediction(entry: dict[str, Any], best_options: dict[str, Any],
+                      predict: Callable[[str, Any, dict[str, Any]], float | None] | None) -> float | None:
+    """The cost model's predicted speedup of an entry's options over the best (one option predicted with
+    the others as its base), or None when it cannot say (code, or options it does not model)."""
+    opts = dict(entry.get("options") or {})
+    if predict is None or not opts or (entry.get("delta") or "").strip():
+        return None
+    for option, value in opts.items():
+        guess = predict(option, value, {**best_options, **{k: v for k, v in opts.items() if k != option}})
+        if guess is not None:
+            return guess
+    return None
+
+
+def _kind_words(machine: dict[str, Any]) -> str:
+    """An entry's machine kind in words ("not recorded" for an entry that does not carry one)."""
+    if not machine:
+        return "not recorded"
+    return (f"{machine.get('device_kind', '?')} {machine.get('device', '?')}, {machine.get('threads', '?')} threads, "
+            f"{machine.get('dtype', '?')}")
+
+
+MACHINE_KIND_KEYS = ("device_kind", "device", "threads", "dtype")
+
+
+def same_machine_kind(found: dict[str, Any] | None, here: dict[str, Any] | None) -> bool:
+    """Whether a finding made on machine ``found`` is this machine kind's own (both recorded, every
+    `MACHINE_KIND_KEYS` equal): only then does the planner apply it first."""
+    return bool(found and here) and all(found.get(k) == here.get(k) for k in MACHINE_KIND_KEYS)
 
 
 def _settings(d: Direction) -> tuple[dict[str, set[str]], dict[str, str]]:
     """The options a sweep direction's candidates change (its option and the step shapes it is paired
-    with) and what they need, with their values (as reprs)."""
+    with), or an entry's options, and what they need, with their values (as reprs)."""
+    if d.provider == "memory":
+        return {k: {repr(v)} for k, v in (d.hints["entry"].get("options") or {}).items()}, {}
     own = {d.hints["option"]: set(map(repr, d.hints["values"]))}
     for pair in d.hints.get("joint", {}).values():
         for k, v in pair.items():

@@ -122,6 +122,7 @@ def cmd_round(args: argparse.Namespace) -> int:
     result = {"round_id": round_id, **summary.get("headline", {}),
               "ledger": str(data / "ledger.duckdb") if local else "the memory service's data directory (specpilot sql)",
               "final_commit": summary.get("final_commit", ""), "charts": [str(c) for c in charts],
+              "timeline": summary.get("timeline", {}),
               "final_system": f"git branch best/{args.deployment} in "
                               f"{data / 'controller' / 'systems' if local else 'the controller host systems repository'}"}
     out.print(f"ledger: {result['ledger']}; final system: {result['final_system']}")
@@ -265,13 +266,31 @@ def _table(summary: dict) -> None:
     forcing = sealed.get("forcing", {})
     if forcing:
         out.print(f"forcing verdict on the final: {'passed' if forcing.get('passed') else 'FAILED'} ({forcing.get('reason', '')})")
-    c = output.table("candidates", ("patch", "provider", "options", "gain", "lower bound", "bar", "verdict"))
+    c = output.table("candidates", ("patch", "provider", "options", "gain", "lower bound", "bar", "trials", "verdict"))
     for cand in summary.get("candidates", []):
         c.add_row(cand["patch_id"], cand.get("provider", ""), json.dumps(cand.get("options", {})),
-                  _pct(cand.get("gain")), _pct(cand.get("lower_bound")), _pct(cand.get("bar")), cand["decision"])
+                  _pct(cand.get("gain")), _pct(cand.get("lower_bound")), _pct(cand.get("bar")),
+                  str(cand.get("n_trials", "")), cand["decision"])
     out.print(c)
+    _timeline(summary.get("timeline") or {})
     if sandbox := summary.get("sandbox"):  # how agent code ran: a development override is never silent
         out.print(f"sandbox: {sandbox}")
+
+
+TIMELINE_PARTS = ("checks", "start_up", "measured", "timing_other", "forcing", "other")
+
+
+def _timeline(timeline: dict) -> None:
+    """Where the round's time went (`services.master.timeline`): a row a phase or candidate, seconds."""
+    if not timeline.get("rows"):
+        return
+    t = output.table(f"where the time went: {timeline['total_s']:.0f} s",
+                     ("phase", "seconds", "trials", *(p.replace("_", " ") for p in TIMELINE_PARTS)))
+    for row in timeline["rows"]:
+        t.add_row(row["what"] + (" (reused)" if row.get("reused") else ""), f"{row['s']:.0f}",
+                  str(row.get("trials", "")), *(f"{row[p]:.0f}" if p in row else "" for p in TIMELINE_PARTS))
+    t.add_row("idle (planning, writing patches)", f"{timeline['idle_s']:.0f}", "", *("" for _ in TIMELINE_PARTS))
+    out.print(t)
 
 
 def _ci(row: dict, key: str) -> str:

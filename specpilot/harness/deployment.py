@@ -41,11 +41,14 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class Timing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The controller's timing in a round, the ``[timing]`` table (these defaults where it is silent): ABBA
-    trials a verdict, dev requests a trial, tokens a request, torch CPU threads a worker: enough for low
-    stock-vs-stock noise interleaved on 2 CPU cores (docs/FIGURES.md, controller statistics)."""
+    """The controller's timing in a round, the ``[timing]`` table (these defaults where it is silent): the
+    most ABBA trials a verdict runs (a sequential verdict stops as soon as the evidence is clear:
+    `specpilot.services.controller.sequential`), trials of the stock-versus-stock noise run, dev requests a
+    trial, tokens a request, torch CPU threads a worker: enough for low stock-vs-stock noise interleaved on
+    2 CPU cores (docs/FIGURES.md, controller statistics)."""
 
-    trials: PositiveInt = 6
+    trials: PositiveInt = 32
+    noise_trials: Annotated[int, msgspec.Meta(ge=4)] = 8  # 4 or more: the crossover fit needs both orders twice
     requests: PositiveInt = 3
     max_new_tokens: PositiveInt = 64
     threads: PositiveInt = 1

@@ -61,6 +61,34 @@ def test_each_request_is_answered_by_both_systems_in_turn(tmp_path):
         "effect", "lower_bound", "p_value"}
 
 
+@pytest.mark.slow
+@needs_bwrap
+def test_the_next_trials_workers_start_while_this_one_is_timed(tmp_path, monkeypatch):
+    """Prestarting (`timing.Prestarted`): each trial still gets fresh workers of its own, the ones started for
+    a trial a sequential stop cancels are closed, and nothing is left running."""
+    ev = Evaluator(tmp_path, "tiny-cpu", n_requests=3, max_new_tokens=16, trials=4, threads=1,
+                   limits=Limits(wall_s=60.0), interleave=True, prestart=True)
+    made: list[timing.Prestarted] = []
+
+    class Recorded(timing.Prestarted):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(timing, "Prestarted", Recorded)
+    stock = System(ev.prepare())
+    tree = System(stock.commit, {"verify": "tree"})
+    res = timing.paired(ev, stock, tree, stop=lambda r: len(r.order) == 2)
+    assert res.problem == "" and res.order == ["AB", "BA"]
+    assert res.candidate_outputs == ev.reference(stock)
+    assert len(made) == 2  # trial 2's workers, started during trial 1; trial 3's, during trial 2 (unused)
+    pids = [w.sandbox._procs[0].pid for p in made for w in p.workers.values()]
+    assert len(set(pids)) == 4  # every worker a fresh process
+    assert all(proc.poll() is not None for p in made for w in p.workers.values() for proc in w.sandbox._procs)
+    assert not ev.workers._active  # every sandbox closed
+    assert len(res.incumbent_untimed_s) == len(res.candidate_untimed_s) == 3  # 1 + 1 ahead + 1 cancelled
+
+
 # After each reply the candidate leaves 0.5 s of GPU work queued on a side stream: it runs while the
 # candidate is stopped, during the incumbent's next request (a stopped process's kernels still run).
 # It also waits only for its own stream before replying, so it never pays for that work itself (the

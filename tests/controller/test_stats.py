@@ -1,10 +1,11 @@
 """Paired-timing statistics and the promotion rule, on synthetic timings with realistic noise.
 
-The timing model (`simulate`): each trial times incumbent and candidate on the same 8 requests in
-the order `abba_order` gives. A request's time is its base time x lognormal noise (2-5%), and with
-a small probability an outlier (x1.2-2). Both runs of a trial share a trial-level load factor (3%,
-what pairing cancels); the machine drifts slowly across the experiment (a random walk per run
-slot, what ABBA ordering cancels to first order). The controller's noise comes from one
+The timing model (`bench.timing_model.simulate`, shared with the sequential verdict's tests and bench):
+each trial times incumbent and candidate on the same 8 requests in the order `abba_order` gives. A
+request's time is its base time x lognormal noise (2-5%), and with a small probability an outlier
+(x1.2-2). Both runs of a trial share a trial-level load factor (3%, what pairing cancels); the
+machine drifts slowly across the experiment (a random walk per run slot, what ABBA ordering cancels
+to first order). The controller's noise comes from one
 stock-versus-stock run of the same design per experiment, as it would be measured per deployment.
 Every RNG is seeded, so the rates below are exact numbers, not flaky ones.
 """
@@ -16,31 +17,11 @@ import math
 import numpy as np
 import pytest
 
+from bench.timing_model import simulate
 from specpilot import schema
 from specpilot.services.controller import stats
 
 N_EXPERIMENTS = 1000
-
-
-def simulate(rng: np.random.Generator, n_exp: int, n_trials: int, gain: float, req_sigma: float,
-             n_req: int = 8, outlier_p: float = 0.005, drift_sd: float = 0.005, trial_sd: float = 0.03,
-             linear_drift: float = 0.0, order: list[str] | None = None,
-             position: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Trial times (incumbent_s, candidate_s), each [n_exp, n_trials]; the candidate is exp(gain)x faster
-    and whichever system runs first in a trial is exp(position)x slower."""
-    base = rng.uniform(0.5, 3.0, size=(n_exp, 1, 1, n_req))
-    slots = 2 * n_trials
-    walk = np.cumsum(rng.normal(0.0, drift_sd, size=(n_exp, slots)), axis=1)
-    drift = np.exp(walk + linear_drift * np.arange(slots) / slots)
-    shared = np.exp(rng.normal(0.0, trial_sd, size=(n_exp, n_trials, 1)))
-    noise = np.exp(rng.normal(0.0, req_sigma, size=(n_exp, n_trials, 2, n_req)))
-    outliers = np.where(rng.random(noise.shape) < outlier_p, rng.uniform(1.2, 2.0, noise.shape), 1.0)
-    t = (base * noise * outliers).sum(-1) * shared  # [exp, trial, (incumbent, candidate)]
-    first_b = np.array([o == "BA" for o in (order or stats.abba_order(n_trials))], dtype=int)
-    slot_a = 2 * np.arange(n_trials) + first_b
-    slot_b = 2 * np.arange(n_trials) + 1 - first_b
-    first = np.exp(position * np.array([1 - first_b, first_b]))  # [(incumbent, candidate), trial]
-    return (t[:, :, 0] * drift[:, slot_a] * first[0], t[:, :, 1] * drift[:, slot_b] / math.exp(gain) * first[1])
 
 
 def promotion_rate(seed: int, gain: float, req_sigma: float, outputs_identical: bool = True,
@@ -213,6 +194,10 @@ def test_forcing_rules():
     assert stats.decide(good, 0.004, outputs_identical=False, forcing_passed=False).rule == "forcing_failed"
     assert stats.decide(good, 0.004, outputs_identical=True, forcing_passed=False).rule == "forcing_failed"
     assert stats.decide(good, 0.004, outputs_identical=True).promoted  # identical outputs need no forcing
+    # forcing that could not run is its own rule, naming the cause (not a failed verdict)
+    broken = stats.decide(good, 0.004, outputs_identical=False, forcing_passed=False,
+                          forcing_error="FileNotFoundError: /data/models/x.gguf")
+    assert broken.rule == "forcing_error" and "x.gguf" in broken.reason and not broken.promoted
 
 
 def test_speedup_beyond_the_ceiling_is_a_measurement_fault():

@@ -72,30 +72,46 @@ def test_the_best_options_are_the_base_and_current_values_are_not_proposed():
     assert all(d.hints["option"] != "verify" for d in ds)
 
 
-def test_memory_entries_come_first_once():
-    entry = {"entry_id": "e1", "title": "tree", "delta": "", "options": {"verify": "tree"}}
+def test_memory_entries_of_this_machine_kind_come_first_once():
+    entry = {"entry_id": "e1", "title": "tree", "delta": "", "options": {"verify": "tree"}, "same_machine": True}
     (d,) = _plan({"tau": 2.0}, entries=[entry])
     assert d.provider == "memory" and d.memory_entry_id == "e1" and d.hints["entry"]["options"] == {"verify": "tree"}
     (d,) = _plan({"tau": 2.0}, entries=[entry], history=History(applied_entries=frozenset({"e1"})))
     assert d.provider == "sweep"
 
 
-def test_an_entry_found_on_another_device_kind_waits_for_this_kinds_sweeps():
-    """A CPU round's drafter block size led an H100 round and lost (2026-12-05): on a GPU it comes after
-    the GPU's own sweeps, and not in a wave whose sweeps set its options."""
-    cpu_entry = {"entry_id": "e-cpu", "delta": "", "options": {"verify": "tree"}, "origin_device_kind": "cpu"}
-    (d,) = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry])
-    assert d.provider == "sweep"
-    ds = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry], devices=20)
-    assert ds[-1].memory_entry_id == "e-cpu" or "verify" in [x.hints.get("option") for x in ds]
-    assert all(x.provider == "sweep" for x in ds[:-1])
-    tried = frozenset((o, repr(v)) for o, vs, _ in sweeps()["tau"] for v in vs)
-    (alone,) = _plan({"tau": 2.0}, facts=GPU, entries=[cpu_entry], devices=20, history=History(tried_options=tried))
-    assert alone.memory_entry_id == "e-cpu"
-    (d,) = _plan({"tau": 2.0}, facts=CPU, entries=[cpu_entry])  # found on this kind: first, as before
-    assert d.memory_entry_id == "e-cpu"
-    (d,) = _plan({"tau": 2.0}, facts=GPU, entries=[{**cpu_entry, "origin_device_kind": None}])  # unknown: first
-    assert d.memory_entry_id == "e-cpu"
+AMX = {"device_kind": "cpu", "device": "amx", "threads": 1, "dtype": "fp32"}
+AVX512 = {**AMX, "device": "avx512-bf16"}
+
+
+def test_machine_kinds_compare_device_isa_threads_and_dtype():
+    assert planner.same_machine_kind(AMX, dict(AMX))
+    assert not planner.same_machine_kind(AMX, AVX512) and not planner.same_machine_kind(AMX, {**AMX, "threads": 2})
+    assert not planner.same_machine_kind({}, AMX) and not planner.same_machine_kind(AMX, None)
+
+
+def test_an_entry_from_another_machine_kind_is_a_hypothesis_ranked_by_the_cost_model():
+    """The shipped entry (parallel drafter, block 2, recorded on an AMX machine) went first on an AVX-512
+    machine and lost 25% (2026-12-07), and a CPU round's block size led an H100 round and lost (2026-12-05):
+    an entry from elsewhere is ranked with this machine's sweeps by its predicted gain."""
+    entry = {"entry_id": "e-amx", "delta": "", "options": {"drafter": "parallel", "block_size": 2}, "machine": AMX}
+
+    def predicts(gain):
+        return lambda option, value, base: {"drafter": gain, "verify": 1.5}.get(option)
+
+    ds = _plan({"tau": 2.0}, entries=[entry], devices=20, predict=predicts(1.3))
+    assert ds[0].provider == "sweep" and ds[0].hints["option"] == "verify"  # ranked, not first by rule
+    hypothesis = next(d for d in ds if d.memory_entry_id == "e-amx")
+    assert "another kind of machine" in hypothesis.rationale and "1.30x" in hypothesis.rationale
+    ds = _plan({"tau": 2.0}, entries=[entry], devices=20, predict=predicts(0.7))  # a clear predicted loss: not timed
+    assert all(d.memory_entry_id != "e-amx" for d in ds)
+    # a code entry, or no cost model: last among what the wave times
+    (alone,) = _plan({"tau": 2.0}, entries=[{**entry, "options": {"linear_backend": "stream"}}], devices=1,
+                     history=History(tried_options=frozenset((o, repr(v)) for o, vs, _ in sweeps()["tau"] for v in vs)),
+                     known=KNOWN | {"linear_backend"})
+    assert alone.memory_entry_id == "e-amx" and "not predictable" in alone.rationale
+    (d,) = _plan({"tau": 2.0}, entries=[{**entry, "same_machine": True}])  # found on this kind: first
+    assert d.memory_entry_id == "e-amx"
 
 
 def test_an_llm_coder_gets_an_open_direction_for_the_largest_factor():
@@ -189,7 +205,8 @@ def test_directions_of_one_wave_do_not_undo_each_other():
 
 
 def test_a_sweep_does_not_repeat_what_a_memory_entry_of_the_wave_sets():
-    entry = {"entry_id": "e1", "title": "parallel", "delta": "", "options": {"drafter": "parallel", "block_size": 2}}
+    entry = {"entry_id": "e1", "title": "parallel", "delta": "", "options": {"drafter": "parallel", "block_size": 2},
+             "same_machine": True}
     ds = _plan({"tau": 1.64, "kernel": 1.2}, entries=[entry], devices=9, known=KNOWN | {"linear_backend"},
                predict=_chain_model)
     assert ds[0].provider == "memory"
@@ -205,8 +222,8 @@ def test_directions_per_wave():
 
 
 def test_entries_taught_by_this_deployments_promotions_are_not_applied_again():
-    entries = [{"entry_id": "entry-own", "evidence": ["patch-1", "timing-1", "verdict-1", "advanced-1"]},
-               {"entry_id": "entry-other", "evidence": ["patch-9", "advanced-9"]}]
+    entries = [{"entry_id": "entry-own", "evidence": ["patch-1", "timing-1", "verdict-1", "advanced-1"], "same_machine": True},
+               {"entry_id": "entry-other", "evidence": ["patch-9", "advanced-9"], "same_machine": True}]
     applied = planner.entries_in_lineage(entries, {"advanced-1", "advanced-2"})
     assert applied == {"entry-own"}
     dirs = planner.plan(factors={"tau": 1.2}, facts={"device_kind": "cpu"}, best_options={}, known_options=set(),

@@ -26,7 +26,8 @@ def _value(flags: list[str], name: str) -> str:
 
 def test_the_deployment_sets_the_device_and_timing_the_command_line_does_not():
     cpu = cli.controller_flags(_parse())
-    assert _value(cpu, "--device") == "cpu" and _value(cpu, "--trials") == "6" and _value(cpu, "--requests") == "3"
+    assert _value(cpu, "--device") == "cpu" and _value(cpu, "--trials") == "32" and _value(cpu, "--requests") == "3"
+    assert _value(cpu, "--noise-trials") == "8"
     gpu = cli.controller_flags(_parse("--deployment", "smollm2-h200"))
     assert _value(gpu, "--device") == "cuda" and _value(gpu, "--trials") == "8" and _value(gpu, "--requests") == "8"
     assert _value(gpu, "--max-new-tokens") == "64"  # not in its [timing] table: the default
