@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 
+from rich.console import Console
 from rich.markup import escape
 
 from specpilot import bus, output, schema
@@ -118,16 +119,17 @@ def cmd_round(args: argparse.Namespace) -> int:
     summary = finished.summary
     folder = data / "rounds" / round_id
     charts = _charts(summary, folder)
-    _table(summary)
+    shown = console if args.json else out  # with --json, stdout holds the JSON object only
+    _table(summary, shown)
     result = {"round_id": round_id, **summary.get("headline", {}),
               "ledger": str(data / "ledger.duckdb") if local else "the memory service's data directory (specpilot sql)",
               "final_commit": summary.get("final_commit", ""), "charts": [str(c) for c in charts],
               "timeline": summary.get("timeline", {}),
               "final_system": f"git branch best/{args.deployment} in "
                               f"{data / 'controller' / 'systems' if local else 'the controller host systems repository'}"}
-    out.print(f"ledger: {result['ledger']}; final system: {result['final_system']}")
+    shown.print(f"ledger: {result['ledger']}; final system: {result['final_system']}")
     if local:  # they stay up so the next round starts at once; say so, and how to stop them
-        out.print(f"the local NATS server and services keep running; stop them with: specpilot down --data {data}")
+        shown.print(f"the local NATS server and services keep running; stop them with: specpilot down --data {data}")
     if args.json:
         print(json.dumps(result, separators=(",", ":")))
     # 0: the round finished and its final passed forcing; 1: the forcer rejected the final (see the table)
@@ -246,7 +248,7 @@ def _charts(summary: dict, folder) -> list:
     return charts
 
 
-def _table(summary: dict) -> None:
+def _table(summary: dict, out: Console = out) -> None:
     sealed = summary.get("sealed", {})
     if "error" in sealed:
         console.print(f"[red]sealed final failed[/red]: {sealed['error']}")
@@ -272,7 +274,7 @@ def _table(summary: dict) -> None:
                   _pct(cand.get("gain")), _pct(cand.get("lower_bound")), _pct(cand.get("bar")),
                   str(cand.get("n_trials", "")), cand["decision"])
     out.print(c)
-    _timeline(summary.get("timeline") or {})
+    _timeline(summary.get("timeline") or {}, out)
     if sandbox := summary.get("sandbox"):  # how agent code ran: a development override is never silent
         out.print(f"sandbox: {sandbox}")
 
@@ -280,7 +282,7 @@ def _table(summary: dict) -> None:
 TIMELINE_PARTS = ("checks", "start_up", "measured", "timing_other", "forcing", "other")
 
 
-def _timeline(timeline: dict) -> None:
+def _timeline(timeline: dict, out: Console = out) -> None:
     """Where the round's time went (`services.master.timeline`): a row a phase or candidate, seconds."""
     if not timeline.get("rows"):
         return

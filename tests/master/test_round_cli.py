@@ -33,3 +33,17 @@ def test_the_deployment_sets_the_device_and_timing_the_command_line_does_not():
     assert _value(gpu, "--max-new-tokens") == "64"  # not in its [timing] table: the default
     mine = cli.controller_flags(_parse("--deployment", "smollm2-h200", "--device", "cuda:1", "--requests", "4"))
     assert _value(mine, "--device") == "cuda:1" and _value(mine, "--requests") == "4"
+
+
+def test_the_tables_go_where_they_are_told_and_show_where_the_time_went(capsys):
+    """With --json the round's tables go to stderr (`cmd_round` passes its stderr console), so stdout holds
+    the JSON object only."""
+    summary = {"sealed": {}, "candidates": [{"patch_id": "p1", "decision": "reject", "n_trials": 2, "gain": -0.25}],
+               "timeline": {"total_s": 100.0, "idle_s": 5.0, "rows": [
+                   {"what": "phase 0", "s": 60.0},
+                   {"what": "candidate p1", "s": 35.0, "trials": 2, "checks": 5.0, "start_up": 10.0, "measured": 15.0,
+                    "timing_other": 2.0, "forcing": 0.0, "other": 3.0}]}}
+    cli._table(summary, cli.console)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "where the time went: 100 s" in captured.err and "candidate p1" in captured.err
