@@ -28,6 +28,8 @@ class State:
     registered: dict[str, str] = field(default_factory=dict)  # deployment -> its stock commit
     best: dict[str, Best] = field(default_factory=dict)  # deployment -> current best (absent: stock)
     noise: dict[str, float] = field(default_factory=dict)  # "deployment@device" -> noise of the gain
+    # "deployment@device" -> trials the noise figure was measured over (0: reused, the design's own count)
+    noise_trials: dict[str, int] = field(default_factory=dict)
     ceiling: dict[str, float] = field(default_factory=dict)  # deployment -> physical ceiling (speedup)
     options_at: dict[str, dict] = field(default_factory=dict)  # every best commit so far -> its options
 
@@ -60,6 +62,7 @@ def evolve(state: State, event: schema.Event) -> State:
             state.ceiling[event.deployment] = event.ceiling_speedup
         case schema.TimingMeasured(kind="noise"):
             state.noise[noise_key(event.deployment, event.device)] = event.noise
+            state.noise_trials[noise_key(event.deployment, event.device)] = len(event.incumbent_s)
         case _:
             pass
     return state

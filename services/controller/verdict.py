@@ -67,7 +67,9 @@ async def evaluate_patch(ctl: Service, patch: schema.PatchProposed) -> None:
 
     interleave = ev.interleave
     reference_tokens = ev.reference(best)
-    stock_noise = sequential.Reference.from_noise(noise, ev.noise_trials)
+    # the noise run's own count (a ledger's older figure may have another; a reused one has the design's)
+    noise_trials = ctl.state.noise_trials.get(noise_key(ev.deployment, ctl.device)) or ev.noise_trials
+    stock_noise = sequential.Reference.from_noise(noise, noise_trials)
     cap = sequential.cap_for(stock_noise, ev.trials)  # the most trials this noise needs for a 5% gain
     looked: list[sequential.Look] = []
 

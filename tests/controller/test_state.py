@@ -9,7 +9,8 @@ def test_the_state_is_folded_from_events():
     events = [
         schema.DeploymentRegistered(**env, source="controller", stock_commit="s0"),
         schema.DeploymentRegistered(deployment="forged", source="master", stock_commit="x"),  # not the controller's
-        schema.TimingMeasured(**env, kind="noise", device="cpu", noise=0.004),
+        schema.TimingMeasured(**env, kind="noise", device="cpu", noise=0.004, incumbent_s=[1.0] * 8,
+                              candidate_s=[1.0] * 8),
         schema.TimingMeasured(**env, kind="candidate", device="cpu", noise=0.9),  # a candidate's timing: not noise
         schema.CeilingComputed(**env, ceiling_speedup=3.5),
         schema.BestAdvanced(**env, commit="c1", options={"verify": "tree"}),
@@ -19,6 +20,7 @@ def test_the_state_is_folded_from_events():
     state = fold(events)
     assert state.registered == {"tiny-cpu": "s0"}
     assert state.noise == {noise_key("tiny-cpu", "cpu"): 0.004}
+    assert state.noise_trials == {noise_key("tiny-cpu", "cpu"): 8}  # what a look's pooled SD is scaled by
     assert state.ceiling == {"tiny-cpu": 3.5}
     assert state.best == {"tiny-cpu": Best("c2", {"verify": "tree", "block_size": 6})}
     assert state.best_options("tiny-cpu") == {"verify": "tree", "block_size": 6} and state.best_options("x") == {}
