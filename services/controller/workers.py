@@ -30,6 +30,11 @@ WARMUP_TOKENS = 8
 LOAD_PER_CLIENT = 2  # batched: prompts a closed-loop client sends in one timed load
 
 
+# Kept compile caches of an older format are left unused: before format 2 a kept cache's files lost their times
+# when copied, so ninja rebuilt a C++ extension in every worker started from it (`sandbox.copy_untrusted`).
+CACHE_FORMAT = 2
+
+
 def warm_up_prompts(prompts: list[list[int]]) -> list[list[int]]:
     """A prompt of each timed prompt's length but of other content: prompt ``i``'s is the next prompt's
     tokens reversed, cut or repeated to its length. A candidate that memoised its answers, or the KV of a
@@ -224,7 +229,7 @@ class Workers:
             return None
         key = system.key()
         self._starts[key] = starts = self._starts.get(key, 0) + 1
-        kept = self.root / "compile-cache" / hashlib.sha256(key.encode()).hexdigest()[:16]
+        kept = self.root / "compile-cache" / hashlib.sha256(f"{CACHE_FORMAT}:{key}".encode()).hexdigest()[:16]
         copy = workdir / "compile-cache"
         sibling = self._kept.get(system.commit)  # a kept cache of this commit under other options, not empty
         if not kept.exists():

@@ -133,6 +133,7 @@ def test_a_tree_a_sandbox_wrote_is_copied_without_following_links(tmp_path):
     src = tmp_path / "cache"
     (src / "triton" / "abc").mkdir(parents=True)
     (src / "triton" / "abc" / "kernel.cubin").write_bytes(b"\x7fELF")
+    os.utime(src / "triton" / "abc" / "kernel.cubin", ns=(1_000_000_000, 2_000_000_000))
     os.symlink(secret, src / "leak")  # a link to a file
     os.symlink(tmp_path, src / "triton" / "up")  # a link to a folder
     os.mkfifo(src / "fifo")  # a special file: reading it would block the controller
@@ -140,6 +141,8 @@ def test_a_tree_a_sandbox_wrote_is_copied_without_following_links(tmp_path):
     copied = sorted(p.relative_to(tmp_path / "copy").as_posix() for p in (tmp_path / "copy").rglob("*"))
     assert copied == ["triton", "triton/abc", "triton/abc/kernel.cubin"]
     assert got == {"files": 1, "bytes": 4, "skipped": 3}
+    # its times kept: ninja rebuilds an output whose time differs from what its log recorded
+    assert (tmp_path / "copy" / "triton" / "abc" / "kernel.cubin").stat().st_mtime_ns == 2_000_000_000
     with pytest.raises(sandbox.SandboxError, match="more than 0 files"):
         copy_untrusted(src, tmp_path / "small", max_files=0)
     assert not (tmp_path / "small").exists()
