@@ -176,7 +176,7 @@ def look(incumbent_s: Sequence[float], candidate_s: Sequence[float], order: Sequ
     if k < 2 or k > cap:
         raise ValueError(f"a look needs 2 to {cap} trials, got {k}")
     z = bounds(at)[_look_index(at, k)]
-    gain, factor, resid, dof, position = stats._fit(lr, stats.position_signs(order, k))
+    gain, factor, resid, dof, position = stats.fit_run(lr, stats.position_signs(order, k))
     own = math.sqrt(float(resid @ resid) / dof)
     pooled_dof = dof + reference.dof
     pooled = math.sqrt((dof * own ** 2 + reference.dof * reference.per_trial_sd ** 2) / pooled_dof)

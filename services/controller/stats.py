@@ -286,8 +286,9 @@ def position_signs(order: Sequence[str] | None, n: int) -> np.ndarray | None:
     return signs if abs(signs.sum()) < n else None
 
 
-def _fit(lr: np.ndarray, signs: np.ndarray | None) -> tuple[float, float, np.ndarray, int, float]:
-    """(gain, the variance factor of the gain, residuals, degrees of freedom, position) of one run."""
+def fit_run(lr: np.ndarray, signs: np.ndarray | None) -> tuple[float, float, np.ndarray, int, float]:
+    """(gain, the variance factor of the gain, residuals, degrees of freedom, position) of one run's per-trial
+    log ratios: the crossover fit with ``signs`` (`position_signs`), else the plain mean."""
     n = lr.size
     if signs is None:
         return float(lr.mean()), 1.0 / n, lr - lr.mean(), n - 1, 0.0
@@ -304,7 +305,7 @@ def paired_gain(incumbent_s: Sequence[float], candidate_s: Sequence[float],
     n = lr.size
     if n < 2:
         raise ValueError(f"a paired gain needs at least 2 trials, got {n}")
-    gain, factor, resid, dof, position = _fit(lr, position_signs(order, n))
+    gain, factor, resid, dof, position = fit_run(lr, position_signs(order, n))
     se = math.sqrt(float(resid @ resid) / dof * factor)
     half = _t_quantile(confidence, dof) * se
     return GainEstimate(gain=gain, lower_bound=gain - half, upper_bound=gain + half, std_err=se, n=n,
@@ -343,7 +344,7 @@ def noise_from_stock_runs(runs: Sequence[tuple[Sequence[float], Sequence[float]]
     if n_trials < 2:
         raise ValueError(f"n_trials must be >= 2, got {n_trials}")
     # Pooled variance: each run around its own fit (a run's offset is the between-run term's job).
-    fits = [_fit(lr, position_signs(order, lr.size))
+    fits = [fit_run(lr, position_signs(order, lr.size))
             for lr, order in zip(lrs, orders if orders is not None else [None] * len(lrs), strict=True)]
     ss = sum(float(resid @ resid) for _, _, resid, _, _ in fits)
     dof = sum(d for _, _, _, d, _ in fits)
