@@ -143,8 +143,9 @@ def test_a_timing_table_is_checked_and_layered_on_the_defaults(tmp_path):
     ok = tmp_path / "ok.toml"
     ok.write_text(base + "[timing]\nrequests = 12\n")
     assert load_deployment(ok).timing_settings() == {**TIMING_DEFAULTS, "requests": 12}
-    for body, message in (("trails = 3", "unknown key `timing.trails`; allowed: max_new_tokens, requests, threads, "
-                                          "trials"),
+    for body, message in (("trails = 3", "unknown key `timing.trails`; allowed: max_new_tokens, noise_trials, "
+                                          "requests, threads, trials"),
+                          ("noise_trials = 2", "`timing.noise_trials`: expected `int` >= 4"),
                           ("trials = 0", "`timing.trials`: expected `int` >= 1"),
                           ('trials = "6"', "`timing.trials`: expected `int`, got `str`")):
         bad = tmp_path / "bad.toml"
