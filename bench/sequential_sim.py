@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.timing_model import Recorded, read_runs, simulate  # noqa: E402
+from bench.timing_model import Recorded, model_draw, read_runs  # noqa: E402
 from specpilot.services.controller import sequential, stats  # noqa: E402
 
 GAINS = {"-25%": math.log(0.75), "0": 0.0, "+1%": math.log(1.01), "+5%": math.log(1.05), "+66%": math.log(1.66)}
@@ -100,17 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         recorded = Recorded(runs)
         what = (f"{len(recorded.runs)} recorded runs, {recorded.trials} trials, per-trial SD "
                 f"{100 * recorded.per_trial_sd():.2f}%")
-
-        def draw(rng, n, gain, scale):
-            return recorded.draw(rng, n, gain, scale)
+        draw = recorded.draw
     else:
         what = f"the noise model, {100 * REQ_SIGMA:.0f}% per request"
 
         def draw(rng, n, gain, scale):
-            inc, cand = simulate(rng, 1, n, gain, REQ_SIGMA)
-            inc, cand = inc[0], cand[0]
-            lr = np.log(inc / cand) - gain  # a noisier candidate: its noise scaled around the true gain
-            return inc, inc / np.exp(gain + scale * lr)
+            return model_draw(rng, n, gain, scale, req_sigma=REQ_SIGMA)
 
     cases = [(name, g, 1.0) for name, g in GAINS.items()] + [("0", 0.0, 2.0), ("0", 0.0, 3.0), ("+5%", GAINS["+5%"], 2.0)]
     table = Table(title=f"sequential verdicts (cap {args.cap}, noise run {args.noise_trials} trials) on {what}")

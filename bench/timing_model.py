@@ -3,7 +3,7 @@
 Shared by the controller's statistics tests (tests/controller/test_stats.py, test_sequential.py) and the
 sequential-verdict simulation (bench/sequential_sim.py), so both judge the rules on the same timings.
 
-- `simulate`: the model. Each trial times incumbent and candidate on the same ``n_req`` requests in the
+- `simulate`: the model (`model_draw`: one timing of it, as `Recorded.draw` gives one). Each trial times incumbent and candidate on the same ``n_req`` requests in the
   order `stats.abba_order` gives. A request's time is its base time x lognormal noise, and with a small
   probability an outlier (x1.2-2). Both runs of a trial share a trial-level load factor (what pairing
   cancels); the machine drifts slowly across the experiment (a random walk per run slot, what ABBA
@@ -49,6 +49,16 @@ def simulate(rng: np.random.Generator, n_exp: int, n_trials: int, gain: float, r
     slot_b = 2 * np.arange(n_trials) + 1 - first_b
     first = np.exp(position * np.array([1 - first_b, first_b]))  # [(incumbent, candidate), trial]
     return (t[:, :, 0] * drift[:, slot_a] * first[0], t[:, :, 1] * drift[:, slot_b] / math.exp(gain) * first[1])
+
+
+def model_draw(rng: np.random.Generator, n_trials: int, gain: float = 0.0, scale: float = 1.0,
+               req_sigma: float = 0.02, **model) -> tuple[np.ndarray, np.ndarray]:
+    """One `simulate`d timing as trial times (incumbent_s, candidate_s), the candidate's noise around the true
+    ``gain`` scaled by ``scale`` (a noisier candidate); the same call as `Recorded.draw`."""
+    inc, cand = simulate(rng, 1, n_trials, gain, req_sigma, **model)
+    inc, cand = inc[0], cand[0]
+    lr = np.log(inc / cand) - gain
+    return inc, inc / np.exp(gain + scale * lr)
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,18 @@ ISA_LEVELS = (("amx", {"amx_tile", "amx_bf16"}), ("avx512-bf16", {"avx512f", "av
               ("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"}))
 
 
-def cpu_isa() -> str:
-    """The most capable of `ISA_LEVELS` this CPU has ("other" when none, or /proc/cpuinfo is unreadable)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo, or None (no such line, or unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
     except OSError:
-        flags = set()
+        return None
+
+
+def cpu_isa() -> str:
+    """The most capable of `ISA_LEVELS` this CPU has ("other" when none, or /proc/cpuinfo is unreadable)."""
+    flags = set((_cpuinfo("flags") or "").split())
     return next((name for name, needs in ISA_LEVELS if needs <= flags), "other")
 
 
@@ -52,12 +57,7 @@ def machine(device: str, threads: int | None, dtype: str) -> dict[str, str | int
 def fingerprint(device: str) -> str:
     """What makes timings on this machine comparable: the CPU model, its cores and this host's kernel
     build (and the GPU's name for a CUDA device), hashed."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = _cpuinfo("model name") or platform.processor() or platform.machine()
     parts = [cpu, str(os.cpu_count()), platform.release()]
     if device.startswith("cuda"):
         parts.append(device_label(device))

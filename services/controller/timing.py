@@ -165,9 +165,6 @@ class Prestarted:
                 self._ready.set()
                 self._release.wait()  # until `close`: the workers end with this thread
 
-    def wait(self) -> None:
-        self._ready.wait()
-
     def take(self) -> dict[str, Worker]:
         """The warm, paused workers by system ("A", "B"); raises the start's `WorkerFailed`."""
         self._ready.wait()
@@ -233,9 +230,11 @@ def together(ev: Evaluator, names: list[str], systems: dict[str, System], prompt
     with contextlib.ExitStack() as stack:
         try:
             if ready is not None:
-                ready.wait()
-                who = ready.failed[0] if ready.failed else who
-                workers.update(ready.take())
+                try:
+                    workers.update(ready.take())
+                except WorkerFailed:
+                    who = ready.failed[0] if ready.failed else who  # the system whose start failed
+                    raise
             for who in names:
                 if who in workers:
                     continue

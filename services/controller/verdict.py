@@ -219,7 +219,9 @@ async def force(ctl: Service, ev: Evaluator, patch: schema.PatchProposed, candid
              patch.patch_id, len(extra), have, 100 * float(report.stats.get("power", 0.0)))
     report = await _force_once(ctl, ev, patch, candidate, f"force-{patch.patch_id}-powered", prompts + extra,
                                outputs + more)
-    return report is not None and report.passed, "" if report is not None and report.passed else _forcing_error(report)
+    if report is None or not report.passed:
+        return False, _forcing_error(report)
+    return True, ""
 
 
 def _forcing_error(report: schema.ForcingReported | None) -> str:

@@ -368,18 +368,19 @@ class RoundDriver:
     async def finish(self, ceiling: schema.CeilingComputed | None, final: schema.SealedFinalReported | None) -> None:
         if await self.round_events(schema.RoundFinished):
             return
-        verdicts = await self.round_events(schema.VerdictIssued)
-        refused = await self.round_events(schema.PatchRefused)
-        proposals = {p.patch_id: p for p in await self.round_events(schema.PatchProposed)}  # type: ignore[attr-defined]
-        tested = await self.round_events(schema.PatchTested)
-        summary = summarise(final, ceiling, verdicts, refused, proposals, tested)
-        # where the round's time went: the events that mark it (brief: a proposal's diff as its skeleton)
+        # one read of what the summary and the timeline need (brief: a proposal's diff as its skeleton)
         marks = await self.reads.events(
             schema.RoundStarted, schema.CeilingComputed, schema.TimingMeasured, schema.PatchProposed,
             schema.PatchTested, schema.ForcingRequested, schema.ForcingReported, schema.VerdictIssued,
             schema.PatchRefused, schema.SealedFinalRequested, schema.SealedFinalReported,
             round_id=self.round_id, brief=True)
-        summary["timeline"] = timeline.timeline(marks, until_ns=time.time_ns())
+
+        def of(kind: type[schema.Event]) -> list:
+            return [e for e in marks if isinstance(e, kind)]
+
+        summary = summarise(final, ceiling, of(schema.VerdictIssued), of(schema.PatchRefused),
+                            {p.patch_id: p for p in of(schema.PatchProposed)}, of(schema.PatchTested))
+        summary["timeline"] = timeline.timeline(marks, until_ns=time.time_ns())  # where the round's time went
         await self.emit(schema.RoundFinished(event_id=f"{self.round_id}-finished", summary=summary))
         log.info("round %s finished: %s", self.round_id, json.dumps(summary.get("headline", {})))
 

@@ -19,7 +19,7 @@ import pytest
 from scipy import stats as sps
 
 from bench.sequential_sim import run_case
-from bench.timing_model import Recorded, read_runs, simulate
+from bench.timing_model import Recorded, model_draw, read_runs
 from specpilot.harness.deployment import load_deployment
 from specpilot.services.controller import sequential, stats
 
@@ -153,9 +153,7 @@ def test_recorded_clear_losers_and_winners_take_a_few_trials(recorded, cpu_timin
 def _model_false_promotions(seed: int, scale: float = 1.0, cap: int = 16, noise_trials: int = 8,
                             **model) -> float:
     def draw(rng, n, gain, s):
-        inc, cand = simulate(rng, 1, n, gain, 0.02, **model)
-        lr = np.log(inc[0] / cand[0]) - gain
-        return inc[0], inc[0] / np.exp(gain + s * lr)
+        return model_draw(rng, n, gain, s, req_sigma=0.02, **model)
 
     return run_case(draw, 0.0, scale, RUNS, cap, noise_trials, cap, seed)["promoted"]
 
